@@ -1,0 +1,212 @@
+"""Capture: an nn.Module (and its loss) -> one ATen-level torch.fx graph.
+
+``capture`` runs ``torch.export`` (non-strict) on the model, or on the model
+followed by the loss when a loss is asked for, and returns a ``Captured``:
+a functional GraphModule whose placeholders are the parameters, buffers and
+constants of the model followed by the flattened user inputs, plus the
+signature that says which placeholder is which. Every node carries
+``meta["val"]`` and ``meta["nn_module_stack"]``; passes rewrite the graph and
+keep the signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from autopar.errors import CaptureError
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+PREFIX = "model."  # the attribute the wrappers below keep the user's model under
+
+
+class _Forward(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        return self.model(*args, **kwargs)
+
+
+class _ForwardLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
+        out = self.model(*args, **kwargs)
+        return self.loss_fn(out, target) if self.loss_fn is not None else model_loss(out)
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model computes itself: a scalar output, or the ``loss`` entry of its output."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = out.get("loss") if hasattr(out, "get") else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    raise CaptureError(
+        f"step() without loss_fn needs the model to return a scalar loss, got {type(out).__name__}",
+        hint="pass loss_fn=lambda out, target: ... to parallelize, or pass the labels the model "
+        "needs to compute its own loss (e.g. labels=...)",
+    )
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One placeholder of a captured graph: what feeds it."""
+
+    kind: str  # "param" | "buffer" | "constant" | "input"
+    name: str  # the model's state-dict key (param/buffer/constant) or the placeholder name
+
+
+@dataclass
+class Captured:
+    """A functional graph and the signature of its placeholders and outputs."""
+
+    gm: fx.GraphModule
+    slots: list[Slot]
+    mutated_buffers: list[str]  # the graph's first outputs are new values of these buffers
+    out_spec: pytree.TreeSpec  # unflattens the remaining outputs
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
+
+    @property
+    def param_names(self) -> list[str]:
+        return [s.name for s in self.slots if s.kind == "param"]
+
+    def placeholders(self, kind: str) -> list[fx.Node]:
+        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return [n for n, s in zip(nodes, self.slots) if s.kind == kind]
+
+    def run(self, state: dict[str, torch.Tensor], inputs: list[Any], gm: fx.GraphModule | None = None) -> Any:
+        """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs."""
+        it = iter(inputs)
+        args = [
+            next(it) if s.kind == "input" else self.constants[s.name] if s.kind == "constant" else state[s.name]
+            for s in self.slots
+        ]
+        flat = (gm or self.gm)(*args)
+        k = len(self.mutated_buffers)
+        with torch.no_grad():
+            for name, value in zip(self.mutated_buffers, flat[:k]):
+                state[name].copy_(value)
+        return pytree.tree_unflatten(list(flat[k:]), self.out_spec)
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    with_loss: bool = False,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+) -> Captured:
+    """Exports ``model(*args, **kwargs)`` (then ``loss_fn(out, target)`` when ``with_loss``)."""
+    kwargs = kwargs or {}
+    wrapper: torch.nn.Module
+    if with_loss:
+        wrapper, export_args = _ForwardLoss(model, loss_fn), (args, kwargs, target)
+    else:
+        wrapper, export_args = _Forward(model), (args, kwargs)
+    check_inputs(export_args)
+    try:
+        ep = torch.export.export(wrapper, export_args, strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError with a hint
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}", cause=e, hint=_hint(e)) from e
+    return _dedupe_tied(_from_exported(ep), model)
+
+
+def check_inputs(tree: Any) -> None:
+    """Inputs must be tensors, Python scalars/strings/None, or containers of them."""
+    for leaf in pytree.tree_leaves(tree):
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None))):
+            raise CaptureError(
+                f"input of type {type(leaf).__name__} cannot be captured",
+                hint="pass tensors, Python scalars, or lists/tuples/dicts of them",
+            )
+
+
+def _hint(e: BaseException) -> str:
+    text = str(e)
+    if "Cache" in text and "not a known type" in text:
+        return "the model returns a key/value cache: build it with use_cache=False or pass use_cache=False"
+    if "not a known type" in text or "pytree" in text:
+        return "inputs and outputs must be tensors or (nested) tuples/lists/dicts of them; return tensors only"
+    if "data-dependent" in text.lower() or "guard" in text.lower():
+        return "the model branches on tensor values; rewrite that branch with torch.where or torch.cond"
+    return "see the cause above; the model must run under torch.export(strict=False)"
+
+
+def _from_exported(ep: torch.export.ExportedProgram) -> Captured:
+    sig = ep.graph_signature
+    slots, constants = [], {}
+    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            slots.append(Slot("input", spec.arg.name))
+        elif spec.kind in kinds:
+            name = spec.target.removeprefix(PREFIX)
+            slots.append(Slot(kinds[spec.kind], name))
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                constants[name] = ep.constants[spec.target]
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({spec.target})")
+    mutated = []
+    for spec in sig.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append(spec.target.removeprefix(PREFIX))
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise CaptureError(f"the model mutates something autopar cannot track ({spec.kind.name} {spec.target})",
+                               hint="do not assign to inputs inside forward")
+    gm = ep.graph_module
+    gm.meta["autopar.captured"] = True
+    return Captured(gm=gm, slots=slots, mutated_buffers=mutated, out_spec=ep.call_spec.out_spec, constants=constants)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters and buffers reachable under several names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        canonical = first.setdefault(id(t), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def _dedupe_tied(c: Captured, model: torch.nn.Module) -> Captured:
+    """One placeholder per tensor: uses of a tied alias are redirected to its canonical placeholder.
+
+    Autograd then sums the gradient contributions of every use, as single-device
+    training does for a tied parameter.
+    """
+    aliases = tied_aliases(model)
+    nodes = [n for n in c.gm.graph.nodes if n.op == "placeholder"]
+    by_name = {s.name: n for n, s in zip(nodes, c.slots) if s.kind != "input"}
+    keep = []
+    for node, slot in zip(nodes, c.slots):
+        canonical = aliases.get(slot.name)
+        if slot.kind != "input" and canonical is not None:
+            if canonical not in by_name:  # the graph only names the alias: adopt it
+                by_name[canonical] = node
+                keep.append(Slot(slot.kind, canonical))
+                continue
+            node.replace_all_uses_with(by_name[canonical])
+            c.gm.graph.erase_node(node)
+            continue
+        keep.append(slot)
+    c.gm.recompile()
+    c.slots = keep
+    c.aliases = aliases
+    return c

@@ -1,0 +1,31 @@
+"""The parallelization options, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class Options:
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    optimizer: Callable[[list], Any] | None = None
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB (DDP's default)
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULES)}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches!r} must be an integer >= 1")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)

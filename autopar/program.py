@@ -1,0 +1,148 @@
+"""Compile: capture the model for one local microbatch, run the passes, keep each rank's graph.
+
+Compilation needs no process group: every rank's program (and the plan that
+describes them all) is computed in one process from the mesh and the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.capture import Captured, capture
+from autopar.mesh import Mesh
+from autopar.options import Options
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a step performs: on ``axis``, ``count`` times, ``bytes`` per rank in total."""
+
+    axis: str
+    op: str
+    count: int
+    bytes: int
+    what: str
+
+
+@dataclass
+class Plan:
+    """What autopar decided, in a form a person can read (``print(pm.plan)``)."""
+
+    mesh: Mesh
+    nodes: int
+    local_batch: str
+    microbatches: int
+    params: list[tuple[str, tuple[int, ...], str]]  # (name, full shape, placement per axis)
+    collectives: list[Collective] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)  # per rank: params / grads / optimizer bytes
+    fallbacks: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        n_params = sum(_numel(s) for _, s, _ in self.params)
+        lines = [
+            f"autopar plan for {self.mesh} ({self.mesh.size} ranks)",
+            f"  graph: {self.nodes} ATen nodes; local batch per microbatch {self.local_batch}; "
+            f"{self.microbatches} microbatch(es) per step",
+            f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
+        ]
+        width = max((len(n) for n, _, _ in self.params), default=0)
+        for name, shape, placement in self.params:
+            lines.append(f"    {name:<{width}}  {str(list(shape)):<16} {placement}")
+        lines.append("  collectives per step (per rank):")
+        for c in self.collectives:
+            lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {_mb(c.bytes)} total  ({c.what})")
+        if not self.collectives:
+            lines.append("    none")
+        if self.fallbacks:
+            lines.append("  ops run replicated (no sharding rule): " + ", ".join(self.fallbacks))
+        lines.append("  memory per rank (estimate): " + ", ".join(f"{k} {_mb(v)}" for k, v in self.memory.items()))
+        return "\n".join(lines)
+
+
+@dataclass
+class Program:
+    """The compiled job for one input signature: the captured graph, each rank's graph, the plan."""
+
+    captured: Captured
+    graphs: dict[int, fx.GraphModule]
+    plan: Plan
+
+
+def check_supported(mesh: Mesh, options: Options) -> None:
+    """Rejects what this version cannot run yet, naming it (never a silent wrong answer)."""
+    for axis in ("pp", "tp"):
+        if mesh[axis] > 1:
+            raise NotImplementedError(
+                f"mesh axis {axis}={mesh[axis]} is not supported yet; use a mesh with {axis}=1 "
+                "(data parallelism over dp works)"
+            )
+    if options.zero:
+        raise NotImplementedError(f"zero={options.zero} is not supported yet; use zero=0")
+
+
+def compile_program(
+    model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool
+) -> Program:
+    """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank."""
+    check_supported(mesh, options)
+    args, kwargs, target = local
+    cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
+    graphs = {rank: cap.gm for rank in range(mesh.size)}  # data parallelism: every rank runs the same graph
+    return Program(captured=cap, graphs=graphs, plan=_plan(model, mesh, options, cap, args))
+
+
+def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:
+    params = dict(model.named_parameters())
+    shapes = [(name, tuple(params[name].shape), _placement(mesh)) for name in cap.param_names]
+    trainable = [params[n] for n in cap.param_names if params[n].requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    collectives = []
+    if mesh.dp > 1 and trainable:
+        n_buckets = max(1, -(-grad_bytes // options.bucket_bytes))
+        collectives.append(Collective("dp", "all_reduce", n_buckets, grad_bytes, "gradient buckets, overlapped with backward"))
+    batch = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
+    return Plan(
+        mesh=mesh,
+        nodes=len(cap.gm.graph.nodes),
+        local_batch=str(list(batch)),
+        microbatches=options.microbatches,
+        params=shapes,
+        collectives=collectives,
+        memory={
+            "parameters": sum(p.numel() * p.element_size() for p in params.values()),
+            "gradients": grad_bytes,
+            "optimizer": optimizer_state_factor(options) * grad_bytes,
+        },
+    )
+
+
+def _placement(mesh: Mesh) -> str:
+    return "(" + ", ".join(f"{axis}: Replicate" for axis in mesh.names) + ")"
+
+
+def optimizer_state_factor(options: Options) -> int:
+    """Optimizer state elements per parameter element: 2 for Adam-like, 1 for SGD with momentum."""
+    if options.optimizer is None:
+        return 0
+    probe = torch.nn.Parameter(torch.zeros(1))
+    opt = options.optimizer([probe])
+    name = type(opt).__name__.lower()
+    if "adam" in name:
+        return 2
+    if name == "sgd":
+        return 1 if opt.defaults.get("momentum", 0) else 0
+    return 2
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n:,} B"

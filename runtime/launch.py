@@ -1,0 +1,131 @@
+"""Local ranks: spawn processes, join them into a job, collect results, never hang.
+
+``WorkerPool`` keeps worker processes alive across jobs (a test session runs
+many small jobs); each job gets a fresh rendezvous on 127.0.0.1 and a fresh
+default process group of the job's size. ``launch`` is a one-job pool. If any
+rank raises or its process dies, every worker of the job is stopped and a
+``RankError`` naming the rank and carrying its traceback is raised.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+import cloudpickle
+import torch.distributed as dist
+
+from autopar.errors import RankError
+from runtime.groups import TIMEOUT, default_backend
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        job, rank, world, port, payload = task
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        )
+        try:
+            fn, args = cloudpickle.loads(payload)
+            dist.init_process_group(
+                default_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                timeout=TIMEOUT,
+            )
+            try:
+                out = fn(*args)
+            finally:
+                dist.destroy_process_group()
+            results.put((job, rank, True, cloudpickle.dumps(out)))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which stops the job
+            results.put((job, rank, False, traceback.format_exc()))
+
+
+class WorkerPool:
+    """``size`` persistent worker processes that run jobs of up to ``size`` ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._jobs = 0
+
+    def _start(self) -> None:
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
+        self._procs = [
+            self._ctx.Process(target=_worker, args=(i, self._tasks[i], self._results, list(sys.path)), daemon=True)
+            for i in range(self.size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def launch(self, fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
+        """Runs ``fn(*args)`` on ranks 0..nprocs-1 of a fresh job; returns the results by rank."""
+        if not 1 <= nprocs <= self.size:
+            raise ValueError(f"nprocs={nprocs} must be between 1 and the pool size {self.size}")
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        self._jobs += 1
+        job, port, payload = self._jobs, free_port(), cloudpickle.dumps((fn, args))
+        for rank in range(nprocs):
+            self._tasks[rank].put((job, rank, nprocs, port, payload))
+        try:
+            return self._collect(job, nprocs)
+        except BaseException:
+            self.close()  # ranks may be blocked in a collective with the failed one
+            raise
+
+    def _collect(self, job: int, nprocs: int) -> list[Any]:
+        results: dict[int, Any] = {}
+        while len(results) < nprocs:
+            try:
+                got_job, rank, ok, data = self._results.get(timeout=0.5)
+            except queue.Empty:
+                for rank, p in enumerate(self._procs[:nprocs]):
+                    if not p.is_alive() and rank not in results:
+                        raise RankError(rank, f"the process died with exit code {p.exitcode}") from None
+                continue
+            if got_job != job:
+                continue
+            if not ok:
+                raise RankError(rank, data)
+            results[rank] = cloudpickle.loads(data)
+        return [results[r] for r in range(nprocs)]
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self._procs = []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
+    """Runs ``fn(*args)`` on ``nprocs`` local ranks (gloo on CPU, NCCL one GPU per rank); results by rank."""
+    with WorkerPool(nprocs) as pool:
+        return pool.launch(fn, nprocs, *args)
+
+
