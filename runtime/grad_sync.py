@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
+    index: int
     params: list[torch.Tensor]
     ready: int = 0
     launched: bool = False
@@ -48,7 +49,7 @@ class BucketedAllReduce:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
-        self.launch_order.append(self.buckets.index(bucket))
+        self.launch_order.append(bucket.index)
         bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
         if not bucket.grads:
             return
@@ -85,7 +86,7 @@ def _make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket
     for p in params:
         nbytes = p.numel() * p.element_size()
         if size + nbytes > bucket_bytes and (not buckets or buckets[-1].params):
-            buckets.append(_Bucket(params=[]))
+            buckets.append(_Bucket(index=len(buckets), params=[]))
             size = 0
         buckets[-1].params.append(p)
         size += nbytes

@@ -13,6 +13,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -21,6 +22,15 @@ import torch.distributed as dist
 
 from autopar.errors import RankError
 from runtime.groups import TIMEOUT, default_backend
+
+
+GRACE_S = 2.0
+PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")
+
+
+def _is_consequence(detail: str) -> bool:
+    """A failure that only reports another rank's failure (a collective whose peer went away)."""
+    return any(text in detail for text in PEER_FAILURE)
 
 
 def free_port() -> int:
@@ -46,10 +56,8 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
                 default_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                 timeout=TIMEOUT,
             )
-            try:
-                out = fn(*args)
-            finally:
-                dist.destroy_process_group()
+            out = fn(*args)
+            dist.destroy_process_group()  # not on failure: peers would see a closed connection, not the cause
             results.put((job, rank, True, cloudpickle.dumps(out)))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the job
             results.put((job, rank, False, traceback.format_exc()))
@@ -93,19 +101,27 @@ class WorkerPool:
 
     def _collect(self, job: int, nprocs: int) -> list[Any]:
         results: dict[int, Any] = {}
-        while len(results) < nprocs:
+        failures: dict[int, str] = {}
+        deadline = None  # once a rank fails, wait briefly for the others to report, then pick the cause
+        while len(results) + len(failures) < nprocs and (deadline is None or time.monotonic() < deadline):
+            for rank, p in enumerate(self._procs[:nprocs]):
+                if not p.is_alive() and rank not in results and rank not in failures:
+                    failures[rank] = f"the process died with exit code {p.exitcode}"
+            if failures and deadline is None:
+                deadline = time.monotonic() + GRACE_S
             try:
-                got_job, rank, ok, data = self._results.get(timeout=0.5)
+                got_job, rank, ok, data = self._results.get(timeout=0.2)
             except queue.Empty:
-                for rank, p in enumerate(self._procs[:nprocs]):
-                    if not p.is_alive() and rank not in results:
-                        raise RankError(rank, f"the process died with exit code {p.exitcode}") from None
                 continue
             if got_job != job:
                 continue
-            if not ok:
-                raise RankError(rank, data)
-            results[rank] = cloudpickle.loads(data)
+            if ok:
+                results[rank] = cloudpickle.loads(data)
+            else:
+                failures[rank] = data
+        if failures:
+            rank = min(failures, key=lambda r: (_is_consequence(failures[r]), r))
+            raise RankError(rank, failures[rank])
         return [results[r] for r in range(nprocs)]
 
     def close(self) -> None:

@@ -1,0 +1,279 @@
+"""Dry-run a pipeline schedule: find deadlocks and broken dependencies, measure the bubble.
+
+`simulate` runs every rank's program in order, as the runtime would, with
+fixed durations per action, and either returns a `SimResult` or raises a
+`ScheduleError` that names the rank, the action and what it waits for.
+
+A schedule is accepted when:
+
+- every (stage, microbatch) has exactly one ``F`` and one ``B``;
+- every SEND has exactly one matching RECV on the peer stage's (other) rank,
+  and every RECV one matching SEND;
+- on one rank, nothing runs before what it consumes from that rank:
+  ``B(s, m)`` after ``F(s, m)``; ``F(s, m)`` after ``F(s - 1, m)`` and
+  ``B(s, m)`` after ``B(s + 1, m)`` when those stages share the rank; a SEND
+  after the compute whose result it sends; with communication, a compute
+  after the RECV of its input;
+- across ranks nothing deadlocks. In a compute-only schedule the dependencies
+  between stages are waited on directly (``F(s, m)`` waits for ``F(s - 1, m)``
+  to finish, ``B(s, m)`` for ``B(s + 1, m)``); in a schedule with
+  communication they go through the receives.
+
+Time model (the semantics of `runtime.schedule`): ``F`` takes
+``forward_time``, ``B`` ``backward_time``; a SEND takes no time on its rank
+and never blocks; a RECV blocks until ``comm_time`` after the matching SEND
+was issued (in a compute-only schedule, a compute waits ``comm_time`` after
+the producing compute on another rank finished, so both forms of a schedule
+take the same time). Only ``F`` and ``B`` count as busy time, so
+``bubble_fraction = sum over ranks of (makespan - busy) / (ranks * makespan)``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from runtime.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that would deadlock, miss work, or run something before its inputs exist."""
+
+
+class Event(NamedTuple):
+    """One executed action: on ``rank`` from ``start`` to ``end``."""
+
+    rank: int
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a dry run of a schedule measured.
+
+    ``busy_time[rank]`` is that rank's compute time; ``peak_in_flight[stage]``
+    the most microbatches whose ``F`` had run on that stage while their ``B``
+    had not (what the stage must hold activations for).
+    """
+
+    makespan: float
+    busy_time: tuple[float, ...]
+    bubble_fraction: float
+    peak_in_flight: tuple[int, ...]
+    timeline: tuple[Event, ...]
+
+
+def _check_complete(schedule: Schedule) -> None:
+    """Exactly one F and one B per (stage, microbatch)."""
+    counts = Counter((a.kind, a.stage, a.microbatch) for program in schedule.actions for a in program)
+    for stage in range(schedule.n_stages):
+        rank = schedule.stage_to_rank[stage]
+        for microbatch in range(schedule.n_microbatches):
+            for kind in (F, B):
+                n = counts[(kind, stage, microbatch)]
+                if n != 1:
+                    what = f"has no {kind}" if n == 0 else f"has {n} {kind} actions"
+                    raise ScheduleError(
+                        f"stage {stage} microbatch {microbatch} {what} (expected exactly one "
+                        f"{Action(stage, kind, microbatch)} in rank {rank}'s program)"
+                    )
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    """Every SEND/RECV crosses ranks, appears once and has its partner."""
+    counts = Counter(a for program in schedule.actions for a in program if not a.is_compute)
+    for action, n in counts.items():
+        rank = schedule.stage_to_rank[action.stage]
+        if n > 1:
+            raise ScheduleError(f"rank {rank} runs {action} {n} times; each transfer happens once")
+        partner = action.matching()
+        peer_rank = schedule.stage_to_rank[partner.stage]
+        if peer_rank == rank:
+            raise ScheduleError(
+                f"rank {rank}: {action} talks to stage {partner.stage} on the same rank; "
+                f"stages on one rank pass values directly, without SEND/RECV"
+            )
+        if partner not in counts:
+            raise ScheduleError(f"rank {rank}: {action} has no matching {partner} on rank {peer_rank}")
+
+
+def _needs(schedule: Schedule, action: Action, lowered: bool) -> tuple[list[Action], list[Action]]:
+    """What ``action`` consumes: (actions on its own rank, actions on other ranks)."""
+    s, m = action.stage, action.microbatch
+    here = schedule.stage_to_rank[s]
+    local: list[Action] = []
+    remote: list[Action] = []
+
+    def neighbour(peer: int, kind: str, recv_kind: str) -> None:
+        if schedule.stage_to_rank[peer] == here:
+            local.append(Action(peer, kind, m))
+        elif lowered:
+            local.append(Action(s, recv_kind, m))
+        else:
+            remote.append(Action(peer, kind, m))
+
+    if action.kind == F and s > 0:
+        neighbour(s - 1, F, RECV_F)
+    elif action.kind == B:
+        local.append(Action(s, F, m))
+        if s < schedule.n_stages - 1:
+            neighbour(s + 1, B, RECV_B)
+    elif action.kind in (SEND_F, SEND_B):
+        local.append(Action(s, F if action.kind == SEND_F else B, m))
+    elif action.kind in (RECV_F, RECV_B):
+        remote.append(action.matching())
+    return local, remote
+
+
+def _out_of_order(rank: int, action: Action, missing: Action) -> ScheduleError:
+    if action.kind == B and missing.kind == F and missing.stage == action.stage:
+        why = "a microbatch's backward needs its forward first"
+    elif missing.kind in (RECV_F, RECV_B):
+        why = "its input comes from another rank and must be received first"
+    elif action.kind in (SEND_F, SEND_B):
+        why = "a send needs the result it sends"
+    else:
+        why = "it consumes that action's result"
+    return ScheduleError(f"rank {rank} runs {action} before {missing}: {why}")
+
+
+def _deadlock(schedule: Schedule, pcs: list[int], waits: dict[int, Action]) -> ScheduleError:
+    lines = []
+    for rank, needed in sorted(waits.items()):
+        at = schedule.actions[rank][pcs[rank]]
+        owner = schedule.stage_to_rank[needed.stage]
+        lines.append(f"rank {rank} is stuck at {at} waiting for {needed} on rank {owner}")
+    return ScheduleError("deadlock: " + "; ".join(lines))
+
+
+def _try_run(
+    schedule: Schedule, rank: int, action: Action, lowered: bool, finished: dict[Action, float],
+    clock: float, duration: dict[str, float], comm_time: float,
+) -> Event | Action:
+    """Run ``action`` on ``rank``, free from ``clock``: its `Event`, or the remote action it still waits for."""
+    local, remote = _needs(schedule, action, lowered)
+    for needed in local:
+        if needed not in finished:
+            raise _out_of_order(rank, action, needed)
+    for needed in remote:
+        if needed not in finished:
+            return needed
+    # A value from another rank arrives comm_time after it was produced or sent.
+    ready = max((finished[needed] + comm_time for needed in remote), default=0.0)
+    if action.kind in (RECV_F, RECV_B):  # posted at once, blocks until the value is there
+        return Event(rank, clock, max(clock, ready), action)
+    start = max(clock, ready)
+    return Event(rank, start, start + duration.get(action.kind, 0.0), action)
+
+
+def simulate(
+    schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0, comm_time: float = 0.0
+) -> SimResult:
+    """Run ``schedule`` in a dry run; raise `ScheduleError` if it is broken (see the module docstring)."""
+    if not (forward_time > 0 and backward_time > 0 and comm_time >= 0):
+        raise ValueError(
+            f"durations must be forward_time > 0, backward_time > 0, comm_time >= 0; "
+            f"got {forward_time}, {backward_time}, {comm_time}"
+        )
+    _check_complete(schedule)
+    _check_pairs(schedule)
+    lowered = not schedule.is_compute_only
+    duration = {F: forward_time, B: backward_time}
+    finished: dict[Action, float] = {}  # action -> the time it finished
+    clocks = [0.0] * schedule.n_ranks
+    pcs = [0] * schedule.n_ranks
+    timeline: list[Event] = []
+    progress = True
+    while progress:  # run every rank as far as it can; stop when no rank can move
+        progress = False
+        waits: dict[int, Action] = {}
+        for rank, program in enumerate(schedule.actions):
+            while pcs[rank] < len(program):
+                action = program[pcs[rank]]
+                outcome = _try_run(schedule, rank, action, lowered, finished, clocks[rank], duration, comm_time)
+                if isinstance(outcome, Action):
+                    waits[rank] = outcome
+                    break
+                finished[outcome.action] = clocks[rank] = outcome.end
+                timeline.append(outcome)
+                pcs[rank] += 1
+                progress = True
+    if any(pc < len(program) for pc, program in zip(pcs, schedule.actions)):
+        raise _deadlock(schedule, pcs, waits)
+    return _result(schedule, timeline, duration)
+
+
+def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches forwarded and not yet backwarded, along its rank's program."""
+    in_flight = [0] * schedule.n_stages
+    peak = [0] * schedule.n_stages
+    for program in schedule.actions:
+        for action in program:
+            if action.is_compute:
+                in_flight[action.stage] += 1 if action.kind == F else -1
+                peak[action.stage] = max(peak[action.stage], in_flight[action.stage])
+    return tuple(peak)
+
+
+def _result(schedule: Schedule, timeline: list[Event], duration: dict[str, float]) -> SimResult:
+    makespan = max(event.end for event in timeline)
+    busy = [0.0] * schedule.n_ranks
+    for event in timeline:
+        busy[event.rank] += duration.get(event.action.kind, 0.0)
+    idle = sum(makespan - b for b in busy)
+    timeline.sort(key=lambda e: (e.start, e.rank))  # stable: program order among equal starts
+    fraction = idle / (schedule.n_ranks * makespan)
+    return SimResult(makespan, tuple(busy), fraction, _peak_in_flight(schedule), tuple(timeline))
+
+
+def check_channel_order(schedule: Schedule) -> None:
+    """Check that between any two ranks, messages are received in the order they are sent.
+
+    `simulate` matches a RECV to its SEND by identity. A transport that pairs
+    the point-to-point operations of two ranks by posting order instead
+    (NCCL, or gloo with one tag) also needs this: for every (sender, receiver)
+    pair, the sender's SENDs and the receiver's RECVs name the same transfers
+    in the same order. The lowered generator schedules always pass.
+    """
+    sent: dict[tuple[int, int], list[Action]] = {}
+    received: dict[tuple[int, int], list[Action]] = {}
+    for rank, program in enumerate(schedule.actions):
+        for action in program:
+            if action.kind in (SEND_F, SEND_B):
+                peer = schedule.stage_to_rank[action.peer_stage]
+                sent.setdefault((rank, peer), []).append(action)
+            elif action.kind in (RECV_F, RECV_B):
+                peer = schedule.stage_to_rank[action.peer_stage]
+                received.setdefault((peer, rank), []).append(action.matching())
+    for src, dst in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get((src, dst), []), received.get((src, dst), [])
+        for i, (send, recv) in enumerate(zip(sends, recvs)):
+            if send != recv:
+                raise ScheduleError(
+                    f"rank {src} -> rank {dst}: transfer {i} is {send} on rank {src}, but rank {dst} posts "
+                    f"{recv.matching()} there (the receive of {recv}); post sends and receives in the same order"
+                )
+        if len(sends) != len(recvs):
+            raise ScheduleError(f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
+
+
+def render(schedule: Schedule) -> str:
+    """A rank x time-step table of the compute, every ``F`` and ``B`` taking one step.
+
+    Cells read ``F0`` / ``B3`` (with the stage in front, ``2F0``, when ranks
+    hold several stages); ``.`` is an idle step. Communication is not shown.
+    """
+    result = simulate(schedule, forward_time=1.0, backward_time=1.0, comm_time=0.0)
+    n_steps = round(result.makespan)
+    show_stage = schedule.n_stages > schedule.n_ranks
+    grid = [["."] * n_steps for _ in range(schedule.n_ranks)]
+    for event in result.timeline:
+        if event.action.is_compute:
+            a = event.action
+            grid[event.rank][round(event.start)] = str(a) if show_stage else f"{a.kind}{a.microbatch}"
+    header = ["time"] + [str(step) for step in range(n_steps)]
+    rows = [header] + [[f"rank {rank}"] + cells for rank, cells in enumerate(grid)]
+    widths = [max(len(row[col]) for row in rows) for col in range(len(header))]
+    return "\n".join(" ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from runtime.launch import WorkerPool
+
+settings.register_profile("default", max_examples=6, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("slow", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("slow" if os.environ.get("AUTOPAR_SLOW") else "default")
+
+POOL_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def pool() -> WorkerPool:
+    """Worker processes that live for the whole test session; each test job rendezvous anew."""
+    with WorkerPool(POOL_SIZE) as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def launcher(pool: WorkerPool):
+    return pool.launch

@@ -1,0 +1,130 @@
+"""Data parallelism over real gloo ranks equals single-device training."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import models
+from autopar import Mesh, parallelize
+from autopar.testing import assert_equivalent
+from runtime.grad_sync import BucketedAllReduce
+
+
+@given(
+    widths=st.lists(st.integers(1, 12), min_size=2, max_size=4).map(tuple),
+    act=st.sampled_from(["tanh", "relu", "gelu"]),
+    dp=st.sampled_from([1, 2, 4]),
+    microbatches=st.sampled_from([1, 2]),
+    per_part=st.integers(1, 3),
+    opt=st.sampled_from([models.sgd, models.adamw]),
+    bucket_mb=st.sampled_from([1e-4, 25.0]),
+)
+def test_mlp_float64(launcher, widths, act, dp, microbatches, per_part, opt, bucket_mb) -> None:
+    batch = dp * microbatches * per_part
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, widths[0], dtype=torch.float64, generator=g)
+    y = torch.randn(batch, widths[-1], dtype=torch.float64, generator=g)
+    assert_equivalent(models.factory(models.mlp, widths=widths, act=act), Mesh(dp=dp), (x,), y, models.mse, opt,
+                      steps=3, rtol=1e-9, atol=1e-11, launcher=launcher, microbatches=microbatches,
+                      bucket_mb=bucket_mb)
+
+
+@given(
+    d_heads=st.sampled_from([(8, 2), (12, 3), (16, 4)]),
+    layers=st.integers(1, 2),
+    dp=st.sampled_from([2, 4]),
+    seq=st.integers(2, 6),
+)
+def test_transformer_float64(launcher, d_heads, layers, dp, seq) -> None:
+    d, heads = d_heads
+    ids = torch.randint(0, 32, (dp * 2, seq), generator=torch.Generator().manual_seed(seq))
+    make = models.factory(models.transformer, d=d, heads=heads, layers=layers)
+    assert_equivalent(make, Mesh(dp=dp), (ids,), ids, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-11,
+                      launcher=launcher)
+
+
+def test_mlp_float32_realistic_tolerance(launcher) -> None:
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    assert_equivalent(models.factory(models.mlp, widths=(16, 32, 4), dtype=torch.float32), Mesh(dp=2), (x,), y,
+                      models.mse, models.adamw, steps=3, rtol=1e-4, atol=1e-5, launcher=launcher)
+
+
+def test_equivalence_check_catches_a_wrong_run(launcher) -> None:
+    """The harness fails when the parallel run differs (here: a different model on the parallel side)."""
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    from autopar.testing import _compare, parallel_run, reference_run
+
+    ref = reference_run(models.factory(models.mlp, widths=(6, 2)), (x,), y, models.mse, models.sgd, 2)
+    runs = parallel_run(models.factory(models.mlp, widths=(6, 2), seed=1), Mesh(dp=2), (x,), y, models.mse,
+                        models.sgd, 2, launcher=launcher)
+    with pytest.raises(AssertionError, match="loss at step 0"):
+        _compare(ref, runs[0], 0, 1e-9, 1e-11)
+
+
+def _new_batch_size_and_state_dict() -> list:
+    torch.manual_seed(0)
+    pm = parallelize(models.mlp((6, 8, 2)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd)
+    ref = models.mlp((6, 8, 2))
+    opt = models.sgd(list(ref.parameters()))
+    losses = []
+    for batch in (8, 4, 8):
+        x, y = torch.randn(batch, 6, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
+        got = pm.step(x, target=y)
+        loss = models.mse(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((got, float(loss)))
+    fresh = models.mlp((6, 8, 2), seed=5)
+    fresh.load_state_dict(pm.state_dict())  # strict: the original keys
+    return [losses, all(torch.allclose(a, b) for a, b in zip(fresh.parameters(), ref.parameters()))]
+
+
+def test_new_batch_size_recompiles_and_state_dict_loads_into_the_model(launcher) -> None:
+    for losses, same in launcher(_new_batch_size_and_state_dict, 2):
+        assert same
+        for got, want in losses:
+            assert got == pytest.approx(want, rel=1e-10)
+
+
+def _buckets_launch_during_backward() -> list:
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = models.mlp((8, 8, 8, 8, 2))
+    params = list(model.parameters())
+    sync = BucketedAllReduce(params, group, bucket_bytes=8 * 8 * 8)  # about one layer per bucket
+    x = torch.randn(4, 8, dtype=torch.float64) * (dist.get_rank() + 1)
+    model(x).sum().backward()
+    launched_in_backward = [b.launched for b in sync.buckets]
+    local = [p.grad.clone() for p in params]
+    sync.finish()
+    for g in local:
+        dist.all_reduce(g)
+        g /= 2
+    return [len(sync.buckets), launched_in_backward, sync.launch_order,
+            all(torch.allclose(p.grad, g) for p, g in zip(params, local))]
+
+
+def test_gradient_buckets_are_all_reduced_from_hooks_during_backward(launcher) -> None:
+    for n, launched, order, equal in launcher(_buckets_launch_during_backward, 2):
+        assert n >= 3, "the bucket size should split the model into several buckets"
+        assert all(launched), "every bucket must be launched from a gradient hook before backward returns"
+        assert order == list(range(n)), "buckets hold parameters in reverse order, so they complete in order"
+        assert equal
+
+
+def _from_device_mesh() -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    pm = parallelize(models.mlp((4, 2)), device_mesh, loss_fn=models.mse, optimizer=models.sgd)
+    return pm.step(torch.ones(4, 4, dtype=torch.float64), target=torch.zeros(4, 2, dtype=torch.float64))
+
+
+def test_a_device_mesh_is_accepted(launcher) -> None:
+    a, b = launcher(_from_device_mesh, 2)
+    assert a == b

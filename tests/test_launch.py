@@ -1,0 +1,116 @@
+"""Launching local ranks: results by rank; a raising or dying rank stops the job with its name, never a hang."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autopar import Mesh, RankError, launch, parallelize
+from runtime.launch import free_port
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), float(t)
+
+
+def test_launch_returns_results_by_rank() -> None:
+    assert launch(_rank_and_sum, 3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def test_launch_accepts_closures() -> None:
+    k = 7
+    assert launch(lambda: dist.get_world_size() * k, 2) == [14, 14]
+
+
+def _rank1_raises_while_rank0_waits() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad thing on rank one")
+    dist.all_reduce(torch.ones(1))  # would wait for rank 1 forever
+
+
+def test_a_raising_rank_stops_the_job_and_is_named(pool) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 failed") as info:
+        pool.launch(_rank1_raises_while_rank0_waits, 2)
+    assert "ValueError: bad thing on rank one" in info.value.detail
+    assert time.monotonic() - start < 60
+    assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]  # the pool recovers
+
+
+def _rank0_dies() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_dying_rank_stops_the_job_and_is_named(pool) -> None:
+    with pytest.raises(RankError, match="rank 0 failed:\nthe process died with exit code 3"):
+        pool.launch(_rank0_dies, 2)
+
+
+def _wrong_world() -> None:
+    pm = parallelize(models.mlp((4, 2)), Mesh(dp=4), loss_fn=models.mse, optimizer=models.sgd)
+    pm.step(torch.ones(4, 4, dtype=torch.float64), target=torch.ones(4, 2, dtype=torch.float64))
+
+
+def test_world_size_must_equal_the_mesh_size(launcher) -> None:
+    with pytest.raises(RankError, match=r"world size 2 does not equal the mesh size 4 \(dp=4\)"):
+        launcher(_wrong_world, 2)
+
+
+def test_running_without_a_job_says_how_to_launch() -> None:
+    pm = parallelize(models.mlp((4, 2)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node=N or call it through autopar.launch"):
+        pm.step(torch.ones(4, 4, dtype=torch.float64), target=torch.ones(4, 2, dtype=torch.float64))
+
+
+TORCHRUN_SCRIPT = """
+import sys, json, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import models
+from autopar import Mesh, parallelize
+ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
+pm = parallelize(models.gpt2(), Mesh(dp=4), loss_fn=models.lm_loss, optimizer=models.adamw)
+losses = [pm.step(ids, target=ids) for _ in range(2)]
+if dist.get_rank() == 0:
+    json.dump(losses, open({out!r}, "w"))
+"""
+
+
+def test_two_node_torchrun_job_over_loopback(tmp_path: Path) -> None:
+    """Two torchrun 'nodes' of two processes each join one job through env://."""
+    script = tmp_path / "job.py"
+    out = tmp_path / "losses.json"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={i}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=240)[0].decode() for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-3000:]
+    import json
+
+    got = json.loads(out.read_text())
+    model = models.gpt2()
+    opt = models.adamw(list(model.parameters()))
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
+    for step_loss in got:
+        loss = models.lm_loss(model(ids), ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert step_loss == pytest.approx(float(loss), rel=1e-9)
