@@ -39,8 +39,16 @@ class Plan:
     collectives: list[Collective] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)  # per rank: params / grads / optimizer bytes
     fallbacks: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
+        return self.render(per_parameter=True)
+
+    def summary(self) -> str:
+        """The plan without the per-parameter table."""
+        return self.render(per_parameter=False)
+
+    def render(self, *, per_parameter: bool) -> str:
         n_params = sum(_numel(s) for _, s, _ in self.params)
         lines = [
             f"autopar plan for {self.mesh} ({self.mesh.size} ranks)",
@@ -48,8 +56,10 @@ class Plan:
             f"{self.microbatches} microbatch(es) per step",
             f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
         ]
+        for alias, canonical in self.tied.items():
+            lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
         width = max((len(n) for n, _, _ in self.params), default=0)
-        for name, shape, placement in self.params:
+        for name, shape, placement in self.params if per_parameter else []:
             lines.append(f"    {name:<{width}}  {str(list(shape)):<16} {placement}")
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
@@ -111,6 +121,7 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
         microbatches=options.microbatches,
         params=shapes,
         collectives=collectives,
+        tied=dict(cap.aliases),
         memory={
             "parameters": sum(p.numel() * p.element_size() for p in params.values()),
             "gradients": grad_bytes,

@@ -18,6 +18,7 @@ import traceback
 from typing import Any, Callable
 
 import cloudpickle
+import torch
 import torch.distributed as dist
 
 from autopar.errors import RankError
@@ -50,6 +51,8 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         )
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks share the machine's cores, as torchrun assumes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         try:
             fn, args = cloudpickle.loads(payload)
             dist.init_process_group(
