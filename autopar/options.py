@@ -15,6 +15,8 @@ class Options:
     schedule: str = "1f1b"
     microbatches: int = 1
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB (DDP's default)
+    split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
+    stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -23,8 +25,19 @@ class Options:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULES)}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches!r} must be an integer >= 1")
+        if self.stages_per_rank is not None and self.stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} must be >= 1")
+        if self.stages_per_rank not in (None, 1) and self.schedule != "interleaved-1f1b":
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved-1f1b" else 1
 
     @property
     def bucket_bytes(self) -> int:

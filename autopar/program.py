@@ -14,6 +14,9 @@ import torch.fx as fx
 from autopar.capture import Captured, capture
 from autopar.mesh import Mesh
 from autopar.options import Options
+from passes.pipeline import StageGraph, choose_split_points, split_stages
+from runtime.schedule import Schedule, add_communication, make_schedule
+from runtime.simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Plan:
     memory: dict[str, int] = field(default_factory=dict)  # per rank: params / grads / optimizer bytes
     fallbacks: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    pipeline: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -61,6 +65,9 @@ class Plan:
         width = max((len(n) for n, _, _ in self.params), default=0)
         for name, shape, placement in self.params if per_parameter else []:
             lines.append(f"    {name:<{width}}  {str(list(shape)):<16} {placement}")
+        if self.pipeline:
+            lines.append("  pipeline: " + self.pipeline[0])
+            lines += [f"    {line}" for line in self.pipeline[1:]]
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
             lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {_mb(c.bytes)} total  ({c.what})")
@@ -79,11 +86,14 @@ class Program:
     captured: Captured
     graphs: dict[int, fx.GraphModule]
     plan: Plan
+    stages: list[StageGraph] | None = None  # pipeline stages (None without a pp axis)
+    schedule: Schedule | None = None
+    split_points: list[str] = field(default_factory=list)
 
 
 def check_supported(mesh: Mesh, options: Options) -> None:
     """Rejects what this version cannot run yet, naming it (never a silent wrong answer)."""
-    for axis in ("pp", "tp"):
+    for axis in ("tp",):
         if mesh[axis] > 1:
             raise NotImplementedError(
                 f"mesh axis {axis}={mesh[axis]} is not supported yet; use a mesh with {axis}=1 "
@@ -94,14 +104,61 @@ def check_supported(mesh: Mesh, options: Options) -> None:
 
 
 def compile_program(
-    model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool
+    model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool,
+    split_points: list[str] | None = None,
 ) -> Program:
-    """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank."""
+    """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank.
+
+    ``split_points`` (module names) fixes the pipeline cuts; by default they come
+    from ``options`` or are chosen by cost, and the program records them.
+    """
     check_supported(mesh, options)
     args, kwargs, target = local
     cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
-    graphs = {rank: cap.gm for rank in range(mesh.size)}  # data parallelism: every rank runs the same graph
-    return Program(captured=cap, graphs=graphs, plan=_plan(model, mesh, options, cap, args))
+    plan = _plan(model, mesh, options, cap, args)
+    if mesh.pp == 1:
+        graphs = {rank: cap.gm for rank in range(mesh.size)}  # data parallelism: every rank runs the same graph
+        return Program(captured=cap, graphs=graphs, plan=plan)
+    n_stages = mesh.pp * options.virtual_stages
+    schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
+    simulate(add_communication(schedule))  # raises on a deadlock before anything runs
+    if split_points is None:
+        split_points = list(options.split_points) if options.split_points else choose_split_points(cap.gm, n_stages)
+    if len(split_points) != n_stages - 1:
+        raise ValueError(f"{len(split_points)} split points give {len(split_points) + 1} stages, but pp={mesh.pp} "
+                         f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split points")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    stages = split_stages(cap, split_points, trainable)
+    graphs = {rank: stages[mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
+    add_pipeline_to_plan(plan, stages, schedule, split_points)
+    return Program(captured=cap, graphs=graphs, plan=plan, stages=stages, schedule=schedule, split_points=split_points)
+
+
+def add_pipeline_to_plan(plan: Plan, stages: list[StageGraph], schedule: Schedule, split_points: list[str]) -> None:
+    sim = simulate(schedule)
+    plan.pipeline = [
+        f"{len(stages)} stages over {schedule.n_ranks} pp ranks, {schedule.n_microbatches} microbatches; "
+        f"bubble {sim.bubble_fraction:.1%} (simulated, backward = 2 x forward)",
+        "cuts before: " + (", ".join(split_points) or "-"),
+    ]
+    for st in stages:
+        sent = sum(b.dtype.itemsize * _numel(b.shape) for b in st.send)
+        plan.pipeline.append(
+            f"stage {st.index} on pp rank {schedule.stage_to_rank[st.index]}: {len(st.params)} parameters, "
+            f"{len(st.gm.graph.nodes)} nodes, sends {len(st.send)} tensors ({_mb(sent)}) per microbatch"
+        )
+    shared = shared_parameters(stages, schedule)
+    for name, ranks in shared.items():
+        plan.pipeline.append(f"{name} is used on pp ranks {ranks}: gradients all-reduced among them")
+
+
+def shared_parameters(stages: list[StageGraph], schedule: Schedule) -> dict[str, list[int]]:
+    """Parameters used by stages on several pp ranks, with those ranks (their copies are kept in sync)."""
+    holders: dict[str, set[int]] = {}
+    for st in stages:
+        for name in st.params:
+            holders.setdefault(name, set()).add(schedule.stage_to_rank[st.index])
+    return {name: sorted(r) for name, r in holders.items() if len(r) > 1}
 
 
 def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:

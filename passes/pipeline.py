@@ -1,0 +1,230 @@
+"""Pipeline stage cutting: one captured graph -> ``n`` stage graphs.
+
+``choose_split_points`` picks cuts at module boundaries (the first node of a
+module in the user's model), balancing estimated FLOPs per stage and, among
+nearly balanced cuts, preferring the one where the fewest bytes cross.
+``split_stages`` cuts at given module names. Cuts are named by module so that
+every graph of the same model (with or without the loss, any batch size) is cut
+the same way and each parameter lives on the same stages.
+
+Invariant: the stages composed compute what the graph computes. Stage ``s``
+receives ``boundary[s-1]`` (every value made before the cut and used after it,
+in graph order) and returns ``boundary[s]`` (then, on the last stage, the
+graph's outputs). A value needed several stages later is relayed through the
+stages between, so in backward its gradient is the sum of every consumer's
+contribution. A parameter used by several stages is a placeholder of each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.capture import PREFIX, Captured, Slot
+from passes.cost import annotate_costs, tensor_bytes
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value crossing from one stage to the next."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool  # its gradient flows back across the cut
+
+
+@dataclass
+class StageGraph:
+    index: int
+    gm: fx.GraphModule
+    slots: list[Slot]  # placeholders: param/buffer/constant by name, "input" by flat index, "recv" by value name
+    recv: list[Boundary]
+    send: list[Boundary]
+    is_last: bool
+    params: list[str] = field(default_factory=list)
+
+
+def module_path(node: fx.Node) -> list[str]:
+    """The user-model module paths enclosing ``node``, outermost first (the capture wrapper stripped)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values()]
+    return [p.removeprefix(PREFIX) for p in paths if p.startswith(PREFIX)]
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def module_starts(gm: fx.GraphModule) -> dict[str, int]:
+    """``{module path: index of its first node}`` among the graph's compute nodes."""
+    starts: dict[str, int] = {}
+    for i, node in enumerate(_compute_nodes(gm)):
+        for path in module_path(node):
+            starts.setdefault(path, i)
+    return starts
+
+
+def _crossing_bytes(nodes: list[fx.Node]) -> list[int]:
+    """``out[p]``: bytes of values made before compute node ``p`` and used at or after it."""
+    index = {n: i for i, n in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 2)
+    for i, node in enumerate(nodes):
+        last = max((index[u] for u in node.users if u in index), default=-1)
+        if last > i:
+            b = tensor_bytes(node.meta.get("val"))
+            delta[i + 1] += b
+            delta[last + 1] -= b
+    out, run = [], 0
+    for p in range(len(nodes)):
+        run += delta[p]
+        out.append(run)
+    return out
+
+
+def choose_split_points(gm: fx.GraphModule, n_stages: int) -> list[str]:
+    """``n_stages - 1`` module names to cut before, balancing FLOPs, preferring few crossing bytes."""
+    if n_stages == 1:
+        return []
+    annotate_costs(gm)
+    nodes = _compute_nodes(gm)
+    starts = module_starts(gm)
+    by_position: dict[int, str] = {}
+    for path, pos in sorted(starts.items(), key=lambda kv: len(kv[0])):
+        if pos > 0:
+            by_position.setdefault(pos, path)  # the outermost module starting there names the cut
+    candidates = sorted(by_position)
+    if len(candidates) < n_stages - 1:
+        raise ValueError(
+            f"cannot cut the model into {n_stages} stages: its graph has only {len(candidates)} module boundaries "
+            f"to cut at ({len(candidates) + 1} stages at most); use fewer stages (pp or stages per rank)"
+        )
+    prefix = [0]
+    for node in nodes:
+        prefix.append(prefix[-1] + node.meta["autopar.cost"].flops)
+    total = prefix[-1] or 1
+    crossing = _crossing_bytes(nodes)
+    chosen: list[int] = []
+    for k in range(1, n_stages):
+        lo = chosen[-1] if chosen else 0
+        pool = [c for c in candidates if c > lo]
+        pool = pool[: len(pool) - (n_stages - 1 - k)]  # leave a candidate for every later cut
+        ideal = total * k / n_stages
+        window = [c for c in pool if abs(prefix[c] - ideal) <= 0.25 * total / n_stages]
+        if window:
+            best = min(window, key=lambda c: (crossing[c], abs(prefix[c] - ideal)))
+        else:
+            best = min(pool, key=lambda c: abs(prefix[c] - ideal))
+        chosen.append(best)
+    return [by_position[c] for c in chosen]
+
+
+def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, int]:
+    """The stage of every compute node: how many cuts precede it (multi-output ops keep their getitems)."""
+    starts = module_starts(gm)
+    missing = [s for s in split_points if s not in starts]
+    if missing:
+        known = [p for p in starts if p.count(".") <= 2][:12]
+        raise ValueError(f"split point {missing[0]!r} names no module of the model; modules include {known}")
+    cuts = [starts[s] for s in split_points]
+    if cuts != sorted(set(cuts)):
+        raise ValueError(f"split points {split_points} must name modules in execution order, each starting later")
+    stage: dict[fx.Node, int] = {}
+    for i, node in enumerate(_compute_nodes(gm)):
+        stage[node] = sum(c <= i for c in cuts)
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in stage:
+            stage[node] = stage[node.args[0]]
+    return stage
+
+
+def _requires_grad(gm: fx.GraphModule, slots: list[Slot], trainable: set[str]) -> dict[fx.Node, bool]:
+    rg: dict[fx.Node, bool] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, slots):
+        rg[node] = slot.kind == "param" and slot.name in trainable
+    for node in _compute_nodes(gm):
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
+        rg[node] = floating and any(rg.get(a, False) for a in node.all_input_nodes)
+    return rg
+
+
+def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) -> list[StageGraph]:
+    """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads."""
+    if cap.mutated_buffers:
+        raise NotImplementedError(
+            f"the model updates buffers in forward ({cap.mutated_buffers[:3]}), which pipelines do not support yet; "
+            "use pp=1 or a model without running statistics"
+        )
+    gm = cap.gm
+    n = len(split_points) + 1
+    stage = assign_stages(gm, split_points)
+    rg = _requires_grad(gm, cap.slots, trainable)
+    placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
+    slot_of = dict(zip(placeholders, cap.slots))
+    input_index = {nd: i for i, nd in enumerate(nd for nd in placeholders if slot_of[nd].kind == "input")}
+    boundaries: list[list[fx.Node]] = []
+    for s in range(n - 1):
+        values = [nd for nd in stage if stage[nd] <= s and any(stage.get(u, n - 1) > s for u in nd.users)]
+        for nd in values:
+            if not isinstance(nd.meta.get("val"), torch.Tensor):
+                raise NotImplementedError(f"a non-tensor value ({nd.name}) crosses the cut before stage {s + 1}")
+        boundaries.append(values)
+    output = next(nd for nd in gm.graph.nodes if nd.op == "output")
+    stages = []
+    for s in range(n):
+        recv = boundaries[s - 1] if s > 0 else []
+        send = boundaries[s] if s < n - 1 else []
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        slots: list[Slot] = []
+
+        def lookup(node: fx.Node) -> fx.Node:
+            if node not in env:  # a parameter, buffer, constant or user input this stage uses
+                slot = slot_of[node]
+                env[node] = graph.placeholder(node.name)
+                env[node].meta = dict(node.meta)
+                slots.append(slot if slot.kind != "input" else Slot("input", str(input_index[node])))
+            return env[node]
+
+        for nd in recv:
+            env[nd] = graph.placeholder(nd.name)
+            env[nd].meta = dict(nd.meta)
+        for nd in [nd for nd in gm.graph.nodes if stage.get(nd) == s]:
+            for a in nd.all_input_nodes:
+                if a.op == "placeholder":
+                    lookup(a)
+            env[nd] = graph.node_copy(nd, lambda a: env[a])
+        results = [env[nd] for nd in send]
+        if s == n - 1:
+            flat_out = list(output.args[0])
+            results += [lookup(a) if isinstance(a, fx.Node) and a.op == "placeholder" else env.get(a, a)
+                        for a in flat_out]
+        graph.output(tuple(results))
+        # placeholders must come first and in slot order: recv values go last
+        recv_slots = [Slot("recv", nd.name) for nd in recv]
+        _move_recv_last(graph, len(recv))
+        stage_gm = fx.GraphModule(torch.nn.Module(), graph)
+        stage_gm.graph.lint()
+        stages.append(StageGraph(
+            index=s, gm=stage_gm, slots=slots + recv_slots,
+            recv=[_boundary(nd, rg) for nd in recv], send=[_boundary(nd, rg) for nd in send],
+            is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind == "param"],
+        ))
+    return stages
+
+
+def _move_recv_last(graph: fx.Graph, n_recv: int) -> None:
+    """Placeholders in slot order: those created on demand first, then the received values."""
+    placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
+    recv, own = placeholders[:n_recv], placeholders[n_recv:]
+    anchor = next(nd for nd in graph.nodes if nd.op != "placeholder")
+    for nd in own + recv:
+        anchor.prepend(nd)
+
+
+def _boundary(node: fx.Node, rg: dict[fx.Node, bool]) -> Boundary:
+    val = node.meta["val"]
+    return Boundary(node.name, tuple(val.shape), val.dtype, bool(rg.get(node, False)))
