@@ -113,3 +113,29 @@ def adamw(params: list, lr: float = 1e-2) -> torch.optim.Optimizer:
 def factory(fn: object, **kw: object) -> functools.partial:
     """A zero-argument model factory, picklable for worker processes."""
     return functools.partial(fn, **kw)
+
+
+class SkipNet(nn.Module):
+    """A chain of blocks where some block inputs also receive earlier blocks' outputs (skip connections)."""
+
+    def __init__(self, width: int, depth: int, skips: tuple[tuple[int, int], ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.skips = skips  # (i, j): the output of block i is added to the input of block j > i + 1
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for j, block in enumerate(self.blocks):
+            for i, k in self.skips:
+                if k == j:
+                    x = x + outs[i]
+            x = block(x)
+            outs.append(x)
+        return self.head(x)
+
+
+def skipnet(width: int = 6, depth: int = 6, skips: tuple[tuple[int, int], ...] = ((0, 3),),
+            dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return SkipNet(width, depth, skips).to(dtype)
