@@ -10,6 +10,7 @@ of the mean loss over the rank's batch.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,8 @@ class PipelineRunner:
         self.rank_of_stage = lambda s: global_rank_of_pp(schedule.stage_to_rank[s])
         self.device = device
         self.mine = [s for s in range(schedule.n_stages) if schedule.stage_to_rank[s] == pp_index]
+        self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step, perf_counter s
+        self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last step
 
     def _args(self, stage: StageGraph, state: dict, constants: dict, flat_inputs: list, recv: list) -> list:
         it = iter(recv)
@@ -81,7 +84,9 @@ class PipelineRunner:
         m = len(microbatches)
         n = len(self.stages)
         ctx = _Ctx({}, {}, {}, {}, [])
+        self.timeline, self.peak_in_flight = [], {s: 0 for s in self.mine}
         for a in self.actions:
+            start = time.perf_counter()
             s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
             key = (s, mb)
             if a.kind == RECV_F:
@@ -112,6 +117,10 @@ class PipelineRunner:
                 _send(grads, self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
             if a.kind == SEND_B:
                 del ctx.inputs[key]
+            if a.kind == F:
+                held = sum(1 for k in ctx.outputs if k[0] == s)
+                self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
+            self.timeline.append((str(a), start, time.perf_counter()))
         for work, _ in ctx.works:
             work.wait()
         if not ctx.losses:
