@@ -8,6 +8,7 @@ rank raises or its process dies, every worker of the job is stopped and a
 """
 from __future__ import annotations
 
+import copyreg
 import multiprocessing as mp
 import os
 import queue
@@ -24,6 +25,18 @@ import torch.distributed as dist
 from autopar.errors import RankError
 from runtime.groups import TIMEOUT, default_backend
 
+
+def _reduce_ops(obj: object) -> tuple:
+    return (getattr, (torch, "ops"))
+
+
+def _reduce_namespace(obj: object) -> tuple:
+    return (getattr, (torch.ops, obj.name.split(".")[-1]))
+
+
+# functions defined in a script reference torch.ops (e.g. torch.ops.autopar.*): pickle it by name
+copyreg.pickle(type(torch.ops), _reduce_ops)
+copyreg.pickle(torch._ops._OpNamespace, _reduce_namespace)
 
 GRACE_S = 2.0
 PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")

@@ -1,0 +1,190 @@
+"""Named, autograd-aware collectives that rewritten graphs call: ``torch.ops.autopar.*``.
+
+Each op is a ``torch.library`` custom op, so ``pm.graph(rank).code`` shows every
+communication by name and axis. Forward placement decides backward, so that
+autograd on the rank-local graph computes the single-device gradient (the
+gradient of a value has the dual placement: Replicate <-> Partial, Shard(d) <->
+Shard(d)):
+
+| op                     | forward                  | backward        | placement change       |
+|------------------------|--------------------------|-----------------|------------------------|
+| all_reduce(x, axis)    | sum over the axis        | identity        | Partial -> Replicate   |
+| grad_all_reduce(x, ax) | identity                 | sum over axis   | Replicate feeding sharded compute |
+| all_gather(x, ax, d)   | concatenate along d      | local chunk     | Shard(d) -> Replicate  |
+| chunk(x, ax, d)        | local chunk along d      | all-gather      | Replicate -> Shard(d)  |
+| reduce_scatter(x,ax,d) | sum, keep local chunk    | all-gather      | Partial -> Shard(d)    |
+| to_partial(x, axis)    | x on index 0, else zeros | identity        | Replicate -> Partial   |
+
+The process group of each axis comes from ``bind(groups)``, which the runtime
+enters around every graph call; counts and bytes of every collective are kept
+on the binding for tests and plans.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Binding:
+    """The process group of each axis for the running rank, and what was communicated."""
+
+    groups: dict[str, dist.ProcessGroup | None]
+    counts: Counter = field(default_factory=Counter)  # (op, axis) -> calls
+    bytes: Counter = field(default_factory=Counter)  # (op, axis) -> bytes sent per rank (payload size)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        g = self.groups.get(axis)
+        if g is None:
+            raise RuntimeError(f"no process group is bound for mesh axis {axis!r}")
+        return g
+
+    def record(self, op: str, axis: str, t: torch.Tensor) -> None:
+        self.counts[(op, axis)] += 1
+        self.bytes[(op, axis)] += t.numel() * t.element_size()
+
+
+_BINDING: contextvars.ContextVar[Binding | None] = contextvars.ContextVar("autopar_binding", default=None)
+
+
+@contextlib.contextmanager
+def bind(binding: Binding) -> Iterator[Binding]:
+    token = _BINDING.set(binding)
+    try:
+        yield binding
+    finally:
+        _BINDING.reset(token)
+
+
+def current() -> Binding:
+    b = _BINDING.get()
+    if b is None:
+        raise RuntimeError("an autopar collective ran outside a bound runtime (no process groups)")
+    return b
+
+
+def _size_index(axis: str) -> tuple[int, int, dist.ProcessGroup]:
+    g = current().group(axis)
+    return dist.get_world_size(g), dist.get_rank(g), g
+
+
+# -- the communication itself (plain functions; the ops below wrap them) ----------------------------
+def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    current().record("all_reduce", axis, out)
+    dist.all_reduce(out, group=current().group(axis))
+    return out
+
+
+def _all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n, _, g = _size_index(axis)
+    pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    current().record("all_gather", axis, x)
+    dist.all_gather(pieces, x.contiguous(), group=g)
+    return torch.cat(pieces, dim=dim)
+
+
+def _chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n, i, _ = _size_index(axis)
+    return x.chunk(n, dim=dim)[i].clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    # gloo has no reduce_scatter: all-reduce, then keep the local chunk (same result, more bytes)
+    return _chunk(_all_reduce(x, axis), axis, dim)
+
+
+# -- ops ------------------------------------------------------------------------------------------
+@torch.library.custom_op("autopar::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return _all_reduce(x, axis)
+
+
+@torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return x.clone()
+
+
+@torch.library.custom_op("autopar::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _all_gather(x, axis, dim)
+
+
+@torch.library.custom_op("autopar::chunk", mutates_args=())
+def chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _chunk(x, axis, dim)
+
+
+@torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _reduce_scatter(x, axis, dim)
+
+
+@torch.library.custom_op("autopar::to_partial", mutates_args=())
+def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
+    _, i, _ = _size_index(axis)
+    return x.clone() if i == 0 else torch.zeros_like(x)
+
+
+# -- shapes without running (fake tensors), for shape propagation over rewritten graphs ----------------
+def _tp_size(axis: str) -> int:
+    b = _BINDING.get()
+    return dist.get_world_size(b.group(axis)) if b is not None else _FAKE_SIZE.get()
+
+
+_FAKE_SIZE: contextvars.ContextVar[int] = contextvars.ContextVar("autopar_fake_axis_size", default=1)
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@grad_all_reduce.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@to_partial.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@all_gather.register_fake
+def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= _tp_size(axis)
+    return x.new_empty(shape)
+
+
+@chunk.register_fake
+def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] //= _tp_size(axis)
+    return x.new_empty(shape)
+
+
+@reduce_scatter.register_fake
+def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] //= _tp_size(axis)
+    return x.new_empty(shape)
+
+
+# -- backward: forward placement decides it ---------------------------------------------------------
+def _setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.args = inputs[1:]
+
+
+all_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
+grad_all_reduce.register_autograd(lambda ctx, g: (all_reduce(g, ctx.args[0]), None), setup_context=_setup)
+to_partial.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
+all_gather.register_autograd(lambda ctx, g: (chunk(g, *ctx.args), None, None), setup_context=_setup)
+chunk.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
+reduce_scatter.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
