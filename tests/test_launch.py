@@ -83,6 +83,8 @@ pm = parallelize(models.gpt2(), Mesh(dp=4), loss_fn=models.lm_loss, optimizer=mo
 losses = [pm.step(ids, target=ids) for _ in range(2)]
 if dist.get_rank() == 0:
     json.dump(losses, open({out!r}, "w"))
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
@@ -94,8 +96,8 @@ def test_two_node_torchrun_job_over_loopback(tmp_path: Path) -> None:
     port = free_port()
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={i}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", str(script)],
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=autopar-test", str(script)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for i in range(2)
