@@ -31,9 +31,10 @@ Conventions:
   (all of the same mask when replicated); the rules cover only their shapes.
 
 The matmul family lives here, written as einsum strings and derived by one
-function (``einsum_strategies``); pointwise, shape, reduction, normalization,
-attention, embedding, loss and creation rules live in
-``passes/sharding_rules_ops.py``, which adds its entries to the same tables.
+function (``einsum_strategies``); pointwise, creation and shape rules live in
+``passes/sharding_rules_ops.py``, reduction, normalization, attention, embedding
+and loss rules in ``passes/sharding_rules_nn.py``; both add their entries to the
+same tables.
 """
 
 from __future__ import annotations
@@ -448,7 +449,9 @@ def _run_on_meta(call: Call) -> Any:
     return call.op(*meta(call.args), **{k: meta(v) for k, v in call.kwargs.items()})
 
 
-# The pointwise, shape, reduction, normalization, attention, embedding, loss and
-# creation rules add themselves to RULES / LOCAL_ARGS / LOCAL_OPS on import.
+# The other rules add themselves to RULES / LOCAL_ARGS / LOCAL_OPS on import:
+# sharding_rules_ops, which imports sharding_rules_nn at its end (the nn rules use
+# its building blocks, so importing sharding_rules_nn from here would fail when
+# sharding_rules_ops is the first module imported).
 import passes.sharding_rules_ops  # noqa: E402,F401
 

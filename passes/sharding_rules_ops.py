@@ -1,5 +1,6 @@
-"""Sharding rules for every op but the matmul family: pointwise ops, shape ops,
-reductions, normalization, attention, embedding, losses and creation ops.
+"""Sharding rules for the general ops: pointwise ops, creation ops and shape ops,
+with the building blocks they are written with (``_mapped``, ``_except`` and
+``_first`` serve the rules of ``passes.sharding_rules_nn`` too).
 
 The entries are added to ``RULES``, ``LOCAL_ARGS`` and ``LOCAL_OPS`` of
 ``passes.sharding_rules`` (import that module, not this one), and keep its
@@ -16,16 +17,11 @@ import torch
 from torch.distributed.tensor import Shard
 
 from passes.sharding_rules import (
-    BATCH,
-    BATCH_MEAN,
-    COLUMN_PARALLEL,
     LOCAL_ARGS,
     LOCAL_OPS,
-    MEAN_OF_SHARDS,
     PARTIAL,
     REPLICATE,
     RULES,
-    VOCAB_PARALLEL,
     Call,
     Collectives,
     Op,
@@ -44,8 +40,6 @@ from passes.sharding_rules import (
 aten = torch.ops.aten
 
 SHARD_RANGE = "shard-range"  # arange split into n consecutive ranges
-HEADS = "heads"  # attention sharded on the heads dim
-SPLIT_QUERIES = "split-queries"  # attention sharded on the query positions
 
 
 # ---------------------------------------------------------------------------
@@ -462,202 +456,6 @@ def _diff(call: Call) -> list[Strategy]:
 
 
 # ---------------------------------------------------------------------------
-# Reductions and scans.
-
-
-def _along(call: Call, *, linear: bool) -> list[Strategy]:
-    """Ops along one dim (softmax, cumsum): any other dim may be sharded."""
-    x = _first(call)
-    return _mapped(call, _except(x.ndim, norm_dim(call["dim"], x.ndim)), linear=linear)
-
-
-def _cumsum(call: Call) -> list[Strategy]:
-    return _along(call, linear=True)
-
-
-def _softmax(call: Call) -> list[Strategy]:
-    return _along(call, linear=False)
-
-
-def _reduction(kind: str) -> Rule:
-    """sum / mean / max-like. Over dims that are not sharded the shard moves to the output
-    dim; over the sharded dim, sum gives Partial, mean gives Partial with each rank's
-    local mean divided by n (``MEAN_OF_SHARDS``), and max-like gives nothing (not a sum)."""
-
-    def rule(call: Call) -> list[Strategy]:
-        x = call["self"]
-        dims = call.get("dim", [])
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        reduced = {norm_dim(d, x.ndim) for d in dims} if dims else set(range(x.ndim))
-        keep = call.get("keepdim", False)
-        outputs = 2 if call.op in (aten.max.dim, aten.min.dim) else None
-        linear = kind != "max" and summable(x) and summable(call.get("dtype", x.dtype))
-        kept = {d: d if keep else d - sum(r < d for r in reduced) for d in range(x.ndim) if d not in reduced}
-        found = _mapped(call, kept, linear=linear, outputs=outputs)
-        if linear:
-            note = PARTIAL if kind == "sum" else MEAN_OF_SHARDS
-            found += [call.strategy(P, note, self=Shard(d)) for d in sorted(reduced) if divisible(x.shape[d], call.n)]
-        return found
-
-    return rule
-
-
-def _divided_by_n(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    """A mean over a sharded dim: the local mean over 1/n of the elements, divided by n,
-    is this rank's summand of the full mean."""
-
-    def mean_of_shards(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return op(*args, **kwargs) / n
-
-    return mean_of_shards
-
-
-# ---------------------------------------------------------------------------
-# Normalization and attention.
-
-
-def _norm(call: Call) -> list[Strategy]:
-    """layer_norm / rms_norm: only the dims that are not normalized; weight and bias Replicate."""
-    x = call["input"]
-    outputs = 3 if call.op is aten.native_layer_norm.default else None
-    return _mapped(call, _except(x.ndim - len(call["normalized_shape"])), linear=False, outputs=outputs)
-
-
-def _sdpa(call: Call) -> list[Strategy] | None:
-    """q, k, v sharded alike on a batch or heads dim (GQA: both head counts divide), the mask
-    sharded there where it has the dim at full size, else Replicate; or, without a causal
-    mask, the query positions sharded with k and v replicated. Dropout inside needs the
-    lowering to draw each rank's part of one mask."""
-    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
-    nd = q.ndim
-    if nd < 3 or k.ndim != nd or v.ndim != nd:
-        return None
-    found = []
-    for d in range(nd - 2):
-        if call["enable_gqa"] and d == nd - 3:
-            ok = divisible(q.shape[d], call.n) and divisible(k.shape[d], call.n) and k.shape[d] == v.shape[d]
-        else:
-            ok = divisible(q.shape[d], call.n) and q.shape[d] == k.shape[d] == v.shape[d]
-        if ok:
-            m = broadcast_placement(mask, d, nd, q.shape[d])
-            note = HEADS if d == nd - 3 else BATCH
-            found.append(call.strategy(Shard(d), note, query=Shard(d), key=Shard(d), value=Shard(d), attn_mask=m))
-    if not call["is_causal"] and divisible(q.shape[-2], call.n):
-        m = broadcast_placement(mask, nd - 2, nd, q.shape[-2])
-        found.append(call.strategy(Shard(nd - 2), SPLIT_QUERIES, query=Shard(nd - 2), attn_mask=m))
-    return found
-
-
-# ---------------------------------------------------------------------------
-# Embedding and losses.
-
-
-def _embedding(call: Call) -> list[Strategy]:
-    """Indices sharded -> output sharded alike; weight Shard(1) -> output sharded on the
-    embedding dim; weight Shard(0) -> Partial output, each rank looking up only the ids in
-    its vocabulary range (``VOCAB_PARALLEL`` local op); weight Partial -> Partial."""
-    weight, ids = call["weight"], call["indices"]
-    found = [call.strategy(Shard(d), BATCH, indices=Shard(d)) for d, s in enumerate(ids.shape) if divisible(s, call.n)]
-    if divisible(weight.shape[1], call.n):
-        found.append(call.strategy(Shard(ids.ndim), COLUMN_PARALLEL, weight=Shard(1)))
-    if summable(weight):
-        if divisible(weight.shape[0], call.n) and not call["scale_grad_by_freq"] and not call["sparse"]:
-            found.append(call.strategy(P, VOCAB_PARALLEL, weight=Shard(0)))
-        found.append(call.strategy(P, PARTIAL, weight=P))
-    return found
-
-
-def _vocab_parallel_embedding(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        rows = call["weight"].shape[0]
-        local = call["indices"] - rank * rows
-        outside = (local < 0) | (local >= rows)  # ids another rank looks up
-        pad = call["padding_idx"] - rank * rows
-        args, kwargs = call.replace(indices=local.masked_fill(outside, 0), padding_idx=pad if 0 <= pad < rows else -1)
-        return op(*args, **kwargs).masked_fill(outside.unsqueeze(-1), 0)
-
-    return embedding
-
-
-def _class_dim(x: torch.Tensor) -> int:
-    return 1 if x.ndim >= 2 else 0
-
-
-def _loss(call: Call) -> list[Strategy]:
-    """cross_entropy_loss / nll_loss. Batch (or extra) dims sharded with the target:
-    reduction none -> sharded, sum -> Partial, mean -> Partial through a local op
-    (class targets: local sum / all-reduced count of counted targets, ``BATCH_MEAN``;
-    probability targets: local mean / n). Cross-entropy also shards the class dim
-    (``VOCAB_PARALLEL``): logits Shard(class dim), target Replicate, a local op that
-    all-reduces max, sum of exps and the target logit; the loss is then Replicate."""
-    x, target, weight = call["self"], call["target"], call["weight"]
-    reduction, c = call["reduction"], _class_dim(x)
-    probs = target.dtype.is_floating_point
-    smoothing = call.get("label_smoothing", 0.0)
-    found = []
-    for d in range(x.ndim):
-        if d == c or not divisible(x.shape[d], call.n) or not summable(x):
-            continue
-        o = d - (d > c)  # the loss has the input's dims but the class dim
-        if reduction == 0:
-            out, note = Shard(o), BATCH
-        elif reduction == 2:
-            out, note = P, BATCH
-        elif probs:
-            out, note = P, MEAN_OF_SHARDS
-        elif weight is None or smoothing == 0:
-            out, note = P, BATCH_MEAN
-        else:
-            continue
-        found.append(call.strategy(out, note, self=Shard(d), target=Shard(d if probs else o)))
-    vocab = call.op is aten.cross_entropy_loss.default and not probs and weight is None
-    if vocab and x.ndim >= 1 and divisible(x.shape[c], call.n):
-        found.append(call.strategy(R, VOCAB_PARALLEL, self=Shard(c)))
-    return found
-
-
-def _batch_mean_loss(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        target, weight = call["target"], call["weight"]
-        summed_args, summed_kwargs = call.replace(reduction=2)
-        total = op(*summed_args, **summed_kwargs)
-        counted = target != call["ignore_index"]
-        if weight is not None:
-            counted = weight[target.masked_fill(~counted, 0)] * counted
-        return total / collectives.all_reduce_sum(counted.sum().to(total.dtype))
-
-    return loss
-
-
-def _vocab_parallel_cross_entropy(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        x, target = call["self"], call["target"]
-        c, rows = _class_dim(x), x.shape[_class_dim(x)]
-        top = collectives.all_reduce_max(x.detach().amax(c, keepdim=True))
-        shifted = x - top  # (N, V/n, ...)
-        log_total = collectives.all_reduce_sum(shifted.exp().sum(c)).log()  # (N, ...)
-        local = target - rank * rows
-        mine = (local >= 0) & (local < rows)
-        picked = shifted.gather(c, local.clamp(0, rows - 1).unsqueeze(c)).squeeze(c)
-        losses = log_total - collectives.all_reduce_sum(torch.where(mine, picked, 0))
-        smoothing = call["label_smoothing"]
-        if smoothing:
-            mean_logit = collectives.all_reduce_sum(shifted.sum(c)) / (rows * n)
-            losses = (1 - smoothing) * losses + smoothing * (log_total - mean_logit)
-        counted = target != call["ignore_index"]
-        losses = torch.where(counted, losses, 0)
-        reduction = call["reduction"]
-        if reduction == 0:
-            return losses
-        return losses.sum() if reduction == 2 else losses.sum() / counted.sum()
-
-    return cross_entropy
-
-
-# ---------------------------------------------------------------------------
 # The tables.
 
 _POINTWISE = [
@@ -738,26 +536,6 @@ OP_RULES: dict[Op, Rule] = {
     aten.pad.default: _pad,
     # diff: any dim but `dim` (prepend / append sharded alike)
     aten.diff.default: _diff,
-    # cumsum: any dim but the scanned one; Partial -> Partial
-    aten.cumsum.default: _cumsum,
-    # softmax family: any dim but the normalized one
-    **dict.fromkeys([aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-                     aten._log_softmax.default], _softmax),
-    # sum: over the sharded dim -> Partial
-    **dict.fromkeys([aten.sum.default, aten.sum.dim_IntList], _reduction("sum")),
-    # mean: over the sharded dim -> Partial, the local mean divided by n
-    **dict.fromkeys([aten.mean.default, aten.mean.dim], _reduction("mean")),
-    # max-like: only over dims that are not sharded (a max is not a sum)
-    **dict.fromkeys([aten.amax.default, aten.amin.default, aten.max.default, aten.min.default,
-                     aten.max.dim, aten.min.dim], _reduction("max")),
-    # layer_norm / rms_norm: dims that are not normalized
-    **dict.fromkeys([aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default], _norm),
-    # attention: batch or heads of q, k, v alike (mask broadcast-aware), or the query positions
-    aten.scaled_dot_product_attention.default: _sdpa,
-    # embedding: indices sharded, embedding dim sharded, or vocab-parallel (Partial)
-    aten.embedding.default: _embedding,
-    # losses: batch-sharded with the target; cross-entropy also vocab-parallel
-    **dict.fromkeys([aten.cross_entropy_loss.default, aten.nll_loss.default], _loss),
 }
 
 OP_LOCAL_ARGS: dict[Op, Callable[[Call, Strategy, int], tuple[tuple, dict]]] = {
@@ -770,15 +548,12 @@ OP_LOCAL_ARGS: dict[Op, Callable[[Call, Strategy, int], tuple[tuple, dict]]] = {
 
 OP_LOCAL_OPS: dict[tuple[Op, str], Callable[..., Callable[..., Any]]] = {
     (aten.arange.default, SHARD_RANGE): _local_arange,
-    (aten.mean.default, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.mean.dim, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.cross_entropy_loss.default, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.cross_entropy_loss.default, BATCH_MEAN): _batch_mean_loss,
-    (aten.nll_loss.default, BATCH_MEAN): _batch_mean_loss,
-    (aten.cross_entropy_loss.default, VOCAB_PARALLEL): _vocab_parallel_cross_entropy,
-    (aten.embedding.default, VOCAB_PARALLEL): _vocab_parallel_embedding,
 }
 
 RULES.update(OP_RULES)
 LOCAL_ARGS.update(OP_LOCAL_ARGS)
 LOCAL_OPS.update(OP_LOCAL_OPS)
+
+# The reduction, normalization, attention, embedding and loss rules use the blocks
+# above, so they are imported here, once those exist: this works in any import order.
+import passes.sharding_rules_nn  # noqa: E402,F401
