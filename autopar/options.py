@@ -12,6 +12,7 @@ class Options:
     loss_fn: Callable[[Any, Any], Any] | None = None
     optimizer: Callable[[list], Any] | None = None
     zero: int = 0
+    zero_prefetch: int = 1  # zero=3: layers gathered ahead of use (0: gather each layer only when it is used)
     schedule: str = "1f1b"
     microbatches: int = 1
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB (DDP's default)
@@ -21,6 +22,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
+        if not isinstance(self.zero_prefetch, int) or self.zero_prefetch < 0:
+            raise ValueError(f"zero_prefetch={self.zero_prefetch!r} must be an integer >= 0 (layers gathered ahead)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULES)}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:

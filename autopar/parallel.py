@@ -1,20 +1,27 @@
 """``parallelize`` and the ``ParallelModel`` it returns: compile on demand, run on the job's ranks."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
+from autopar.capture import tied_aliases
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.program import Program, check_supported, compile_program, shared_parameters
 from runtime.batch import signature, split_batch
 from runtime.grad_sync import BucketedAllReduce
+from runtime.collectives import Binding, set_process_binding
 from runtime.groups import Groups, join
+from runtime import checkpoint
+from runtime.memory import MemoryAccount
+from runtime.zero import ZeroRuntime
 from runtime.pipeline import PipelineRunner, output_metas
 
 
@@ -30,6 +37,8 @@ class _Runtime:
     shared: list[tuple[torch.Tensor, dist.ProcessGroup]] = field(default_factory=list)  # params on several pp ranks
     pipeline: PipelineRunner | None = None
     shared_on_rank: bool = False  # a parameter used by two stages of this rank: reduce after backward, not in it
+    zero: ZeroRuntime | None = None  # ZeRO over dp (zero=1|2|3): also the optimizer's owner and the grad sync
+    memory: MemoryAccount | None = None
 
 
 class ParallelModel:
@@ -43,6 +52,8 @@ class ParallelModel:
         self._last: Program | None = None
         self._rt: _Runtime | None = None
         self._split_points: list[str] | None = None
+        self._full_shapes: dict[str, tuple[int, ...]] = {}
+        self._placements: dict[str, Any] | None = None
 
     # compile time -----------------------------------------------------------
     def compile(self, args: tuple, kwargs: dict | None = None, target: Any = None, *, with_loss: bool = True) -> Program:
@@ -51,9 +62,13 @@ class ParallelModel:
         local = parts[0]
         key = (with_loss, signature(local))
         if key not in self._programs:
-            self._programs[key] = compile_program(self.model, self.mesh, self.options, local, with_loss=with_loss,
-                                                  split_points=self._split_points)
+            full_size = self._rt.zero.full_size_parameters() if self._rt and self._rt.zero else contextlib.nullcontext()
+            with full_size, self._full_size_tp():  # ranks keep shards; the capture reads full parameter shapes
+                self._programs[key] = compile_program(self.model, self.mesh, self.options, local,
+                                                      with_loss=with_loss, split_points=self._split_points,
+                                                      placements=self._placements)
             self._split_points = self._programs[key].split_points  # every later graph is cut the same way
+            self._placements = self._placements or self._programs[key].placements  # ... and sharded the same way
         self._last = self._programs[key]
         return self._last
 
@@ -91,22 +106,67 @@ class ParallelModel:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 t.data = t.data.to(groups.device)
                 dist.broadcast(t.data, src=0)  # every replica starts from rank 0's values, as DDP does
+        self._shard_for_tp(program, groups)
         state = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         mine = set(state)
         if program.stages is not None:
             pp = groups.coord("pp")
             mine = {n for st in program.stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
         params = [p for n, p in self.model.named_parameters() if p.requires_grad and n in mine]
-        opt = self.options.optimizer(params) if self.options.optimizer is not None else None
-        sync = None
-        if groups["dp"] is not None:
+        zero = ZeroRuntime(self.model, groups, self.options, params) if self.options.zero else None
+        opt = zero.optimizer if zero else self.options.optimizer(params) if self.options.optimizer is not None else None
+        sync = zero
+        if groups["dp"] is not None and zero is None:
             sync = BucketedAllReduce(params, groups["dp"], self.options.bucket_bytes)
-        rt = _Runtime(groups=groups, state=state, params=params, optimizer=opt, grad_sync=sync)
+        rt = _Runtime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
+                      optimizer=opt, grad_sync=sync, zero=zero,
+                      memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
         if program.stages is not None:
             rt.shared = self._shared_groups(program, groups, state)
             rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), self._pp_rank_fn(groups),
                                          groups.device)
         return rt
+
+    def _shard_for_tp(self, program: Program, groups: Groups) -> None:
+        """Each tp rank keeps its chunk of every parameter the plan shards; collectives bind to the groups."""
+        binding = Binding(dict(groups.by_axis))
+        set_process_binding(binding)
+        self._binding = binding
+        n, i = self.mesh.tp, groups.coord("tp")
+        self._full_shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                placement = program.placements.get(name)
+                if isinstance(placement, Shard):
+                    p.data = p.data.chunk(n, placement.dim)[i].clone()
+
+    @contextlib.contextmanager
+    def _full_size_tp(self) -> Iterator[None]:
+        """Parameters sharded over tp temporarily take their full shapes (uninitialized) for a capture."""
+        shards = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in self._full_shapes and tuple(p.shape) != self._full_shapes[name]:
+                    shards[name] = p.data
+                    p.data = torch.empty(self._full_shapes[name], dtype=p.dtype, device=p.device)
+        try:
+            yield
+        finally:
+            for name, p in self.model.named_parameters():
+                if name in shards:
+                    p.data = shards[name]
+
+    def _gather_tp_state(self, program: Program) -> dict[str, torch.Tensor]:
+        """Full parameters from the tp shards (every rank calls it)."""
+        out = {}
+        group = self._rt.groups["tp"]
+        for name, p in self.model.named_parameters():
+            placement = program.placements.get(name)
+            if isinstance(placement, Shard):
+                pieces = [torch.empty_like(p.data) for _ in range(self.mesh.tp)]
+                dist.all_gather(pieces, p.data.contiguous(), group=group)
+                out[name] = torch.cat(pieces, placement.dim)
+        return out
 
     def _pp_rank_fn(self, groups: Groups) -> Callable[[int], int]:
         coords = self.mesh.coords(groups.rank)
@@ -171,7 +231,7 @@ class ParallelModel:
 
         rt.shared_on_rank = _shared_within_rank(program, rt.groups.coord("pp"))
         flat = [pytree.tree_leaves(p) for p in parts]
-        loss = rt.pipeline.step(program.stages, flat, rt.state, program.captured.constants, before_backward)
+        loss = rt.pipeline.step(program.stages_for(rt.groups.coord("tp")), flat, rt.state, program.captured.constants, before_backward)
         if loss is None:
             loss = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
         src = self._pp_rank_fn(rt.groups)(program.schedule.stage_to_rank[last])
@@ -194,7 +254,7 @@ class ParallelModel:
     def _pipeline_forward(self, program: Program, parts: list[Any], rt: _Runtime) -> list[Any]:
         """Pipelined forward; the last stage broadcasts its outputs to the other pp ranks."""
         last = program.stages[-1]
-        flats = rt.pipeline.forward(program.stages, [pytree.tree_leaves((a, k)) for a, k, _ in parts], rt.state,
+        flats = rt.pipeline.forward(program.stages_for(rt.groups.coord("tp")), [pytree.tree_leaves((a, k)) for a, k, _ in parts], rt.state,
                                     program.captured.constants)
         if flats is None:
             flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
@@ -206,11 +266,16 @@ class ParallelModel:
         return [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded state under the original model's keys (CPU tensors)."""
+        """The full, unsharded state under the original model's keys (CPU tensors); with zero=3, on every rank."""
+        if self._rt is not None and self._rt.zero is not None:
+            return self._rt.zero.full_state_dict()
         program = self._require_program()
         if self._rt is not None and program.stages is not None:
             self._gather_pipeline_state(program)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        full = self._gather_tp_state(program) if self._rt is not None and program.placements else {}
+        aliases = tied_aliases(self.model)
+        return {k: full.get(aliases.get(k, k), v).detach().to("cpu", copy=True)
+                for k, v in self.model.state_dict().items()}
 
     def _gather_pipeline_state(self, program: Program) -> None:
         """Each tensor's owner (the pp rank of the first stage using it) broadcasts it to the other pp ranks."""
@@ -228,6 +293,31 @@ class ParallelModel:
         if self._rt is None:
             raise RuntimeError("the runtime starts at the first pm.step or pm(...) call")
         return self._rt.params
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer the factory built on this rank's parameters (its shards under ZeRO), for LR schedulers."""
+        return self._runtime(self._require_program()).optimizer
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of this rank's parameters, gradients and optimizer state, measured after the last step."""
+        return self._runtime(self._require_program()).memory.read()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads a full state (``state_dict()`` of this model from any mesh, or of the single-device model)."""
+        rt = self._runtime(self._require_program())
+        if rt.zero is not None:
+            rt.zero.load_full_state_dict(state)
+        else:
+            self.model.load_state_dict(state)
+
+    def save(self, path: str, extra: Any = None) -> None:
+        """Writes the sharded model and optimizer state to the checkpoint folder ``path`` (every rank calls it)."""
+        checkpoint.save(path, self._runtime(self._require_program()), self.model, extra)
+
+    def load(self, path: str) -> Any:
+        """Reads the latest complete checkpoint in ``path`` (saved on this mesh); returns its ``extra``."""
+        return checkpoint.load(path, self._runtime(self._require_program()), self.model)
 
 
 def _shared_within_rank(program: Program, pp: int) -> bool:
@@ -275,6 +365,7 @@ def parallelize(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     optimizer: Callable[[list], Any] | None = None,
     zero: int = 0,
+    zero_prefetch: int = 1,
     schedule: str = "1f1b",
     microbatches: int = 1,
     bucket_mb: float = 25.0,
@@ -288,7 +379,7 @@ def parallelize(
     """
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
-    options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, schedule=schedule,
+    options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
                       microbatches=microbatches, bucket_mb=bucket_mb,
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank)
     check_supported(mesh, options)

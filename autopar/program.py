@@ -15,8 +15,11 @@ from autopar.capture import Captured, capture
 from autopar.mesh import Mesh
 from autopar.options import Options
 from passes.pipeline import StageGraph, choose_split_points, split_stages
+from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
+from passes.zero import rank_graphs, zero_placements, zero_plan
 from runtime.schedule import Schedule, add_communication, make_schedule
 from runtime.simulate import simulate
+from runtime.zero import check_optimizer
 
 
 @dataclass(frozen=True)
@@ -86,52 +89,80 @@ class Program:
     captured: Captured
     graphs: dict[int, fx.GraphModule]
     plan: Plan
-    stages: list[StageGraph] | None = None  # pipeline stages (None without a pp axis)
+    stages: list[StageGraph] | None = None  # pipeline stages of tp index 0 (None without a pp axis)
     schedule: Schedule | None = None
     split_points: list[str] = field(default_factory=list)
+    stage_sets: list[list[StageGraph]] = field(default_factory=list)  # pipeline stages by tp index
+    placements: dict[str, Any] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
+
+    def stages_for(self, tp_index: int) -> list[StageGraph] | None:
+        return self.stage_sets[tp_index] if self.stage_sets else self.stages
 
 
 def check_supported(mesh: Mesh, options: Options) -> None:
     """Rejects what this version cannot run yet, naming it (never a silent wrong answer)."""
-    for axis in ("tp",):
-        if mesh[axis] > 1:
-            raise NotImplementedError(
-                f"mesh axis {axis}={mesh[axis]} is not supported yet; use a mesh with {axis}=1 "
-                "(data parallelism over dp works)"
-            )
+    if options.zero and mesh.tp > 1:
+        raise NotImplementedError(f"zero={options.zero} with tp={mesh.tp} is not supported yet; use zero=0 or tp=1")
+    if options.zero and mesh.pp > 1:
+        raise NotImplementedError(f"zero={options.zero} with pp={mesh.pp} is not supported yet; use zero=0 or pp=1")
     if options.zero:
-        raise NotImplementedError(f"zero={options.zero} is not supported yet; use zero=0")
+        check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 
 
 def compile_program(
     model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool,
-    split_points: list[str] | None = None,
+    split_points: list[str] | None = None, placements: dict[str, Any] | None = None,
 ) -> Program:
     """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank.
 
     ``split_points`` (module names) fixes the pipeline cuts; by default they come
     from ``options`` or are chosen by cost, and the program records them.
+    ``placements`` pins the tp placement of parameters (every graph of one model
+    must agree with how the runtime stores them).
     """
     check_supported(mesh, options)
     args, kwargs, target = local
     cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
     plan = _plan(model, mesh, options, cap, args)
+    layout = _add_zero_to_plan(plan, model, mesh, options) if options.zero else None
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lowered, pinned, placements = [cap], placements, {}
+    if mesh.tp > 1:
+        tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned)
+        lowered, placements = [with_graph(cap, g) for g in tp.graphs], tp.placements
+        add_tensor_parallel_to_plan(plan, mesh, tp)
     if mesh.pp == 1:
-        graphs = {rank: cap.gm for rank in range(mesh.size)}  # data parallelism: every rank runs the same graph
-        return Program(captured=cap, graphs=graphs, plan=plan)
+        graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
+        if options.zero == 3:  # each layer's shard is all-gathered before its first use (passes/zero.py)
+            graphs = rank_graphs(cap.gm, cap.slots, layout, mesh.groups("dp"), mesh.size, prefetch=options.zero_prefetch)
+        return Program(captured=cap, graphs=graphs, plan=plan, placements=placements)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
     if split_points is None:
-        split_points = list(options.split_points) if options.split_points else choose_split_points(cap.gm, n_stages)
+        split_points = (list(options.split_points) if options.split_points
+                        else choose_split_points(lowered[0].gm, n_stages))
     if len(split_points) != n_stages - 1:
         raise ValueError(f"{len(split_points)} split points give {len(split_points) + 1} stages, but pp={mesh.pp} "
                          f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split points")
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    stages = split_stages(cap, split_points, trainable)
-    graphs = {rank: stages[mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
-    add_pipeline_to_plan(plan, stages, schedule, split_points)
-    return Program(captured=cap, graphs=graphs, plan=plan, stages=stages, schedule=schedule, split_points=split_points)
+    stage_sets = [split_stages(c, split_points, trainable) for c in lowered]
+    graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
+    add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
+    return Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
+                   split_points=split_points, stage_sets=stage_sets, placements=placements)
+
+
+def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:
+    plan.params = [(name, shape, _placement(mesh, tp.placements.get(name))) for name, shape, _ in plan.params]
+    for (direction, op), count in sorted(tp.collectives.items()):
+        plan.collectives.append(Collective("tp", op, count * plan.microbatches,
+                                           tp.bytes[(direction, op)] * plan.microbatches,
+                                           f"{direction}, {count} per microbatch"))
+    plan.fallbacks = tp.fallbacks
+    sharded = sum(_numel(shape) for name, shape, p in plan.params if "Shard" in p)
+    total = sum(_numel(shape) for _, shape, _ in plan.params) or 1
+    plan.memory["parameters"] = int(plan.memory["parameters"] * (1 - sharded / total * (1 - 1 / mesh.tp)))
+    plan.memory["gradients"] = int(plan.memory["gradients"] * (1 - sharded / total * (1 - 1 / mesh.tp)))
 
 
 def add_pipeline_to_plan(plan: Plan, stages: list[StageGraph], schedule: Schedule, split_points: list[str]) -> None:
@@ -187,8 +218,23 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
     )
 
 
-def _placement(mesh: Mesh) -> str:
-    return "(" + ", ".join(f"{axis}: Replicate" for axis in mesh.names) + ")"
+def _add_zero_to_plan(plan: Plan, model: torch.nn.Module, mesh: Mesh, options: Options) -> Any:
+    """ZeRO's memory estimate and dp collectives replace data parallelism's; returns the layout."""
+    params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    layout, plan.memory, collectives = zero_plan(
+        params, frozen_bytes=frozen, stage=options.zero, n=mesh.dp, bucket_bytes=options.bucket_bytes,
+        microbatches=options.microbatches, optimizer_factor=optimizer_state_factor(options),
+        prefetch=options.zero_prefetch)
+    plan.collectives = [c for c in plan.collectives if c.axis != "dp"] + [Collective(*c) for c in collectives]
+    plan.params = zero_placements(plan.params, layout)
+    return layout
+
+
+def _placement(mesh: Mesh, tp: Any = None) -> str:
+    """A parameter's placement per mesh axis: replicated over dp and pp, ``tp`` on the tp axis."""
+    return "(" + ", ".join(f"{axis}: {tp if axis == 'tp' and tp is not None else 'Replicate()'}"
+                           for axis in mesh.names) + ")"
 
 
 def optimizer_state_factor(options: Options) -> int:

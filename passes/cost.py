@@ -69,3 +69,16 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         node.meta["autopar.cost"] = node_cost(node)
     return gm
+
+
+def requires_grad(gm: fx.GraphModule, leaves: set[fx.Node]) -> dict[fx.Node, bool]:
+    """Which nodes' values need a gradient: floating values computed from ``leaves`` (trainable parameters)."""
+    rg: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            rg[node] = node in leaves
+        elif node.op == "call_function":
+            val = node.meta.get("val")
+            floating = isinstance(val, (tuple, list)) or isinstance(val, torch.Tensor) and val.is_floating_point()
+            rg[node] = floating and any(rg.get(a, False) for a in node.all_input_nodes)
+    return rg

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import PREFIX, Captured, Slot
-from passes.cost import annotate_costs, tensor_bytes
+from passes.cost import annotate_costs, requires_grad, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ def module_path(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [path for path, _ in stack.values()]
     return [p.removeprefix(PREFIX) for p in paths if p.startswith(PREFIX)]
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -139,18 +143,6 @@ def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, 
     return stage
 
 
-def _requires_grad(gm: fx.GraphModule, slots: list[Slot], trainable: set[str]) -> dict[fx.Node, bool]:
-    rg: dict[fx.Node, bool] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, slot in zip(placeholders, slots):
-        rg[node] = slot.kind == "param" and slot.name in trainable
-    for node in _compute_nodes(gm):
-        val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
-        rg[node] = floating and any(rg.get(a, False) for a in node.all_input_nodes)
-    return rg
-
-
 def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) -> list[StageGraph]:
     """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads."""
     if cap.mutated_buffers:
@@ -161,7 +153,7 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
     gm = cap.gm
     n = len(split_points) + 1
     stage = assign_stages(gm, split_points)
-    rg = _requires_grad(gm, cap.slots, trainable)
+    rg = requires_grad(gm, {nd for nd, sl in zip(_placeholders(gm), cap.slots) if sl.kind == 'param' and sl.name in trainable})
     placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
     slot_of = dict(zip(placeholders, cap.slots))
     input_index = {nd: i for i, nd in enumerate(nd for nd in placeholders if slot_of[nd].kind == "input")}

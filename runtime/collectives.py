@@ -62,14 +62,22 @@ def bind(binding: Binding) -> Iterator[Binding]:
         _BINDING.reset(token)
 
 
+_PROCESS: list[Binding] = []  # the binding of the runtime started last in this process (autograd threads)
+
+
+def set_process_binding(binding: Binding) -> None:
+    """The binding used where no ``bind`` block is active (backward may run on autograd's own threads)."""
+    _PROCESS[:] = [binding]
+
+
 def current() -> Binding:
-    b = _BINDING.get()
+    b = _BINDING.get() or (_PROCESS[0] if _PROCESS else None)
     if b is None:
         raise RuntimeError("an autopar collective ran outside a bound runtime (no process groups)")
     return b
 
 
-def _size_index(axis: str) -> tuple[int, int, dist.ProcessGroup]:
+def _size_index(axis: str) -> tuple[int, int, dist.ProcessGroup]:  # noqa: D103
     g = current().group(axis)
     return dist.get_world_size(g), dist.get_rank(g), g
 
@@ -106,6 +114,14 @@ def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _all_reduce(x, axis)
 
 
+@torch.library.custom_op("autopar::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, axis: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    current().record("all_reduce_max", axis, out)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=current().group(axis))
+    return out
+
+
 @torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return x.clone()
@@ -133,15 +149,54 @@ def to_partial(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 # -- shapes without running (fake tensors), for shape propagation over rewritten graphs ----------------
+_FAKE_SIZES: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("autopar_fake_axis_sizes", default={})
+
+
+@contextlib.contextmanager
+def fake_axis_sizes(sizes: dict[str, int]) -> Iterator[None]:
+    """Axis sizes for shape propagation at compile time, when no process group exists."""
+    token = _FAKE_SIZES.set(sizes)
+    try:
+        yield
+    finally:
+        _FAKE_SIZES.reset(token)
+
+
 def _tp_size(axis: str) -> int:
-    b = _BINDING.get()
-    return dist.get_world_size(b.group(axis)) if b is not None else _FAKE_SIZE.get()
+    sizes = _FAKE_SIZES.get()
+    if axis in sizes:
+        return sizes[axis]
+    return dist.get_world_size(current().group(axis))
 
 
-_FAKE_SIZE: contextvars.ContextVar[int] = contextvars.ContextVar("autopar_fake_axis_size", default=1)
+# -- local replacements of ops that cannot run on shards by themselves ---------------------------
+class AxisCollectives:
+    """The collectives a local replacement (vocab-parallel cross-entropy, ...) may call, on one axis."""
+
+    def __init__(self, axis: str) -> None:
+        self.axis = axis
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.autopar.all_reduce(t, self.axis)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.autopar.all_reduce_max(t.detach(), self.axis)
+
+
+def local_replacement(op: object, note: str, axis: str, n: int, rank: int, *args: object, **kwargs: object) -> object:
+    """Runs the local replacement ``passes.sharding_rules.local_op`` gives for ``op`` under ``note``."""
+    from passes.sharding_rules import R, Strategy, local_op
+
+    fn = local_op(op, Strategy((), R, note), n, rank, AxisCollectives(axis))
+    return fn(*args, **kwargs)
 
 
 @all_reduce.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@all_reduce_max.register_fake
 def _(x: torch.Tensor, axis: str) -> torch.Tensor:
     return torch.empty_like(x)
 

@@ -1,0 +1,248 @@
+"""Sharding solver: one placement strategy per node for the tensor-parallel axis.
+
+``solve_sharding(gm, n, ...)`` writes ``node.meta["autopar.placement"]`` (a
+``Strategy`` from ``passes.sharding_rules``) on every node and returns the
+choice. It minimizes the time of the collectives the choice implies (latency +
+bytes / bandwidth, forward and backward) under a per-rank parameter-memory
+budget, as an integer linear program (scipy's HiGHS): a binary variable per
+(node, strategy), and per edge a variable per pair of producer and consumer
+strategies, linked so the pair's redistribution cost is paid exactly when both
+are chosen.
+
+Rules the program follows, so the lowering stays correct:
+- a parameter is Replicate or Shard(d); a sharded parameter is consumed as
+  it is stored (tensor parallelism computes on shards; gathering parameters
+  is ZeRO's job on the dp axis);
+- user inputs, buffers and constants are Replicate; graph outputs must be
+  Replicate (every tp rank sees the full loss and outputs).
+The default budget asks every parameter of two or more dims that some use
+can consume sharded to be sharded; everything else may stay replicated.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from passes.cost import requires_grad, tensor_bytes
+from passes.sharding_rules import R, Strategy, strategies
+
+KEY = "autopar.placement"
+
+
+@dataclass(frozen=True)
+class AxisCost:
+    """Collective cost on one mesh axis: seconds = latency + bytes / bandwidth."""
+
+    latency_s: float = 10e-6
+    bandwidth: float = 50e9  # bytes per second per rank
+
+
+@dataclass
+class Choice:
+    """What the solver decided for one node."""
+
+    strategies: list[Strategy]
+    chosen: int = 0
+    inputs: list[tuple[fx.Node, int | None] | None] = field(default_factory=list)  # value feeding each input
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.strategies[self.chosen]
+
+
+def out_placement(strategy: Strategy, index: int | None) -> Any:
+    out = strategy.output
+    return out[index] if isinstance(out, tuple) and index is not None else out
+
+
+def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost) -> float:
+    """Forward plus backward time to turn placement ``src`` into ``dst`` (see runtime/collectives.py)."""
+    if src == dst or dst is None:
+        return 0.0
+    ring = nbytes * (n - 1) / n / cost.bandwidth
+    gather, reduce = cost.latency_s + ring, cost.latency_s + 2 * ring
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return reduce  # all_reduce forward, identity backward
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return gather  # all_gather forward, chunk backward
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return gather  # chunk forward, all_gather backward
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return reduce + gather  # reduce_scatter forward, all_gather backward
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return 0.0  # kept on index 0, zeros elsewhere; identity backward
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return 2 * gather  # all_gather then chunk
+    if isinstance(src, Shard) and isinstance(dst, Partial):
+        return gather
+    return math.inf
+
+
+def needs_grad_sync(strategy: Strategy, placement: Any) -> bool:
+    """A Replicate input of an op whose output is not Replicate gets a partial gradient."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    return isinstance(placement, Replicate) and any(not isinstance(o, Replicate) for o in outs)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node | None]:
+    """The producer of each tensor the rules see, in their order (pytree order of the args)."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _vals(tree: Any) -> Any:
+    return pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree)
+
+
+def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str],
+                         fixed: dict[str, Any] | None = None) -> dict[fx.Node, Choice]:
+    """Every node's strategies and the value feeding each of its tensor inputs.
+
+    ``fixed`` pins parameters to placements decided before (another graph of the same model).
+    """
+    choices: dict[fx.Node, Choice] = {}
+    value_of: dict[fx.Node, tuple[fx.Node, int | None]] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            opts = [R]
+            if node in param_names and isinstance(val, torch.Tensor):
+                opts += [Shard(d) for d, s in enumerate(val.shape) if s % n == 0 and s > 0]
+                if fixed is not None and param_names[node] in fixed:
+                    opts = [fixed[param_names[node]]]
+            choices[node] = Choice([Strategy((), p, "parameter" if node in param_names else "input") for p in opts])
+            value_of[node] = (node, None)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            value_of[node] = (value_of[node.args[0]][0], node.args[1])
+        elif node.op == "call_function":
+            ins = tensor_inputs(node)
+            found = strategies(node.target, _vals(node.args), _vals(node.kwargs), n)
+            found = [s for s in found if len(s.inputs) == len(ins)] or found[:1]
+            choices[node] = Choice(found, inputs=[value_of.get(a) for a in ins])
+            value_of[node] = (node, None)
+    return choices
+
+
+def default_budget(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], choices: dict[fx.Node, Choice]) -> int:
+    """Bytes per rank if every parameter of >= 2 dims that all its uses can take sharded is sharded."""
+    total = 0
+    for node in param_names:
+        nbytes = tensor_bytes(node.meta.get("val"))
+        shards = [s.output for s in choices[node].strategies if isinstance(s.output, Shard)]
+        uses = [(u, k) for u in choices for k, v in enumerate(choices[u].inputs) if v == (node, None)]
+        ok = any(all(any(st.inputs[k] == p for st in choices[u].strategies) for u, k in uses) for p in shards)
+        total += nbytes // n if ok and node.meta["val"].dim() >= 2 else nbytes
+    return total
+
+
+def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: AxisCost = AxisCost(),
+                   memory_budget: int | None = None, trainable: set[fx.Node] | None = None,
+                   fixed: dict[str, Any] | None = None) -> dict[fx.Node, Choice]:
+    """Chooses a strategy per node (see the module docstring); writes ``meta[KEY]``.
+
+    ``param_names``: the parameter placeholders; ``trainable``: those with gradients (default all);
+    ``fixed``: parameter placements already decided (the runtime stores parameters that way).
+    """
+    choices = candidate_strategies(gm, n, param_names, fixed)
+    rg = requires_grad(gm, set(param_names) if trainable is None else trainable)
+    budget = memory_budget if memory_budget is not None else default_budget(gm, n, param_names, choices)
+    nodes = list(choices)
+    offset, n_vars = {}, 0
+    for node in nodes:
+        offset[node] = n_vars
+        n_vars += len(choices[node].strategies)
+    c: list[float] = [0.0] * n_vars
+    rows: list[tuple[int, int, float]] = []  # sparse (row, col, value) of equality constraints
+    rhs: list[float] = []
+    for node in nodes:  # exactly one strategy per node
+        row = len(rhs)
+        rows += [(row, offset[node] + i, 1.0) for i in range(len(choices[node].strategies))]
+        rhs.append(1.0)
+    pair_cost: list[tuple[fx.Node, fx.Node, np.ndarray]] = []
+    for v in nodes:
+        cv = choices[v]
+        for k, value in enumerate(cv.inputs):
+            if value is None:
+                continue
+            u, idx = value
+            cu = choices[u]
+            nbytes = tensor_bytes(u.meta["val"] if idx is None else u.meta["val"][idx])
+            grad = rg.get(u, False) and _floating(u, idx)
+            m = np.zeros((len(cu.strategies), len(cv.strategies)))
+            for i, su in enumerate(cu.strategies):
+                src = out_placement(su, idx)
+                for j, sv in enumerate(cv.strategies):
+                    dst = sv.inputs[k]
+                    t = redistribution_time(src, dst, nbytes, n, cost)
+                    if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
+                        t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
+                    if grad and dst is not None and needs_grad_sync(sv, dst):
+                        t += cost.latency_s + 2 * nbytes * (n - 1) / n / cost.bandwidth
+                    m[i, j] = min(t, 1e6)
+            pair_cost.append((u, v, m))
+    out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
+    for a in pytree.tree_leaves(out_node.args):
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            u, idx = (a.args[0], a.args[1]) if a.target is operator.getitem else (a, None)
+            if u in choices:
+                nbytes = tensor_bytes(a.meta["val"])
+                for i, su in enumerate(choices[u].strategies):
+                    c[offset[u] + i] += redistribution_time(out_placement(su, idx), R, nbytes, n, cost)
+    for u, v, m in pair_cost:
+        if len(choices[u].strategies) == 1 or len(choices[v].strategies) == 1 or np.ptp(m) == 0:
+            # unary: fold the cost into the side that varies (the other has one choice or none matters)
+            if len(choices[v].strategies) == 1 or np.ptp(m, axis=0).max() == 0:
+                for i in range(m.shape[0]):
+                    c[offset[u] + i] += m[i, 0]
+            else:
+                for j in range(m.shape[1]):
+                    c[offset[v] + j] += m[0, j]
+            continue
+        base = n_vars
+        n_vars += m.size
+        c += list(m.reshape(-1))
+        for i in range(m.shape[0]):  # sum_j e_ij = x_ui
+            row = len(rhs)
+            rows += [(row, base + i * m.shape[1] + j, 1.0) for j in range(m.shape[1])] + [(row, offset[u] + i, -1.0)]
+            rhs.append(0.0)
+        for j in range(m.shape[1]):  # sum_i e_ij = x_vj
+            row = len(rhs)
+            rows += [(row, base + i * m.shape[1] + j, 1.0) for i in range(m.shape[0])] + [(row, offset[v] + j, -1.0)]
+            rhs.append(0.0)
+    r, col, val = zip(*rows)
+    eq = coo_matrix((val, (r, col)), shape=(len(rhs), n_vars))
+    constraints = [LinearConstraint(eq, rhs, rhs)]
+    mem = np.zeros(n_vars)
+    for node in param_names:
+        for i, s in enumerate(choices[node].strategies):
+            nbytes = tensor_bytes(node.meta["val"])
+            mem[offset[node] + i] = nbytes // n if isinstance(s.output, Shard) else nbytes
+    constraints.append(LinearConstraint(mem.reshape(1, -1), -np.inf, budget))
+    integrality = np.zeros(n_vars)
+    integrality[: sum(len(choices[nd].strategies) for nd in nodes)] = 1
+    result = milp(np.array(c), constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
+                  options={"time_limit": 60})
+    if result.x is None:
+        raise RuntimeError(f"the sharding program found no plan within a budget of {budget:,} bytes per rank "
+                           f"({result.message}); raise memory_budget")
+    for node in nodes:
+        k = len(choices[node].strategies)
+        choices[node].chosen = int(np.argmax(result.x[offset[node] : offset[node] + k]))
+        node.meta[KEY] = choices[node].strategy
+    return choices
+
+
+def _floating(node: fx.Node, idx: int | None) -> bool:
+    val = node.meta.get("val")
+    val = val[idx] if idx is not None and isinstance(val, (tuple, list)) else val
+    return isinstance(val, torch.Tensor) and val.is_floating_point()

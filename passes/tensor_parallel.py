@@ -1,0 +1,94 @@
+"""Tensor parallelism end to end at compile time: solve placements, lower one graph per tp rank.
+
+``tensor_parallel(cap, n, trainable)`` returns each tp rank's graph (with
+``meta["val"]`` re-derived for local shapes, so later passes such as stage
+cutting see local sizes), the placement of every parameter, and what the plan
+shows: the collectives of one forward and backward with their bytes, and the
+ops that ran replicated because no rule covers them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autopar.capture import Captured
+from passes.cost import requires_grad, tensor_bytes
+from passes.lower import lower_tp, propagate_shapes
+from passes.sharding import solve_sharding
+from passes.sharding_rules import has_rule
+
+# backward of each forward collective (runtime/collectives.py)
+BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
+            "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None}
+FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
+           "reduce_scatter": "reduce_scatter", "to_partial": None, "all_reduce_max": "all_reduce_max"}
+
+
+@dataclass
+class TensorParallel:
+    graphs: list[fx.GraphModule]  # by tp index
+    placements: dict[str, object]  # parameter name -> Replicate() or Shard(d)
+    collectives: Counter  # ("forward" | "backward", op) -> count per step, per microbatch
+    bytes: Counter  # same keys -> bytes
+    fallbacks: list[str]
+
+
+def local_shape(shape: tuple[int, ...], placement: object, n: int) -> tuple[int, ...]:
+    if isinstance(placement, Shard):
+        shape = list(shape)
+        shape[placement.dim] //= n
+        return tuple(shape)
+    return tuple(shape)
+
+
+def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
+                    fixed: dict[str, object] | None = None) -> TensorParallel:
+    """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before."""
+    placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
+    params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
+    leaves = {nd for nd, name in params.items() if name in trainable}
+    choices = solve_sharding(cap.gm, n, params, memory_budget=memory_budget, trainable=leaves, fixed=fixed)
+    rg = requires_grad(cap.gm, leaves)
+    placements = {name: choices[nd].strategy.output for nd, name in params.items()}
+    fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
+                        if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
+    graphs = []
+    for rank in range(n):
+        gm = lower_tp(cap.gm, choices, n, rank, rg)
+        example = []
+        for nd, slot in zip(placeholders, cap.slots):
+            val = nd.meta["val"]
+            shape = local_shape(tuple(val.shape), placements.get(slot.name), n)
+            example.append(torch.empty(shape, dtype=val.dtype, device=val.device))
+        propagate_shapes(gm, example, {"tp": n})
+        graphs.append(gm)
+    counts, nbytes = count_collectives(graphs[0])
+    return TensorParallel(graphs, placements, counts, nbytes, fallbacks)
+
+
+def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:
+    """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes."""
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    for nd in gm.graph.nodes:
+        if nd.op == "call_function" and getattr(nd.target, "namespace", None) == "autopar":
+            name = nd.target._opname
+            size = tensor_bytes(nd.meta.get("val"))
+            if FORWARD.get(name):
+                counts[("forward", FORWARD[name])] += 1
+                nbytes[("forward", FORWARD[name])] += size
+            if BACKWARD.get(name) and nd.meta.get("autopar.needs_grad", True):
+                counts[("backward", BACKWARD[name])] += 1
+                nbytes[("backward", BACKWARD[name])] += size
+    return counts, nbytes
+
+
+def with_graph(cap: Captured, gm: fx.GraphModule) -> Captured:
+    """``cap`` with its graph replaced (the signature is unchanged by lowering)."""
+    return dataclasses.replace(cap, gm=gm)

@@ -1,0 +1,328 @@
+"""ZeRO over the dp axis: the flat layout of a rank's parameters, and the stage-3 gather pass.
+
+The layout (``zero_layout``) is a pure function of the rank's trainable
+parameters (names, local shapes, dtypes), the stage and the dp size, so the
+compiler and every rank's runtime compute the same one. Each ``FlatGroup`` lays
+its parameters end to end, padded to a multiple of the dp size ``n``; dp rank
+``i`` owns elements ``[i * shard, (i + 1) * shard)``. Stages 1 and 2 group by
+gradient bucket (reverse parameter order, as backward produces gradients);
+stage 3 groups by layer (the path up to the first list index,
+``transformer.h.3``), so one all-gather fetches one layer.
+
+``insert_gathers`` is the stage-3 rewrite. Invariant: fed each group's shard
+through the placeholder of the group's first parameter (renamed
+``zero_shard_<group>``), the rewritten graph computes what ``gm`` computes on
+the full parameters. Before a group's first use it inserts
+``autopar.zero_all_gather`` (backward: reduce-scatter of the gradient), splits
+the flat result into views shaped like the parameters, and sends every use
+there. fx's generated code drops each value after its last use, so a gathered
+layer is freed after its last forward use; ``zero_begin``/``zero_end`` bracket
+the graph so that autograd keeps only a handle to a gathered parameter it saves
+for backward and re-gathers it there (``runtime/zero_ops.py``).
+"""
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.fx as fx
+
+from autopar.capture import Slot
+
+STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """Parameters laid end to end in one flat buffer, padded to a multiple of ``n`` and split into ``n`` shards."""
+
+    name: str
+    params: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    n: int
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        out = []
+        for shape in self.shapes:
+            size = 1
+            for s in shape:
+                size *= s
+            out.append(size)
+        return tuple(out)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for numel in self.numels:
+            out.append(at)
+            at += numel
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.n) * self.n
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded * self.dtype.itemsize
+
+    def split_sizes(self) -> list[int]:
+        """Sizes that cut the flat buffer into the parameters (and the padding, when there is any)."""
+        pad = self.padded - self.numel
+        return [*self.numels, pad] if pad else list(self.numels)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "params": list(self.params), "shapes": [list(s) for s in self.shapes],
+                "dtype": str(self.dtype), "n": self.n}
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """Every flat group of one rank, for one ZeRO stage over ``n`` dp ranks."""
+
+    stage: int
+    n: int
+    groups: tuple[FlatGroup, ...]
+
+    def describe(self) -> dict:
+        return {"stage": self.stage, "n": self.n, "groups": [g.describe() for g in self.groups]}
+
+    def largest_gathered(self, prefetch: int) -> int:
+        """Stage 3: the most bytes of gathered layers alive at once, ``1 + prefetch`` consecutive layers."""
+        sizes = [g.nbytes for g in self.groups]
+        width = min(len(sizes), 1 + prefetch)
+        return max((sum(sizes[i : i + width]) for i in range(len(sizes) - width + 1)), default=0)
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: its path up to the first list index, else its module's path."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or parts[0]
+
+
+def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage: int, n: int,
+                bucket_bytes: int) -> ZeroLayout:
+    """The flat groups of ``params`` (name, local shape, dtype) for ``stage`` over ``n`` dp ranks."""
+    if stage not in STAGES:
+        raise ValueError(f"zero={stage!r}: a layout exists for stages 1, 2 and 3")
+    if n < 1:
+        raise ValueError(f"dp size {n} must be >= 1")
+    groups: list[FlatGroup] = []
+    if stage == 3:
+        layers: OrderedDict[tuple[str, torch.dtype], list] = OrderedDict()
+        for name, shape, dtype in params:
+            layers.setdefault((layer_of(name), dtype), []).append((name, shape))
+        dtypes_of: dict[str, int] = {}
+        for layer, _ in layers:
+            dtypes_of[layer] = dtypes_of.get(layer, 0) + 1
+        for (layer, dtype), members in layers.items():
+            label = layer if dtypes_of[layer] == 1 else f"{layer}:{str(dtype).removeprefix('torch.')}"
+            groups.append(_group(label, members, dtype, n))
+        return ZeroLayout(stage, n, tuple(groups))
+    bucket: list = []
+    size = 0
+    for name, shape, dtype in reversed(params):  # backward produces the last parameters' gradients first
+        nbytes = _numel(shape) * dtype.itemsize
+        if bucket and (size + nbytes > bucket_bytes or bucket[0][2] != dtype):
+            groups.append(_group(f"bucket{len(groups)}", [(a, b) for a, b, _ in bucket], bucket[0][2], n))
+            bucket, size = [], 0
+        bucket.append((name, shape, dtype))
+        size += nbytes
+    if bucket:
+        groups.append(_group(f"bucket{len(groups)}", [(a, b) for a, b, _ in bucket], bucket[0][2], n))
+    return ZeroLayout(stage, n, tuple(groups))
+
+
+def _group(name: str, members: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, n: int) -> FlatGroup:
+    return FlatGroup(name, tuple(m for m, _ in members), tuple(tuple(s) for _, s in members), dtype, n)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _ops() -> dict[str, object]:
+    import runtime.zero_ops  # noqa: F401  (registers the autopar::zero_* ops)
+
+    ns = torch.ops.autopar
+    return {"begin": ns.zero_begin.default, "end": ns.zero_end.default, "gather": ns.zero_all_gather.default,
+            "prefetch": ns.zero_prefetch.default, "free": ns.zero_free.default}
+
+
+def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *, axis: str, ranks: list[int],
+                   prefetch: int = 1) -> fx.GraphModule:
+    """A copy of ``gm`` that all-gathers each layer's shard before the layer's first use (see the module doc).
+
+    ``prefetch`` layers ahead are gathered asynchronously as soon as a layer's own gather is issued.
+    """
+    ops = _ops()
+    gm = _copy(gm)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(slots):
+        raise ValueError(f"the graph has {len(placeholders)} placeholders but the signature has {len(slots)} slots")
+    by_name = {s.name: node for node, s in zip(placeholders, slots) if s.kind == "param"}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    firsts = []
+    for group in layout.groups:
+        present = [p for p in group.params if p in by_name]
+        users = [u for p in present for u in by_name[p].users]
+        if users:
+            firsts.append((min(users, key=order.__getitem__), group, by_name[present[0]]))
+    firsts.sort(key=lambda item: order[item[0]])
+    carriers = {}
+    for _, group, carrier in firsts:
+        name = "zero_shard_" + group.name.replace(".", "_").replace(":", "_")
+        carrier.target = name
+        carrier._rename(name)
+        carriers[group.name] = carrier
+    zero_ops = set(ops.values())
+    if firsts:
+        with graph.inserting_before(firsts[0][0]):
+            graph.call_function(ops["begin"], (prefetch,))
+        with graph.inserting_before(next(n for n in graph.nodes if n.op == "output")):
+            graph.call_function(ops["end"], ())
+    prefetched: set[str] = set()
+    for i, (first, group, carrier) in enumerate(firsts):
+        with graph.inserting_before(first):
+            flat = graph.call_function(ops["gather"], (carrier, axis, list(ranks)))  # (padded,)
+            flat.meta["autopar.zero"] = group.name
+            for _, ahead, ahead_carrier in firsts[i + 1 : i + 1 + prefetch]:
+                if ahead.name not in prefetched:
+                    prefetched.add(ahead.name)
+                    graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)))
+            parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, group.split_sizes()))
+            for j, (pname, shape) in enumerate(zip(group.params, group.shapes)):
+                node = by_name.get(pname)
+                if node is None or not [u for u in node.users if u.target not in zero_ops]:
+                    continue
+                piece = graph.call_function(operator.getitem, (parts, j))
+                view = graph.call_function(torch.ops.aten.view.default, (piece, list(shape)))
+                node.replace_all_uses_with(view, delete_user_cb=lambda u: u.target not in zero_ops)
+        _free_after_last_use(graph, flat, ops["free"])
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _free_after_last_use(graph: fx.Graph, flat: fx.Node, free: object) -> None:
+    """Inserts ``free(flat)`` after the last node that reads the gathered buffer or a view of it."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    seen, stack, last = {flat}, [flat], flat
+    while stack:  # the split, its pieces and their views alias the buffer
+        node = stack.pop()
+        for user in node.users:
+            if user.op == "output":
+                return  # a gathered parameter is a graph output: it must outlive the graph
+            if order[user] > order[last]:
+                last = user
+            if _may_alias(user) and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    with graph.inserting_after(last):
+        graph.call_function(free, (flat,))
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s output may share storage with an input (a view, a piece of a split, ...)."""
+    if node.target is operator.getitem or node.target is torch.ops.aten._unsafe_view.default:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with a copy of ``gm``'s graph (node meta shared, not deep-copied)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph)
+
+
+def memory_estimate(*, param_bytes: int, trainable_bytes: int, optimizer_factor: int, stage: int, n: int,
+                    gathered: int = 0) -> dict[str, int]:
+    """Bytes per rank the ZeRO paper predicts: what each stage divides by the dp size ``n``."""
+    frozen = param_bytes - trainable_bytes
+    opt = optimizer_factor * trainable_bytes
+    if stage == 0:
+        return {"parameters": param_bytes, "gradients": trainable_bytes, "optimizer": opt}
+    out = {
+        "parameters": param_bytes if stage < 3 else frozen + trainable_bytes // n,
+        "gradients": trainable_bytes if stage == 1 else trainable_bytes // n,
+        "optimizer": opt // n,
+    }
+    if stage == 3:
+        out["gathered"] = gathered
+    return out
+
+
+def zero_collectives(layout: ZeroLayout, *, microbatches: int) -> list[tuple[str, str, int, int, str]]:
+    """``(axis, op, count, bytes, what)`` per kind of collective a ZeRO step runs on one rank."""
+    total = sum(g.nbytes for g in layout.groups)
+    k = len(layout.groups)
+    if layout.n == 1:
+        return []
+    if layout.stage == 1:
+        return [("dp", "reduce_scatter", k, total, "gradient buckets after the last microbatch, in place"),
+                ("dp", "all_gather", k, total, "updated parameter shards after the optimizer step")]
+    if layout.stage == 2:
+        return [("dp", "reduce_scatter", k * microbatches, total * microbatches,
+                 "gradient buckets during every microbatch's backward; full gradients freed"),
+                ("dp", "all_gather", k, total, "updated parameter shards after the optimizer step")]
+    return [("dp", "all_gather", 2 * k * microbatches, 2 * total * microbatches,
+             "each layer before its forward and again for its backward"),
+            ("dp", "reduce_scatter", k * microbatches, total * microbatches, "each layer's gradients in backward")]
+
+
+def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_bytes: int, stage: int, n: int,
+              bucket_bytes: int, microbatches: int, optimizer_factor: int,
+              prefetch: int) -> tuple[ZeroLayout, dict[str, int], list[tuple[str, str, int, int, str]]]:
+    """The layout, the per-rank memory estimate and the collectives of ZeRO ``stage`` for a plan."""
+    layout = zero_layout(params, stage=stage, n=n, bucket_bytes=bucket_bytes)
+    trainable = sum(g.nbytes for g in layout.groups)
+    memory = memory_estimate(param_bytes=frozen_bytes + trainable, trainable_bytes=trainable,
+                             optimizer_factor=optimizer_factor, stage=stage, n=n,
+                             gathered=layout.largest_gathered(prefetch) if stage == 3 else 0)
+    return layout, memory, zero_collectives(layout, microbatches=microbatches)
+
+
+def rank_graphs(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, dp_groups: list[list[int]],
+                rank_count: int, *, prefetch: int) -> dict[int, fx.GraphModule]:
+    """Stage 3: each rank's graph, rewritten once per dp group (the graphs differ only in the ranks they name)."""
+    graphs = {}
+    for ranks in dp_groups:
+        rewritten = insert_gathers(gm, slots, layout, axis="dp", ranks=ranks, prefetch=prefetch)
+        graphs.update(dict.fromkeys(ranks, rewritten))
+    if len(graphs) != rank_count:
+        raise ValueError(f"the dp groups cover {len(graphs)} ranks, the mesh has {rank_count}")
+    return graphs
+
+
+def zero_placements(params: list[tuple[str, tuple[int, ...], str]],
+                    layout: ZeroLayout) -> list[tuple[str, tuple[int, ...], str]]:
+    """The plan's per-parameter rows, each told which flat group shards it over dp."""
+    what = {1: "optimizer state sharded over dp", 2: "gradients + optimizer state sharded over dp",
+            3: "stored sharded over dp, gathered per layer"}[layout.stage]
+    group_of = {name: g.name for g in layout.groups for name in g.params}
+    return [(name, shape, f"{placement}  zero={layout.stage}: {what} in {group_of[name]!r}" if name in group_of
+             else placement) for name, shape, placement in params]

@@ -1,0 +1,239 @@
+"""ZeRO stages 1-3 over the dp axis on one rank: flat shards, gradient reduction, the sharded optimizer step.
+
+``ZeroRuntime`` acts only on the rank's own parameter tensors and its dp process
+group, so a pipeline rank (its stage's parameters) or a tensor-parallel rank
+(its parameter shards) uses it unchanged. It plugs into ``ParallelModel.step``
+where data parallelism's gradient sync does: ``enabled`` / ``finish()`` after the
+microbatches, then the user's optimizer, built on the shards, steps; a step
+post-hook all-gathers the updated shards (stages 1-2) and takes the memory account.
+
+Invariant: after every step each rank's full parameters (stages 1-2) or shards
+(stage 3) equal the matching elements of single-device training on the global
+batch, because each shard receives the dp-averaged gradient of its elements
+and the optimizer is elementwise (checked by ``check_optimizer``).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from autopar.capture import tied_aliases
+from passes.zero import ZeroLayout, zero_layout
+from runtime.groups import Groups
+from runtime.memory import MemoryAccount
+from runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
+
+# optimizers whose update of an element reads only that element's parameter, gradient and state
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adadelta,
+               torch.optim.ASGD)
+
+
+def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
+    """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group."""
+    if factory is None:
+        return
+    opt = factory(params)
+    cls = type(opt)
+    if cls not in ELEMENTWISE and not getattr(cls, "elementwise", False):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(
+            f"zero={stage} steps each rank's shard of the flattened parameters, so the optimizer must update every "
+            f"element from that element alone; {cls.__name__} is not known to be elementwise (it would see "
+            f"flat shards, not whole parameters, and compute a wrong update). Use one of {names}, or zero=0; "
+            "an elementwise optimizer class of your own can declare `elementwise = True`"
+        )
+    groups = opt.param_groups
+    if len(groups) != 1 or len(groups[0]["params"]) != len(params):
+        sizes = [len(g["params"]) for g in groups]
+        raise ValueError(
+            f"zero={stage} builds the optimizer on flat shards with one parameter group, but the optimizer factory "
+            f"made {len(groups)} groups of {sizes} parameters from {len(params)}; per-parameter settings are lost "
+            "on flat shards. Build the optimizer with one group (e.g. lambda params: torch.optim.AdamW(params, "
+            "lr=1e-3)) or use zero=0"
+        )
+
+
+class ZeroRuntime:
+    """The ZeRO state of one rank; see the module docstring for how ``ParallelModel`` drives it."""
+
+    def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter]) -> None:
+        """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups["dp"]``."""
+        mesh = groups.mesh
+        self.model = model
+        self.groups = groups
+        self.stage = options.zero
+        self.enabled = True  # set by ParallelModel.step: True on the last microbatch
+        mine = {id(p) for p in params}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
+                                              n=mesh.dp, bucket_bytes=options.bucket_bytes)
+        check_optimizer(options.optimizer, [p for _, p in named], self.stage)
+        self.tracker = GatheredBytes()
+        self.queue = ReduceQueue()
+        by_name = dict(named)
+        ranks = mesh.group_of(groups.rank, "dp")
+        self.shards: list[FlatShard] = []
+        self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
+        for spec in self.layout.groups:
+            fs = FlatShard(spec, index=groups.coord("dp"), group=groups["dp"], ranks=ranks, device=groups.device,
+                           stage=self.stage, tracker=self.tracker, queue=self.queue)
+            members = [by_name[n] for n in spec.params]
+            fs.load_full(members)
+            self._adopt(fs, members)
+            self.shards.append(fs)
+            self.members[fs] = members
+        self.state: dict[str, torch.Tensor] = dict(model.named_parameters()) | dict(model.named_buffers())
+        if self.stage == 3:
+            for fs in self.shards:
+                self.state.update(dict.fromkeys(fs.spec.params, fs.shard))
+        self.params = [fs.shard for fs in self.shards]
+        self.optimizer = options.optimizer(self.params) if options.optimizer is not None else None
+        if self.optimizer is not None:
+            self.optimizer.register_step_post_hook(self._after_step)
+        self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
+        self._ready: Counter[FlatShard] = Counter()
+        self._hits: Counter[FlatShard] = Counter()
+        self._launched: set[FlatShard] = set()
+        if self.stage < 3:
+            for p in self._group_of_params():
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.memory = MemoryAccount(self._parameter_tensors, self._gradient_tensors, self.optimizer,
+                                    (lambda: self.tracker.peak) if self.stage == 3 else None, on_step=False)
+
+    def _group_of_params(self) -> list[torch.nn.Parameter]:
+        return [p for members in self.members.values() for p in members]
+
+    def _adopt(self, fs: FlatShard, members: list[torch.nn.Parameter]) -> None:
+        """Points the model's parameters at the flat buffers (stages 1-2) or frees them (stage 3)."""
+        if self.stage < 3:
+            for p, view in zip(members, fs.views(fs.full)):
+                p.data = view
+            if self.stage == 1:
+                for p, view in zip(members, fs.views(fs.grad_full)):
+                    p.grad = view  # autograd accumulates in place into the flat gradient
+        else:
+            for p in members:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    # gradient sync (the interface of runtime.grad_sync.BucketedAllReduce) ----------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        fs = self._group_of[id(p)]
+        self._hits[fs] += 1
+        if self.stage == 1 and not self.enabled:
+            return  # stage 1 keeps full gradients: reduce once, after the last microbatch
+        self._ready[fs] += 1
+        if self._ready[fs] >= len(self.members[fs]):
+            self._launch(fs)
+
+    def _launch(self, fs: FlatShard) -> None:
+        self._ready[fs] = 0
+        if self.stage == 1:
+            self._launched.add(fs)
+            self.queue.reduce_scatter_in_place(fs)
+            return
+        members = self.members[fs]
+        if all(p.grad is None for p in members):
+            return
+        pieces = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in members]
+        pad = fs.spec.padded - fs.spec.numel
+        if pad:
+            pieces.append(members[0].new_zeros(pad))
+        flat = torch.cat(pieces)  # (padded,)
+        for p in members:
+            p.grad = None  # stage 2 keeps no full gradient
+        fs.reduce_gradient(flat)
+
+    def finish(self) -> None:
+        """Reduces what backward left, waits, and hands each shard its averaged gradient (None if it got none)."""
+        for fs in self.shards:
+            if self.stage == 1 and fs not in self._launched and self._hits[fs]:
+                self._launch(fs)
+            elif self.stage == 2 and any(p.grad is not None for p in self.members[fs]):
+                self._launch(fs)
+        self.queue.drain()
+        for fs in self.shards:
+            fs.shard.grad = None if fs.fresh else fs.grad
+        self._ready.clear()
+        self._hits.clear()
+        self._launched.clear()
+
+    def _after_step(self, *_: Any) -> None:
+        works = [fs.all_gather_in_place() for fs in self.shards] if self.stage < 3 else []
+        for work in works:
+            if work is not None:
+                work.wait()
+        self.memory.snapshot()  # the steady state: parameters, gradients and optimizer state all exist
+        self.tracker.reset_peak()
+        for fs in self.shards:
+            fs.fresh = True
+            fs.drop_prefetch()
+            if fs.grad_full is not None:
+                fs.grad_full.zero_()
+                for p, view in zip(self.members[fs], fs.views(fs.grad_full)):
+                    p.grad = view
+            else:
+                fs.grad = None  # freed with the optimizer's zero_grad(set_to_none=True)
+
+    # full state ----------------------------------------------------------------
+    def _full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every sharded parameter at full size (stage 3 all-gathers: every rank must call this)."""
+        out = {}
+        for fs in self.shards:
+            full = fs.full if fs.full is not None else fs.gather()
+            out.update(zip(fs.spec.params, fs.views(full)))
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under its own keys, full size, on CPU."""
+        full = self._full_parameters()
+        aliases = tied_aliases(self.model)
+        out = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            value = full.get(aliases.get(key, key), value)
+            out[key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads a full state (the model's keys, e.g. from ``state_dict()`` on any mesh) into the shards."""
+        aliases = tied_aliases(self.model)
+        expected = set(self.model.state_dict().keys())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise KeyError(f"the state does not match the model: missing {missing[:5]} ({len(missing)} in all), "
+                           f"unexpected {unexpected[:5]} ({len(unexpected)} in all); pass a full state_dict() of "
+                           "this model (pm.state_dict() on any mesh, or the single-device model's)")
+        for fs in self.shards:
+            fs.load_full([state[name] for name in fs.spec.params])
+        sharded = {name for fs in self.shards for name in fs.spec.params}
+        with torch.no_grad():
+            for key, value in self.model.state_dict(keep_vars=True).items():
+                if aliases.get(key, key) not in sharded and key in state:
+                    value.copy_(state[key])
+
+    @contextmanager
+    def full_size_parameters(self) -> Iterator[None]:
+        """Stage 3: gives the model's parameters full-size (uninitialised) storage while a capture reads shapes."""
+        if self.stage < 3:
+            yield
+            return
+        for fs in self.shards:
+            for p, shape in zip(self.members[fs], fs.spec.shapes):
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        try:
+            yield
+        finally:
+            for fs in self.shards:
+                for p in self.members[fs]:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    # memory ----------------------------------------------------------------------
+    def _parameter_tensors(self) -> list[torch.Tensor]:
+        return [*self._group_of_params(), *self.params]
+
+    def _gradient_tensors(self) -> list[torch.Tensor | None]:
+        return [*(p.grad for p in self._group_of_params()), *(fs.grad for fs in self.shards),
+                *(fs.grad_full for fs in self.shards)]

@@ -1,0 +1,191 @@
+"""One flat group on one dp rank: its shard, its gradient, and the collectives that move them.
+
+Invariant: ``shard`` holds this rank's slice ``[index * S, (index + 1) * S)`` of
+the group's padded flat parameters, and after ``ReduceQueue.drain`` ``grad``
+holds the same slice of the gradient averaged over the dp ranks (stages 2-3
+allocate it during backward and drop it after the optimizer step, as torch's
+``zero_grad(set_to_none=True)`` does for ordinary gradients). Stages 1 and
+2 keep the full flat parameters (``full``) and the shard is a view into it, so
+the optimizer's in-place update needs no copy; stage 1 also keeps the full flat
+gradient (``grad_full``) with ``grad`` a view into it. Stage 3 keeps only the
+shard; ``gather``/``prefetch`` materialise the full flat parameters on demand,
+and ``GatheredBytes`` measures how many bytes of them are alive.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from passes.zero import FlatGroup
+
+# torch 2.13 renamed the flat-tensor collectives; older releases have only the first names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class GatheredBytes:
+    """Live bytes of gathered (stage-3) parameter buffers, measured from their storages, and the peak."""
+
+    def __init__(self) -> None:
+        self._live: list[weakref.ref] = []
+        self.peak = 0
+
+    def add(self, full: torch.Tensor) -> None:
+        self._live = [ref for ref in self._live if ref() is not None and ref().nbytes()]
+        self._live.append(weakref.ref(full.untyped_storage()))
+        self.peak = max(self.peak, self.live())
+
+    def live(self) -> int:
+        return sum(s.nbytes() for s in (ref() for ref in self._live) if s is not None)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live()
+
+
+@dataclass
+class _Prefetch:
+    work: object
+    full: torch.Tensor
+    version: int
+
+
+class FlatShard:
+    """The state of one ``FlatGroup`` on dp rank ``index`` of ``group`` (``None`` when dp has one rank)."""
+
+    def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
+                 device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue) -> None:
+        self.spec = spec
+        self.queue = queue
+        self.index = index
+        self.group = group
+        self.ranks = list(ranks)
+        self.stage = stage
+        self.tracker = tracker
+        lo, hi = index * spec.shard, (index + 1) * spec.shard
+        self.full = torch.zeros(spec.padded, dtype=spec.dtype, device=device) if stage < 3 else None
+        data = self.full[lo:hi] if self.full is not None else torch.zeros(spec.shard, dtype=spec.dtype, device=device)
+        self.shard = torch.nn.Parameter(data)
+        self.shard._zero = self  # the stage-3 graph ops find their group through the shard they are given
+        self.grad_full = torch.zeros_like(self.full) if stage == 1 else None
+        # stage 1: a view of the full gradient; stages 2-3: allocated by the step's first reduction, dropped after it
+        self.grad: torch.Tensor | None = self.grad_full[lo:hi] if self.grad_full is not None else None
+        self.fresh = True  # no gradient accumulated into ``grad`` yet this step
+        self._prefetched: _Prefetch | None = None
+
+    def __repr__(self) -> str:
+        return f"FlatShard({self.spec.name!r}, {self.spec.numel} elements, shard {self.spec.shard} on rank {self.index})"
+
+    # parameters ---------------------------------------------------------------
+    def views(self, base: torch.Tensor) -> list[torch.Tensor]:
+        """``base`` (a padded flat buffer of this group) cut into tensors shaped like the parameters."""
+        return [base[o : o + k].view(s) for o, k, s in zip(self.spec.offsets, self.spec.numels, self.spec.shapes)]
+
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        """Sets the group's parameters from full tensors (this rank keeps its slice)."""
+        flat = torch.cat([t.detach().reshape(-1).to(self.spec.dtype) for t in tensors])
+        flat = torch.nn.functional.pad(flat, (0, self.spec.padded - self.spec.numel))
+        with torch.no_grad():
+            if self.full is not None:
+                self.full.copy_(flat)
+            else:
+                self.shard.copy_(flat[self.index * self.spec.shard : (self.index + 1) * self.spec.shard])
+
+    def all_gather_in_place(self) -> object:
+        """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""
+        if self.group is None:
+            return None
+        return _all_gather(self.full, self.shard.detach(), group=self.group, async_op=True)
+
+    # stage 3 ------------------------------------------------------------------
+    def _start_gather(self) -> _Prefetch:
+        full = torch.empty(self.spec.padded, dtype=self.spec.dtype, device=self.shard.device)
+        self.tracker.add(full)
+        if self.group is None:
+            full.copy_(self.shard.detach())
+            return _Prefetch(None, full, self.shard._version)
+        work = _all_gather(full, self.shard.detach(), group=self.group, async_op=True)
+        return _Prefetch(work, full, self.shard._version)
+
+    def prefetch(self) -> None:
+        """Starts gathering the full flat parameters; the next ``gather`` waits for it."""
+        if self._prefetched is None:
+            self._prefetched = self._start_gather()
+
+    def gather(self) -> torch.Tensor:
+        """The full flat parameters (padded), from a prefetch when one is pending and still current."""
+        pending, self._prefetched = self._prefetched, None
+        if pending is None:
+            pending = self._start_gather()
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.version != self.shard._version:  # the shard changed after the prefetch was issued
+            return self.gather()
+        return pending.full
+
+    def drop_prefetch(self) -> None:
+        if self._prefetched is not None and self._prefetched.work is not None:
+            self._prefetched.work.wait()
+        self._prefetched = None
+
+    # gradients ----------------------------------------------------------------
+    def reduce_gradient(self, flat: torch.Tensor) -> None:
+        """Stages 2-3: reduce-scatters the group's padded flat gradient; the average lands in ``grad``."""
+        self.queue.reduce_scatter(self, flat)
+
+    def accumulate(self, reduced: torch.Tensor, *, in_place: bool) -> None:
+        """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average."""
+        n = len(self.ranks)
+        with torch.no_grad():
+            if in_place:  # stage 1: ``reduced`` is ``grad`` itself
+                reduced.div_(n)
+            elif self.fresh or self.grad is None:
+                self.grad = reduced.div_(n)
+            else:
+                self.grad.add_(reduced, alpha=1.0 / n)
+        self.fresh = False
+
+
+class ReduceQueue:
+    """Asynchronous reduce-scatters of flat gradients, at most ``inflight`` outstanding at a time."""
+
+    def __init__(self, inflight: int = 1) -> None:
+        self.inflight = inflight
+        self._pending: deque[tuple[FlatShard, object, torch.Tensor, torch.Tensor, bool]] = deque()
+        self.launched = 0  # reduce-scatters launched since construction (for tests and the plan)
+
+    def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor) -> None:
+        """Reduce-scatters ``flat`` (the group's padded flat gradient) into a new slice, added to ``grad`` later."""
+        if shard.group is None:
+            lo = shard.index * shard.spec.shard
+            shard.accumulate(flat[lo : lo + shard.spec.shard].clone(), in_place=False)
+            return
+        out = torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
+        work = _reduce_scatter(out, flat, group=shard.group, async_op=True)
+        self._push(shard, work, out, flat, False)
+
+    def reduce_scatter_in_place(self, shard: FlatShard) -> None:
+        """Stage 1: reduce-scatters ``grad_full`` into its own slice ``grad``."""
+        if shard.group is None:
+            shard.accumulate(shard.grad, in_place=True)
+            return
+        work = _reduce_scatter(shard.grad, shard.grad_full, group=shard.group, async_op=True)
+        self._push(shard, work, shard.grad, shard.grad_full, True)
+
+    def _push(self, shard: FlatShard, work: object, out: torch.Tensor, src: torch.Tensor, in_place: bool) -> None:
+        self.launched += 1
+        self._pending.append((shard, work, out, src, in_place))
+        while len(self._pending) > self.inflight:
+            self._complete()
+
+    def _complete(self) -> None:
+        shard, work, out, _src, in_place = self._pending.popleft()
+        work.wait()
+        shard.accumulate(out, in_place=in_place)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._complete()

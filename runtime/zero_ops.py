@@ -1,0 +1,210 @@
+"""The stage-3 graph ops (``torch.ops.autopar.zero_*``) and the re-gather of saved parameters for backward.
+
+``zero_all_gather(shard, axis, ranks)`` returns a layer's full flat parameters;
+its backward reduce-scatters the layer's gradient over the same ranks
+(asynchronously; the averaged slice lands in the shard's gradient buffer when
+the step's gradient sync finishes). ``zero_prefetch`` starts a later layer's
+all-gather early. ``zero_free(full)`` releases a gathered buffer's memory after
+its last forward use. ``zero_begin`` / ``zero_end`` bracket one forward run:
+while it runs, a tensor autograd saves for backward that lives in a gathered
+buffer is stored as a handle (group, size, stride, offset) instead, so freeing
+the buffer loses nothing; backward re-gathers the group on first need,
+prefetches the group gathered before it, and frees that copy when the layer's
+gradient is reduce-scattered (the last backward step that touches the layer).
+
+Buffers are freed by releasing their storage (``resize_(0)``) rather than by
+dropping references, because a completed collective may keep a reference to
+its output for a while; memory use then follows the graph, not that timing.
+
+Invariant: values and gradients are those of the same graph run on full
+parameters; only where the parameter bytes live changes.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.zero_group import FlatShard
+
+_ACTIVE = threading.local()  # per thread: the stack of forward runs between zero_begin and zero_end
+
+
+def owner(shard: torch.Tensor, axis: str, ranks: list[int]) -> FlatShard:
+    """The ``FlatShard`` a graph op's shard argument belongs to, checked against the graph's ranks."""
+    state = getattr(shard, "_zero", None)
+    if not isinstance(state, FlatShard):
+        raise RuntimeError(
+            f"autopar.zero_all_gather got a plain tensor of shape {tuple(shard.shape)}, not a ZeRO-3 shard; "
+            "run zero=3 graphs through ParallelModel (pm.step / pm(...)), which feeds each layer's shard"
+        )
+    if state.ranks != list(ranks):
+        raise RuntimeError(
+            f"the graph gathers layer {state.spec.name!r} over {axis} ranks {list(ranks)}, but its shard belongs "
+            f"to the group of ranks {state.ranks}; the graph was compiled for another rank"
+        )
+    return state
+
+
+def release(full: torch.Tensor) -> None:
+    """Frees a gathered buffer's memory now, whoever still holds the tensor."""
+    full.untyped_storage().resize_(0)
+
+
+@dataclass(frozen=True)
+class _Handle:
+    group: FlatShard
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _ForwardRun:
+    """One forward run's gathered buffers and the saved-tensor hooks that re-gather them for backward."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self.buffers: dict[int, tuple[weakref.ref, FlatShard]] = {}  # storage address -> (storage, group)
+        self.kept: set[int] = set()  # buffers autograd saved as themselves: never freed early
+        self.order: list[FlatShard] = []  # groups in forward gather order
+        self.outstanding: Counter[FlatShard] = Counter()  # handles saved and not yet used
+        self.regathered: dict[FlatShard, torch.Tensor] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def track(self, group: FlatShard, full: torch.Tensor) -> None:
+        storage = full.untyped_storage()
+        self.buffers[storage.data_ptr()] = (weakref.ref(storage), group)
+        if group not in self.order:
+            self.order.append(group)
+
+    def _entry(self, t: torch.Tensor) -> tuple[int, FlatShard] | None:
+        storage = t.untyped_storage()
+        entry = self.buffers.get(storage.data_ptr())
+        if entry is None or entry[0]() is not storage or storage.nbytes() == 0:
+            return None
+        return storage.data_ptr(), entry[1]
+
+    def free(self, full: torch.Tensor) -> None:
+        """``zero_free``: the forward is done with ``full``; release it unless autograd kept it whole."""
+        entry = self._entry(full)
+        if entry is not None and entry[0] not in self.kept:
+            del self.buffers[entry[0]]
+            release(full)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            return t
+        entry = self._entry(t)
+        if entry is None:
+            return t
+        address, group = entry
+        if t.dtype != group.spec.dtype:  # a reinterpreting view: keep the buffer alive instead
+            self.kept.add(address)
+            return t
+        self.outstanding[group] += 1
+        return _Handle(group, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Handle):
+            return saved
+        group = saved.group
+        full = self.regathered.get(group)
+        if full is None:
+            full = self.regathered[group] = group.gather()
+            self._prefetch_before(group)
+        self.outstanding[group] -= 1
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def release_regathered(self, group: FlatShard) -> None:
+        """The layer's gradient is complete: its backward copy is no longer needed."""
+        full = self.regathered.pop(group, None)
+        if full is not None:
+            release(full)
+
+    def _prefetch_before(self, group: FlatShard) -> None:
+        """Starts re-gathering the groups backward reaches next (those gathered just before ``group``)."""
+        if group not in self.order:
+            return
+        i = self.order.index(group)
+        for earlier in reversed(self.order[max(0, i - self.prefetch) : i]):
+            if self.outstanding[earlier] > 0 and earlier not in self.regathered:
+                earlier.prefetch()
+
+
+def _stack() -> list[_ForwardRun]:
+    if not hasattr(_ACTIVE, "runs"):
+        _ACTIVE.runs = []
+    return _ACTIVE.runs
+
+
+def _current() -> _ForwardRun | None:
+    runs = _stack()
+    return runs[-1] if runs else None
+
+
+@torch.library.custom_op("autopar::zero_begin", mutates_args=())
+def zero_begin(prefetch: int = 1) -> None:
+    """Starts a forward run: gathered parameters saved for backward are kept as handles and re-gathered."""
+    runs = _stack()
+    while runs:  # a run an exception interrupted never reached zero_end
+        runs.pop().hooks.__exit__(None, None, None)
+    run = _ForwardRun(prefetch)
+    run.hooks.__enter__()
+    runs.append(run)
+
+
+@torch.library.custom_op("autopar::zero_end", mutates_args=())
+def zero_end() -> None:
+    """Ends the forward run ``zero_begin`` started."""
+    runs = _stack()
+    if runs:
+        runs.pop().hooks.__exit__(None, None, None)
+
+
+@torch.library.custom_op("autopar::zero_all_gather", mutates_args=())
+def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.Tensor:
+    """The full flat parameters of ``shard``'s layer, all-gathered over ``axis`` (the dp ranks ``ranks``)."""
+    group = owner(shard, axis, ranks)
+    full = group.gather()
+    run = _current()
+    if run is not None:
+        run.track(group, full)
+    return full
+
+
+@zero_all_gather.register_fake
+def _(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.Tensor:
+    return shard.new_empty(shard.shape[0] * len(ranks))
+
+
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group = owner(*inputs)
+    ctx.run = _current()
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+    if ctx.run is not None:
+        ctx.run.release_regathered(ctx.group)
+    ctx.group.reduce_gradient(grad.contiguous())
+    return None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
+
+
+zero_all_gather.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("autopar::zero_free", mutates_args=())
+def zero_free(full: torch.Tensor) -> None:
+    """Releases a gathered layer after its last forward use (saved copies are re-gathered in backward)."""
+    run = _current()
+    if run is not None:
+        run.free(full)
+
+
+@torch.library.custom_op("autopar::zero_prefetch", mutates_args=())
+def zero_prefetch(shard: torch.Tensor, axis: str, ranks: list[int]) -> None:
+    """Starts all-gathering ``shard``'s layer; the layer's ``zero_all_gather`` waits for it."""
+    owner(shard, axis, ranks).prefetch()
