@@ -31,6 +31,19 @@ from runtime import collectives as coll
 autopar_ops = torch.ops.autopar
 
 
+def local_val(val: Any, placement: Any, n: int) -> Any:
+    """A meta tensor with the local shape of ``val`` under ``placement`` (tuples elementwise)."""
+    if isinstance(val, (tuple, list)):
+        placements = placement if isinstance(placement, tuple) else (placement,) * len(val)
+        return tuple(local_val(v, p, n) for v, p in zip(val, placements))
+    if not isinstance(val, torch.Tensor):
+        return val
+    shape = list(val.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] //= n
+    return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
 def _convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str) -> fx.Node:
     """Nodes turning placement ``src`` into ``dst`` (identity when equal)."""
     if dst is None or src == dst:
@@ -50,9 +63,9 @@ def _convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str) -> fx.N
     raise NotImplementedError(f"no redistribution from {src} to {dst}")
 
 
-def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, rank: int, requires_grad: dict[fx.Node, bool],
+def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, requires_grad: dict[fx.Node, bool],
              axis: str = "tp") -> fx.GraphModule:
-    """The graph tp rank ``rank`` (of ``n``) runs; node metadata is re-derived for local shapes."""
+    """The graph every tp rank (of ``n``) runs: what depends on the rank's index reads it at run time."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placement: dict[fx.Node, Any] = {}  # placement of each original node's (tensor) value
@@ -65,22 +78,34 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, rank: i
             if grad:
                 x = graph.call_function(autopar_ops.grad_all_reduce.default, (x, axis))
             converted[key] = x
+            for nd in _new_nodes(x, env[arg]):
+                nd.meta["val"] = local_val(arg.meta.get("val"), _placement_after(nd, placement[arg]), n)
         return converted[key]
+
+    def finish(node: fx.Node, new: fx.Node, strategy_output: Any) -> None:
+        new.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        new.meta["val"] = local_val(node.meta.get("val"), strategy_output, n)
+        placement[node] = strategy_output
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
-            env[node].meta = {k: v for k, v in node.meta.items() if k != "val"}
-            placement[node] = choices[node].strategy.output
+            finish(node, env[node], choices[node].strategy.output)
         elif node.op == "call_function" and node.target is operator.getitem:
             env[node] = graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
-            env[node].meta = {k: v for k, v in node.meta.items() if k != "val"}
-            placement[node] = out_placement(choices[node.args[0]].strategy, node.args[1])
+            finish(node, env[node], out_placement(choices[node.args[0]].strategy, node.args[1]))
         elif node.op == "call_function":
             strategy = choices[node].strategy
             ins = tensor_inputs(node)
             vals = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-            rewritten = local_args(node.target, vals[0], vals[1], strategy, n, rank)
+            rewritten = local_args(node.target, vals[0], vals[1], strategy, n, 0)
+            if n > 1 and rewritten != local_args(node.target, vals[0], vals[1], strategy, n, 1):
+                if ins:
+                    raise NotImplementedError(f"rank-dependent arguments with tensor inputs: {node.format_node()}")
+                env[node] = graph.call_function(coll.rank_local_call, (node.target, strategy, axis, n, *node.args),
+                                                dict(node.kwargs))
+                finish(node, env[node], strategy.output)
+                continue
             local = iter([local_input(arg, strategy.inputs[k], _needs_sync(arg, strategy, k, requires_grad))
                           for k, arg in enumerate(ins)])
             # tensors sit where the node's own tensor arguments sit: substitute by position
@@ -91,15 +116,13 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, rank: i
             leaves = [next(local) if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
                       else o if isinstance(o, fx.Node) else new for o, new in zip(originals, leaves)]
             new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
-            replacement = local_op(node.target, strategy, n, rank, coll.AxisCollectives(axis))
-            if replacement is not None:
+            if local_op(node.target, strategy, n, 0, coll.AxisCollectives(axis)) is not None:
                 env[node] = graph.call_function(coll.local_replacement,
-                                                (node.target, strategy.note, axis, n, rank, *new_args), new_kwargs)
+                                                (node.target, strategy.note, axis, n, *new_args), new_kwargs)
             else:
                 env[node] = graph.call_function(node.target, tuple(new_args), new_kwargs)
-            env[node].meta = {k: v for k, v in node.meta.items() if k != "val"}
+            finish(node, env[node], strategy.output)
             env[node].meta["autopar.placement"] = strategy
-            placement[node] = strategy.output
         elif node.op == "output":
             outs = [local_input(a, R, False) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
                     else a for a in node.args[0]]
@@ -109,14 +132,42 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, rank: i
     return lowered
 
 
-def propagate_shapes(gm: fx.GraphModule, example: list[torch.Tensor], axis_sizes: dict[str, int]) -> None:
-    """Writes ``meta["val"]`` (fake tensors) on every node of ``gm`` for the local ``example`` placeholders."""
+def propagate_shapes(gm: fx.GraphModule, example: list[Any], axis_sizes: dict[str, int]) -> None:
+    """Writes ``meta["val"]`` (fake tensors) on every node of ``gm``.
+
+    ``example`` holds, per placeholder, a ``(shape, dtype, device)`` spec or a value; no real
+    memory is allocated for the specs.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example]
+    with mode:
+        fakes = [torch.empty(e[0], dtype=e[1], device=e[2]) if isinstance(e, tuple) else e for e in example]
     with coll.fake_axis_sizes(axis_sizes):
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def _new_nodes(last: fx.Node, first: fx.Node) -> list[fx.Node]:
+    """The chain of nodes inserted between ``first`` and ``last`` (each takes the previous as input 0)."""
+    chain = []
+    while last is not first:
+        chain.append(last)
+        last = last.args[0]
+    return chain
+
+
+_AFTER = {"all_reduce": R, "all_gather": R, "to_partial": Partial()}
+
+
+def _placement_after(node: fx.Node, before: Any) -> Any:
+    """The placement a conversion node produces."""
+    name = node.target._opname
+    if name in ("chunk", "reduce_scatter"):
+        return Shard(node.args[2])
+    if name == "grad_all_reduce":
+        return _placement_after(node.args[0], before) if node.args[0].op == "call_function" and \
+            getattr(node.args[0].target, "namespace", None) == "autopar" else before
+    return _AFTER[name]
 
 
 def _needs_sync(arg: fx.Node, strategy: Any, k: int, requires_grad: dict[fx.Node, bool]) -> bool:

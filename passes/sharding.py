@@ -33,6 +33,7 @@ from scipy.sparse import coo_matrix
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from passes.blocks import repeated_blocks
 from passes.cost import requires_grad, tensor_bytes
 from passes.sharding_rules import R, Strategy, strategies
 
@@ -105,11 +106,14 @@ def _vals(tree: Any) -> Any:
 
 
 def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str],
-                         fixed: dict[str, Any] | None = None) -> dict[fx.Node, Choice]:
+                         fixed: dict[str, Any] | None = None,
+                         same_as: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, Choice]:
     """Every node's strategies and the value feeding each of its tensor inputs.
 
-    ``fixed`` pins parameters to placements decided before (another graph of the same model).
+    ``fixed`` pins parameters to placements decided before (another graph of the same model);
+    ``same_as`` maps nodes of repeated blocks to their first block's nodes.
     """
+    same_as = same_as or {}
     choices: dict[fx.Node, Choice] = {}
     value_of: dict[fx.Node, tuple[fx.Node, int | None]] = {}
     for node in gm.graph.nodes:
@@ -126,8 +130,11 @@ def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, 
             value_of[node] = (value_of[node.args[0]][0], node.args[1])
         elif node.op == "call_function":
             ins = tensor_inputs(node)
-            found = strategies(node.target, _vals(node.args), _vals(node.kwargs), n)
-            found = [s for s in found if len(s.inputs) == len(ins)] or found[:1]
+            if node in same_as and same_as[node] in choices:  # an identical block's node: the same strategies
+                found = choices[same_as[node]].strategies
+            else:
+                found = strategies(node.target, _vals(node.args), _vals(node.kwargs), n)
+                found = [s for s in found if len(s.inputs) == len(ins)] or found[:1]
             choices[node] = Choice(found, inputs=[value_of.get(a) for a in ins])
             value_of[node] = (node, None)
     return choices
@@ -153,18 +160,27 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     ``param_names``: the parameter placeholders; ``trainable``: those with gradients (default all);
     ``fixed``: parameter placements already decided (the runtime stores parameters that way).
     """
-    choices = candidate_strategies(gm, n, param_names, fixed)
+    same_as = {a: b for a, b in repeated_blocks(gm).items()  # identical layers are decided once
+               if a.target is not operator.getitem}
+    choices = candidate_strategies(gm, n, param_names, fixed, same_as)
     rg = requires_grad(gm, set(param_names) if trainable is None else trainable)
     budget = memory_budget if memory_budget is not None else default_budget(gm, n, param_names, choices)
     nodes = list(choices)
     offset, n_vars = {}, 0
     for node in nodes:
+        if node in same_as:
+            continue
         offset[node] = n_vars
         n_vars += len(choices[node].strategies)
+    for node in same_as:
+        offset[node] = offset[same_as[node]]
+    n_decisions = n_vars
     c: list[float] = [0.0] * n_vars
     rows: list[tuple[int, int, float]] = []  # sparse (row, col, value) of equality constraints
     rhs: list[float] = []
     for node in nodes:  # exactly one strategy per node
+        if node in same_as:
+            continue
         row = len(rhs)
         rows += [(row, offset[node] + i, 1.0) for i in range(len(choices[node].strategies))]
         rhs.append(1.0)
@@ -198,7 +214,15 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 nbytes = tensor_bytes(a.meta["val"])
                 for i, su in enumerate(choices[u].strategies):
                     c[offset[u] + i] += redistribution_time(out_placement(su, idx), R, nbytes, n, cost)
-    for u, v, m in pair_cost:
+    merged: dict[tuple[int, int], tuple[fx.Node, fx.Node, np.ndarray]] = {}
+    for u, v, m in pair_cost:  # edges between the same shared variables add up
+        key = (offset[u], offset[v])
+        merged[key] = (u, v, merged[key][2] + m) if key in merged else (u, v, m)
+    for u, v, m in merged.values():
+        if offset[u] == offset[v]:
+            for i in range(m.shape[0]):  # a node tied to itself: only the diagonal can be chosen
+                c[offset[u] + i] += m[i, i]
+            continue
         if len(choices[u].strategies) == 1 or len(choices[v].strategies) == 1 or np.ptp(m) == 0:
             # unary: fold the cost into the side that varies (the other has one choice or none matters)
             if len(choices[v].strategies) == 1 or np.ptp(m, axis=0).max() == 0:
@@ -229,7 +253,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             mem[offset[node] + i] = nbytes // n if isinstance(s.output, Shard) else nbytes
     constraints.append(LinearConstraint(mem.reshape(1, -1), -np.inf, budget))
     integrality = np.zeros(n_vars)
-    integrality[: sum(len(choices[nd].strategies) for nd in nodes)] = 1
+    integrality[:n_decisions] = 1
     result = milp(np.array(c), constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
                   options={"time_limit": 60})
     if result.x is None:

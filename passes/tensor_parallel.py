@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
 from passes.cost import requires_grad, tensor_bytes
-from passes.lower import lower_tp, propagate_shapes
+from passes.lower import lower_tp
 from passes.sharding import solve_sharding
 from passes.sharding_rules import has_rule
 
@@ -58,18 +58,9 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
-    graphs = []
-    for rank in range(n):
-        gm = lower_tp(cap.gm, choices, n, rank, rg)
-        example = []
-        for nd, slot in zip(placeholders, cap.slots):
-            val = nd.meta["val"]
-            shape = local_shape(tuple(val.shape), placements.get(slot.name), n)
-            example.append(torch.empty(shape, dtype=val.dtype, device=val.device))
-        propagate_shapes(gm, example, {"tp": n})
-        graphs.append(gm)
-    counts, nbytes = count_collectives(graphs[0])
-    return TensorParallel(graphs, placements, counts, nbytes, fallbacks)
+    gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
+    counts, nbytes = count_collectives(gm)
+    return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks)
 
 
 def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:

@@ -211,21 +211,23 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
                     prefetched.add(ahead.name)
                     graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)))
             parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, group.split_sizes()))
+            pieces = []
             for j, (pname, shape) in enumerate(zip(group.params, group.shapes)):
                 node = by_name.get(pname)
                 if node is None or not [u for u in node.users if u.target not in zero_ops]:
                     continue
                 piece = graph.call_function(operator.getitem, (parts, j))
+                pieces.append(piece)
                 view = graph.call_function(torch.ops.aten.view.default, (piece, list(shape)))
                 node.replace_all_uses_with(view, delete_user_cb=lambda u: u.target not in zero_ops)
-        _free_after_last_use(graph, flat, ops["free"])
+        _free_after_last_use(graph, flat, pieces, ops["free"])
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _free_after_last_use(graph: fx.Graph, flat: fx.Node, free: object) -> None:
-    """Inserts ``free(flat)`` after the last node that reads the gathered buffer or a view of it."""
+def _free_after_last_use(graph: fx.Graph, flat: fx.Node, pieces: list[fx.Node], free: object) -> None:
+    """Inserts ``free(flat, pieces)`` after the last node that reads the gathered buffer or a view of it."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     seen, stack, last = {flat}, [flat], flat
     while stack:  # the split, its pieces and their views alias the buffer
@@ -239,7 +241,7 @@ def _free_after_last_use(graph: fx.Graph, flat: fx.Node, free: object) -> None:
                 seen.add(user)
                 stack.append(user)
     with graph.inserting_after(last):
-        graph.call_function(free, (flat,))
+        graph.call_function(free, (flat, pieces))
 
 
 def _may_alias(node: fx.Node) -> bool:

@@ -183,12 +183,27 @@ class AxisCollectives:
         return torch.ops.autopar.all_reduce_max(t.detach(), self.axis)
 
 
-def local_replacement(op: object, note: str, axis: str, n: int, rank: int, *args: object, **kwargs: object) -> object:
+def axis_index(axis: str) -> int:
+    """This rank's index on ``axis`` (0 during compile-time shape propagation)."""
+    if axis in _FAKE_SIZES.get():
+        return 0
+    return dist.get_rank(current().group(axis))
+
+
+def local_replacement(op: object, note: str, axis: str, n: int, *args: object, **kwargs: object) -> object:
     """Runs the local replacement ``passes.sharding_rules.local_op`` gives for ``op`` under ``note``."""
     from passes.sharding_rules import R, Strategy, local_op
 
-    fn = local_op(op, Strategy((), R, note), n, rank, AxisCollectives(axis))
+    fn = local_op(op, Strategy((), R, note), n, axis_index(axis), AxisCollectives(axis))
     return fn(*args, **kwargs)
+
+
+def rank_local_call(op: object, strategy: object, axis: str, n: int, *args: object, **kwargs: object) -> object:
+    """Runs ``op`` with arguments that depend on this rank's index (e.g. its share of an ``arange``)."""
+    from passes.sharding_rules import local_args
+
+    local, local_kwargs = local_args(op, args, kwargs, strategy, n, axis_index(axis))
+    return op(*local, **local_kwargs)
 
 
 @all_reduce.register_fake

@@ -106,3 +106,16 @@ def test_collectives_per_step_are_megatrons(launcher) -> None:
         for name, p in full.named_parameters():
             if ".layers." in name and p.dim() == 2:
                 assert r["params"][name] * 2 == p.numel(), name
+
+
+def test_repeated_layers_are_solved_once() -> None:
+    from autopar.capture import capture
+    from passes.blocks import repeated_blocks
+
+    model = models.llama(layers=4)
+    cap = capture(model, (IDS,), {}, with_loss=True, loss_fn=models.lm_loss, target=TARGET)
+    same = repeated_blocks(cap.gm)
+    layers = {str(n.meta["nn_module_stack"]).count("layers.0") for n in same.values()}
+    assert layers == {1}, "every repeated node maps to a node of the first layer"
+    per_layer = len(same) // 3
+    assert per_layer > 20 and len(same) == 3 * per_layer  # layers 1, 2 and 3 map onto layer 0
