@@ -15,6 +15,7 @@ from autopar.capture import tied_aliases
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.program import Program, check_supported, compile_program, shared_parameters
+from passes.fused_projections import from_storage, to_storage
 from runtime.batch import signature, split_batch
 from runtime.grad_sync import BucketedAllReduce
 from runtime.collectives import Binding, set_process_binding
@@ -137,6 +138,8 @@ class ParallelModel:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 placement = program.placements.get(name)
+                if name in program.layouts:
+                    p.data = to_storage(p.data, program.layouts[name])
                 if isinstance(placement, Shard):
                     p.data = p.data.chunk(n, placement.dim)[i].clone()
 
@@ -166,6 +169,10 @@ class ParallelModel:
                 pieces = [torch.empty_like(p.data) for _ in range(self.mesh.tp)]
                 dist.all_gather(pieces, p.data.contiguous(), group=group)
                 out[name] = torch.cat(pieces, placement.dim)
+            elif name in program.layouts:
+                out[name] = p.data
+            if name in program.layouts:
+                out[name] = from_storage(out[name], program.layouts[name])
         return out
 
     def _pp_rank_fn(self, groups: Groups) -> Callable[[int], int]:

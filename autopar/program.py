@@ -94,6 +94,7 @@ class Program:
     split_points: list[str] = field(default_factory=list)
     stage_sets: list[list[StageGraph]] = field(default_factory=list)  # pipeline stages by tp index
     placements: dict[str, Any] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
+    layouts: dict[str, Any] = field(default_factory=dict)  # parameter -> Interleave: stored re-ordered (tp > 1)
 
     def stages_for(self, tp_index: int) -> list[StageGraph] | None:
         return self.stage_sets[tp_index] if self.stage_sets else self.stages
@@ -126,16 +127,16 @@ def compile_program(
     plan = _plan(model, mesh, options, cap, args)
     layout = _add_zero_to_plan(plan, model, mesh, options) if options.zero else None
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    lowered, pinned, placements = [cap], placements, {}
+    lowered, pinned, placements, layouts = [cap], placements, {}, {}
     if mesh.tp > 1:
         tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned)
-        lowered, placements = [with_graph(cap, g) for g in tp.graphs], tp.placements
+        lowered, placements, layouts = [with_graph(cap, g) for g in tp.graphs], tp.placements, tp.layouts
         add_tensor_parallel_to_plan(plan, mesh, tp)
     if mesh.pp == 1:
         graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
         if options.zero == 3:  # each layer's shard is all-gathered before its first use (passes/zero.py)
             graphs = rank_graphs(cap.gm, cap.slots, layout, mesh.groups("dp"), mesh.size, prefetch=options.zero_prefetch)
-        return Program(captured=cap, graphs=graphs, plan=plan, placements=placements)
+        return Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
@@ -149,11 +150,13 @@ def compile_program(
     graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
-                   split_points=split_points, stage_sets=stage_sets, placements=placements)
+                   split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts)
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:
-    plan.params = [(name, shape, _placement(mesh, tp.placements.get(name))) for name, shape, _ in plan.params]
+    plan.params = [(name, shape, _placement(mesh, tp.placements.get(name))
+                    + (f" (stored as {tp.layouts[name].blocks} blocks interleaved per rank)" if name in tp.layouts else ""))
+                   for name, shape, _ in plan.params]
     for (direction, op), count in sorted(tp.collectives.items()):
         plan.collectives.append(Collective("tp", op, count * plan.microbatches,
                                            tp.bytes[(direction, op)] * plan.microbatches,

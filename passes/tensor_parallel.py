@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
 from passes.cost import requires_grad, tensor_bytes
+from passes.fused_projections import Interleave, interleave_fused_projections
 from passes.lower import lower_tp
 from passes.sharding import solve_sharding
 from passes.sharding_rules import has_rule
@@ -37,6 +38,7 @@ class TensorParallel:
     collectives: Counter  # ("forward" | "backward", op) -> count per step, per microbatch
     bytes: Counter  # same keys -> bytes
     fallbacks: list[str]
+    layouts: dict[str, Interleave] = dataclasses.field(default_factory=dict)  # parameters stored re-ordered
 
 
 def local_shape(shape: tuple[int, ...], placement: object, n: int) -> tuple[int, ...]:
@@ -50,6 +52,7 @@ def local_shape(shape: tuple[int, ...], placement: object, n: int) -> tuple[int,
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
                     fixed: dict[str, object] | None = None) -> TensorParallel:
     """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before."""
+    layouts = interleave_fused_projections(cap, n)
     placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
     params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
     leaves = {nd for nd, name in params.items() if name in trainable}
@@ -60,7 +63,7 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
     counts, nbytes = count_collectives(gm)
-    return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks)
+    return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts)
 
 
 def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:

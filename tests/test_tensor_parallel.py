@@ -83,29 +83,42 @@ def test_llama_plan_is_megatron() -> None:
     assert "tp: S(0)" in text and "all_reduce" in text
 
 
-def _count_llama_collectives() -> dict:
+def _count_collectives(name: str) -> dict:
     torch.manual_seed(0)
-    pm = parallelize(models.llama(layers=3), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd)
+    pm = parallelize(getattr(models, name)(layers=3), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd)
     pm.step(IDS, target=TARGET)
-    counts = dict(pm._binding.counts)
     pm._binding.counts.clear()
     pm.step(IDS, target=TARGET)
     params = {n: p.numel() for n, p in pm.model.named_parameters()}
-    return {"counts": dict(pm._binding.counts), "first": counts, "params": params, "rank": dist.get_rank()}
+    return {"counts": dict(pm._binding.counts), "params": params}
 
 
-def test_collectives_per_step_are_megatrons(launcher) -> None:
+@pytest.mark.parametrize("name, layer", [("llama", ".layers."), ("gpt2", ".h.")])
+def test_collectives_per_step_are_megatrons(launcher, name: str, layer: str) -> None:
     """3 layers: 2 forward + 2 backward all-reduces per layer, 1 + 1 for embedding and head, 2 in the
     vocab-parallel loss (sum of exponentials, target logit) and 1 max; per-rank layer weights are 1/tp."""
-    for r in launcher(_count_llama_collectives, 2):
+    for r in launcher(_count_collectives, 2, name):
         layers = 3
         assert r["counts"][("all_reduce", "tp")] == 4 * layers + 2 + 2
         assert r["counts"][("all_reduce_max", "tp")] == 1
         assert ("all_gather", "tp") not in r["counts"]
-        full = models.llama(layers=3)
-        for name, p in full.named_parameters():
-            if ".layers." in name and p.dim() == 2:
-                assert r["params"][name] * 2 == p.numel(), name
+        full = getattr(models, name)(layers=3)
+        for pname, p in full.named_parameters():
+            if layer in pname and p.dim() == 2:
+                assert r["params"][pname] * 2 == p.numel(), pname
+
+
+def test_gpt2_plan_reads_like_megatron() -> None:
+    """GPT-2's fused q|k|v weight is stored interleaved per rank, so it shards column-wise."""
+    pm = parallelize(models.gpt2(layers=2), Mesh(tp=2), example_inputs=(IDS,), example_target=TARGET,
+                     loss_fn=models.lm_loss, optimizer=models.adamw)
+    text = str(pm.plan)
+    assert "transformer.h.0.attn.c_attn.weight" in text and "blocks interleaved per rank" in text
+    placements = pm.compile((IDS,), {}, TARGET).placements
+    assert placements["transformer.h.0.attn.c_attn.weight"] == Shard(1)  # Conv1D (in, out): column-parallel
+    assert placements["transformer.h.0.attn.c_proj.weight"] == Shard(0)  # row-parallel
+    assert placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
+    assert placements["transformer.h.0.mlp.c_proj.weight"] == Shard(0)
 
 
 def test_repeated_layers_are_solved_once() -> None:
