@@ -55,6 +55,8 @@ class ParallelModel:
         self._split_points: list[str] | None = None
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._placements: dict[str, Any] | None = None
+        self._rng_base: int | None = None
+        self._rng_calls = 0
 
     # compile time -----------------------------------------------------------
     def compile(self, args: tuple, kwargs: dict | None = None, target: Any = None, *, with_loss: bool = True) -> Program:
@@ -127,6 +129,18 @@ class ParallelModel:
             rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), self._pp_rank_fn(groups),
                                          groups.device)
         return rt
+
+    def _seed_rng(self) -> None:
+        """Tensor-parallel ranks draw the same random numbers (dropout masks agree in replicated regions)."""
+        if self.mesh.tp == 1:
+            return
+        if self._rng_base is None:
+            base = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.int64, device=self._rt.groups.device)
+            dist.broadcast(base, src=self.mesh.rank_of(**{**self.mesh.coords(self._rt.groups.rank), "tp": 0}),
+                           group=self._rt.groups["tp"])
+            self._rng_base = int(base)
+        self._rng_calls += 1
+        torch.manual_seed(self._rng_base + self._rng_calls)
 
     def _shard_for_tp(self, program: Program, groups: Groups) -> None:
         """Each tp rank keeps its chunk of every parameter the plan shards; collectives bind to the groups."""
@@ -201,6 +215,7 @@ class ParallelModel:
             raise ValueError("step() needs an optimizer: parallelize(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
         program = self.compile(args, kwargs, target, with_loss=True)
         rt = self._runtime(program)
+        self._seed_rng()
         parts = self._local_parts((args, kwargs, target), rt)
         if rt.pipeline is not None:
             loss = self._pipeline_step(program, parts, rt)
@@ -249,6 +264,7 @@ class ParallelModel:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program = self.compile(args, kwargs, None, with_loss=False)
         rt = self._runtime(program)
+        self._seed_rng()
         parts = self._local_parts((args, kwargs, None), rt)
         with torch.no_grad():
             if rt.pipeline is not None:

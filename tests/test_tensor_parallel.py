@@ -134,3 +134,24 @@ def test_repeated_layers_are_solved_once() -> None:
     assert {p.split(".")[2] for n in same for p in module_path(n) if p.startswith("model.layers.")} == {"1", "2", "3"}
     per_layer = len(same) // 3
     assert per_layer > 20 and len(same) == 3 * per_layer  # layers 1, 2 and 3 map onto layer 0
+
+
+def _dropout_run() -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=64, use_cache=False,
+                     resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).double().train()
+    torch.manual_seed(1000 + dist.get_rank())  # ranks start from different generator states on purpose
+    pm = parallelize(model, Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd)
+    losses = [pm.step(IDS, target=TARGET) for _ in range(2)]
+    return {"losses": losses, "state": pm.state_dict()}
+
+
+def test_dropout_masks_agree_across_tp_ranks(launcher) -> None:
+    """With dropout in replicated regions, tp ranks must stay one model: same losses, same replicated weights."""
+    a, b = launcher(_dropout_run, 2)
+    assert a["losses"] == b["losses"]
+    for name in a["state"]:
+        torch.testing.assert_close(a["state"][name], b["state"][name], rtol=0, atol=0)
