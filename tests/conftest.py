@@ -13,7 +13,7 @@ settings.register_profile("slow", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("slow" if os.environ.get("AUTOPAR_SLOW") else "default")
 
-POOL_SIZE = 4
+POOL_SIZE = 8
 
 
 @pytest.fixture(scope="session")

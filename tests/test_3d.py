@@ -1,0 +1,44 @@
+"""dp x pp x tp together on 8 local ranks equals single-device training, in any axis order."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import models
+from autopar import Mesh
+from autopar.testing import assert_equivalent
+
+IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_dp2_pp2_tp2(launcher, name: str) -> None:
+    assert_equivalent(models.factory(getattr(models, name), layers=4), Mesh(dp=2, pp=2, tp=2), (IDS,), TARGET,
+                      models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, microbatches=2)
+
+
+def test_axis_order_is_free(launcher) -> None:
+    assert_equivalent(models.factory(models.llama, layers=4), Mesh(tp=2, pp=2, dp=2), (IDS,), TARGET,
+                      models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, microbatches=2)
+
+
+def _factorizations(n: int) -> list[dict[str, int]]:
+    return [{"dp": d, "pp": p, "tp": n // (d * p)} for d in (1, 2, 4, 8) for p in (1, 2, 4)
+            if n % (d * p) == 0 and n // (d * p) in (1, 2, 4)]
+
+
+@given(sizes=st.sampled_from(_factorizations(4) + _factorizations(8)), order=st.permutations(["dp", "pp", "tp"]),
+       schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
+       config=st.sampled_from([("llama", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 8, 4)]))
+def test_random_meshes_schedules_and_transformers(launcher, sizes, order, schedule, config) -> None:
+    name, layers, heads, kv = config
+    mesh = Mesh(**{axis: sizes[axis] for axis in order})
+    microbatches = 2 * mesh.pp if schedule == "interleaved-1f1b" else 2
+    batch = mesh.dp * microbatches
+    ids = torch.randint(0, 96, (batch, 6), generator=torch.Generator().manual_seed(batch))
+    kw = {"layers": layers, "heads": heads, "d": 32} | ({"kv_heads": kv} if name == "llama" else {})
+    assert_equivalent(models.factory(getattr(models, name), **kw), mesh, (ids,), ids, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, schedule=schedule, microbatches=microbatches)
