@@ -1,9 +1,10 @@
-"""The ``autopar`` command line: ``autopar demo`` (the main job)."""
+"""The ``autopar`` command line: ``demo`` (the main job) and ``inspect`` (plans and rewritten graphs)."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import sys
-import time
 from typing import Any
 
 import torch
@@ -20,107 +21,87 @@ def parse_mesh(text: str) -> Mesh:
     return Mesh(**sizes)
 
 
-def _demo_model(layers: int, width: int, vocab: int) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=128, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg).train()
-
-
-def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = out.logits  # (B, S, V)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
-
-
-def _optimizer(params: list) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3)
+def load_factory(spec: str) -> Any:
+    """``"package.module:function"`` -> the function."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{spec!r} is not MODULE:FACTORY (e.g. mypackage.models:build)")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import {module!r} ({e}); run from the folder that holds it or install it") from None
+    except AttributeError:
+        raise ValueError(f"module {module!r} has no {name!r}") from None
 
 
-def _batches(steps: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    # a learnable toy language: each sequence counts up from a random start
-    starts = torch.randint(0, vocab, (steps, batch, 1), generator=g)
-    return list((starts + torch.arange(seq)) % vocab)
+def example_for(built: Any, batch: int, seq: int) -> tuple[torch.nn.Module, tuple, Any, Any]:
+    """(model, inputs, target, loss_fn) from what a factory returned: a model, or a tuple starting with one."""
+    if isinstance(built, tuple):
+        model, inputs, *rest = built
+        return model, tuple(inputs), (rest[0] if rest else None), (rest[1] if len(rest) > 1 else None)
+    model = built
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is None:
+        raise ValueError("the factory returned only a model, and autopar cannot tell its inputs; "
+                         "return (model, example_inputs) or (model, example_inputs, target, loss_fn)")
+    ids = torch.randint(0, embeddings.num_embeddings, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, (ids,), None, None
 
 
-def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = width * done // total
-    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
-
-
-def _demo_rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
-    import torch.distributed as dist
-
+def inspect(argv: list[str]) -> int:
     from autopar.parallel import parallelize
 
-    torch.set_num_threads(1)
-    model = _demo_model(args.layers, args.width, args.vocab)
-    pm = parallelize(model, mesh, loss_fn=_loss, optimizer=_optimizer, microbatches=args.microbatches)
-    batches = _batches(args.steps, args.batch, args.seq, args.vocab)
-    rank0 = dist.get_rank() == 0
-    start = time.perf_counter()
-    worst = 0.0
-    for i, ids in enumerate(batches):
-        loss = pm.step(ids, target=ids)
-        worst = max(worst, abs(loss - reference[i]))
-        if rank0:
-            print(f"  {_bar(i + 1, len(batches))}  loss {loss:.6f}   single-device {reference[i]:.6f}", flush=True)
-    elapsed = time.perf_counter() - start
-    return {"time": elapsed, "worst": worst, "plan": pm.plan.summary() if rank0 else ""}
+    p = argparse.ArgumentParser(prog="autopar inspect", description="print the plan and a rank's rewritten graph")
+    p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs[, target, loss_fn])")
+    p.add_argument("--mesh", default="dp=2,pp=2,tp=2")
+    p.add_argument("--rank", type=int, help="print this rank's rewritten graph, collectives marked '>>'")
+    p.add_argument("--diff", action="store_true", help="with --rank: diff against the captured graph")
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=16)
+    args = p.parse_args(argv)
+    mesh = parse_mesh(args.mesh)
+    model, inputs, target, loss_fn = example_for(load_factory(args.factory)(), args.batch, args.seq)
+    pm = parallelize(model, mesh, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                     microbatches=args.microbatches, schedule=args.schedule)
+    print(pm.plan)
+    if args.rank is not None:
+        code = pm.graph(args.rank).code
+        if args.diff:
+            before = pm.compile(inputs, {}, target, with_loss=target is not None).captured.gm.code
+            sys.stdout.writelines(difflib.unified_diff(before.splitlines(True), code.splitlines(True),
+                                                       "captured", f"rank {args.rank}"))
+        else:
+            print(f"\nrank {args.rank} runs:")
+            for line in code.splitlines():
+                print((">> " if "torch.ops.autopar" in line else "   ") + line)
+    return 0
 
 
 def demo(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="autopar demo", description="train a small GPT on local CPU ranks")
-    p.add_argument("--mesh", default="dp=2", help="mesh axes, e.g. dp=2 (default)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--microbatches", type=int, default=2)
-    args = p.parse_args(argv)
-    mesh = parse_mesh(args.mesh)
-    from runtime.launch import launch
+    from autopar.demo import run
 
-    print(f"autopar demo: GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}), {mesh} on "
-          f"{mesh.size} local CPU ranks, global batch {args.batch} x {args.seq}, {args.steps} steps")
-    batches = _batches(args.steps, args.batch, args.seq, args.vocab)
-    reference = []
-    model = _demo_model(args.layers, args.width, args.vocab)
-    opt = _optimizer(list(model.parameters()))
-    t0 = time.perf_counter()
-    for ids in batches:
-        loss = _loss(model(ids), ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reference.append(float(loss.detach()))
-    single = time.perf_counter() - t0
-    results = launch(_demo_rank, mesh.size, mesh, args, reference)
-    r0 = results[0]
-    print(f"\ndone: {args.steps} steps in {r0['time']:.2f} s on {mesh.size} ranks "
-          f"(single device {single:.2f} s); largest loss difference {max(r['worst'] for r in results):.2e}")
-    print(r0["plan"])
-    return 0
+    return run(argv)
+
+
+COMMANDS = {"demo": demo, "inspect": inspect}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    commands = {"demo": demo}
-    if not argv or argv[0] not in commands:
-        print(f"usage: autopar {{{','.join(commands)}}} [options] [--debug]", file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: autopar {{{','.join(COMMANDS)}}} [options] [--debug]", file=sys.stderr)
         return 2
     try:
-        return commands[argv[0]](argv[1:])
+        return COMMANDS[argv[0]](argv[1:])
     except Exception as e:  # noqa: BLE001 - one readable line unless --debug
         if debug:
             raise
-        print(f"autopar {argv[0]}: error: {e}\n  (run with --debug for the traceback)", file=sys.stderr)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"autopar {argv[0]}: error: {first}\n  (run with --debug for the traceback)", file=sys.stderr)
         return 1
 
 

@@ -312,6 +312,18 @@ class ParallelModel:
             for name, t in rt.state.items():
                 dist.broadcast(t.data, src=to_rank(owner.get(name, 0)), group=rt.groups["pp"])
 
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """This rank's pipeline actions of the last step: ``(action, start, end)`` (perf_counter seconds)."""
+        rt = self._rt
+        return list(rt.pipeline.timeline) if rt is not None and rt.pipeline is not None else []
+
+    def communication(self) -> dict[str, int]:
+        """Tensor-parallel collective calls and bytes counted since the runtime started, by ``op@axis``."""
+        if self._rt is None or self.mesh.tp == 1:
+            return {}
+        b = self._binding
+        return {f"{op}@{axis}": b.bytes[(op, axis)] for op, axis in b.counts}
+
     def parameters(self) -> list[torch.nn.Parameter]:
         if self._rt is None:
             raise RuntimeError("the runtime starts at the first pm.step or pm(...) call")

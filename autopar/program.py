@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured, capture
+from autopar.log import log_pass
 from autopar.mesh import Mesh
 from autopar.options import Options
+from passes.cost import tensor_bytes
 from passes.pipeline import StageGraph, choose_split_points, split_stages
 from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from passes.zero import rank_graphs, zero_placements, zero_plan
@@ -47,6 +50,7 @@ class Plan:
     fallbacks: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
     pipeline: list[str] = field(default_factory=list)
+    memory_note: str = ""
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -78,7 +82,8 @@ class Plan:
             lines.append("    none")
         if self.fallbacks:
             lines.append("  ops run replicated (no sharding rule): " + ", ".join(self.fallbacks))
-        lines.append("  memory per rank (estimate): " + ", ".join(f"{k} {_mb(v)}" for k, v in self.memory.items()))
+        note = f", {self.memory_note}" if self.memory_note else ""
+        lines.append(f"  memory per rank (estimate{note}): " + ", ".join(f"{k} {_mb(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)
 
 
@@ -95,6 +100,8 @@ class Program:
     stage_sets: list[list[StageGraph]] = field(default_factory=list)  # pipeline stages by tp index
     placements: dict[str, Any] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
     layouts: dict[str, Any] = field(default_factory=dict)  # parameter -> Interleave: stored re-ordered (tp > 1)
+    param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
+    trainable: set[str] = field(default_factory=set)
 
     def stages_for(self, tp_index: int) -> list[StageGraph] | None:
         return self.stage_sets[tp_index] if self.stage_sets else self.stages
@@ -123,20 +130,26 @@ def compile_program(
     """
     check_supported(mesh, options)
     args, kwargs, target = local
-    cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
+    with log_pass("capture (torch.export)") as info:
+        cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
+        info["nodes"] = len(cap.gm.graph.nodes)
     plan = _plan(model, mesh, options, cap, args)
     layout = _add_zero_to_plan(plan, model, mesh, options) if options.zero else None
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lowered, pinned, placements, layouts = [cap], placements, {}, {}
     if mesh.tp > 1:
-        tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned)
+        with log_pass(f"tensor parallel (solve + lower, tp={mesh.tp})", len(cap.gm.graph.nodes)) as info:
+            tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned)
+            info["nodes"] = len(tp.graphs[0].graph.nodes)
+            info["detail"] = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
         lowered, placements, layouts = [with_graph(cap, g) for g in tp.graphs], tp.placements, tp.layouts
         add_tensor_parallel_to_plan(plan, mesh, tp)
     if mesh.pp == 1:
         graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
         if options.zero == 3:  # each layer's shard is all-gathered before its first use (passes/zero.py)
             graphs = rank_graphs(cap.gm, cap.slots, layout, mesh.groups("dp"), mesh.size, prefetch=options.zero_prefetch)
-        return Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts)
+        return _finish(Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts),
+                       mesh, options, trainable)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
@@ -146,11 +159,52 @@ def compile_program(
     if len(split_points) != n_stages - 1:
         raise ValueError(f"{len(split_points)} split points give {len(split_points) + 1} stages, but pp={mesh.pp} "
                          f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split points")
-    stage_sets = [split_stages(c, split_points, trainable) for c in lowered]
+    with log_pass(f"pipeline cut ({n_stages} stages)", len(lowered[0].gm.graph.nodes)) as info:
+        stage_sets = [split_stages(c, split_points, trainable) for c in lowered]
+        info["nodes"] = " + ".join(str(len(st.gm.graph.nodes)) for st in stage_sets[0])
+        info["detail"] = "cuts before " + ", ".join(split_points)
     graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
-    return Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
-                   split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts)
+    return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
+                           split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts),
+                   mesh, options, trainable)
+
+
+def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
+    """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
+    c = mesh.coords(rank)
+    stages = program.stages_for(c["tp"])
+    graphs = ([st.gm for st in stages if program.schedule.stage_to_rank[st.index] == c["pp"]]
+              if stages is not None else [program.graphs[rank]])
+    sizes: dict[str, int] = {}
+    for gm in graphs:
+        placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
+        for nd in placeholders:
+            name = program.param_of.get(nd.name)
+            if name is not None:
+                sizes[name] = tensor_bytes(nd.meta.get("val"))
+    trainable = sum(b for n, b in sizes.items() if n in program.trainable)
+    return sum(sizes.values()), trainable
+
+
+def _finish(program: Program, mesh: Mesh, options: Options, trainable: set[str]) -> Program:
+    """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages)."""
+    placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
+    program.param_of = {nd.name: s.name for nd, s in zip(placeholders, program.captured.slots) if s.kind == "param"}
+    program.trainable = trainable
+    if options.zero:
+        return program  # ZeRO's own estimate stands (runtime/zero.py)
+    factor = optimizer_state_factor(options)
+    per_rank = {r: rank_parameter_bytes(program, mesh, r) for r in range(mesh.size)}
+    worst = max(per_rank, key=lambda r: per_rank[r][0])
+    params, grads = per_rank[worst]
+    program.plan.memory = {"parameters": params, "gradients": grads, "optimizer": factor * grads}
+    program.plan.memory_note = f"largest on rank {worst}"
+    program.plan.collectives = [
+        Collective(c.axis, c.op, max(1, -(-grads // options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
+        for c in program.plan.collectives
+    ]
+    return program
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:

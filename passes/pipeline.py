@@ -1,8 +1,10 @@
 """Pipeline stage cutting: one captured graph -> ``n`` stage graphs.
 
 ``choose_split_points`` picks cuts at module boundaries (the first node of a
-module in the user's model), balancing estimated FLOPs per stage and, among
-nearly balanced cuts, preferring the one where the fewest bytes cross.
+module in the user's model) — between the entries of module lists, such as
+transformer layers, when there are enough of them — balancing estimated FLOPs
+per stage and, among nearly balanced cuts, preferring the one where the fewest
+bytes cross.
 ``split_stages`` cuts at given module names. Cuts are named by module so that
 every graph of the same model (with or without the loss, any batch size) is cut
 the same way and each parameter lives on the same stages.
@@ -100,6 +102,9 @@ def choose_split_points(gm: fx.GraphModule, n_stages: int) -> list[str]:
         if pos > 0:
             by_position.setdefault(pos, path)  # the outermost module starting there names the cut
     candidates = sorted(by_position)
+    layers = [c for c in candidates if by_position[c].rsplit(".", 1)[-1].isdigit()]
+    if len(layers) >= n_stages - 1:
+        candidates = layers  # cut between the entries of module lists (transformer layers) when there are enough
     if len(candidates) < n_stages - 1:
         raise ValueError(
             f"cannot cut the model into {n_stages} stages: its graph has only {len(candidates)} module boundaries "

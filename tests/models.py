@@ -139,3 +139,8 @@ def skipnet(width: int = 6, depth: int = 6, skips: tuple[tuple[int, int], ...] =
             dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return SkipNet(width, depth, skips).to(dtype)
+
+
+def mlp_default() -> nn.Module:
+    """A model whose inputs cannot be guessed (used by the command-line tests)."""
+    return mlp((4, 2))

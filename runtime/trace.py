@@ -1,0 +1,74 @@
+"""Pipeline timelines as pictures: Chrome-trace JSON (opens in Perfetto) and a PNG Gantt chart.
+
+A timeline is, per rank, the ``(action, start, end)`` records of
+``runtime.pipeline.PipelineRunner.timeline`` (perf_counter seconds). Ranks'
+clocks are the same machine's clock for local ranks; times are shown relative to
+the earliest start.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+Timeline = list[tuple[str, float, float]]
+_KIND = re.compile(r"\d+([A-Z_]+)\d+")
+COLORS = {"F": "#4c72b0", "B": "#55a868", "SEND_F": "#c0c0c0", "RECV_F": "#909090", "SEND_B": "#c0c0c0",
+          "RECV_B": "#909090"}
+
+
+def kind(action: str) -> str:
+    m = _KIND.fullmatch(action)
+    return m.group(1) if m else action
+
+
+def chrome_trace(timelines: dict[int, Timeline]) -> dict:
+    """Chrome trace events: one thread per rank, one complete event per action (microseconds)."""
+    t0 = min((s for tl in timelines.values() for _, s, _ in tl), default=0.0)
+    events = []
+    for rank, tl in sorted(timelines.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        for action, start, end in tl:
+            events.append({"name": action, "cat": kind(action), "ph": "X", "pid": 0, "tid": rank,
+                           "ts": (start - t0) * 1e6, "dur": max(end - start, 0.0) * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def save_chrome_trace(timelines: dict[int, Timeline], path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(timelines)))
+    return path
+
+
+def save_gantt(timelines: dict[int, Timeline], path: str | Path, title: str = "pipeline timeline") -> Path:
+    """A PNG Gantt chart: a row per rank, forward / backward / communication bars, gaps are idle time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("drawing the timeline needs matplotlib: pip install 'autopar[plot]'") from e
+    t0 = min((s for tl in timelines.values() for _, s, _ in tl), default=0.0)
+    ranks = sorted(timelines)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.5))
+    for row, rank in enumerate(ranks):
+        for action, start, end in timelines[rank]:
+            k = kind(action)
+            ax.barh(row, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS.get(k, "#dd8452"),
+                    edgecolor="white", linewidth=0.3)
+            if k in ("F", "B") and (end - start) * 1e3 > 0:
+                ax.text((start - t0 + (end - start) / 2) * 1e3, row, action, ha="center", va="center",
+                        fontsize=6, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "RECV_F")]
+    ax.legend(handles, ["forward", "backward", "send / receive"], loc="upper center", bbox_to_anchor=(0.5, -0.12),
+              ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,96 @@
+"""The command line: inspect prints plans and rank graphs, errors are short, the demo runs, logs and pictures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from autopar import Mesh, parallelize
+from autopar.cli import main
+from runtime.trace import chrome_trace, save_gantt
+
+TESTS = str(Path(__file__).parent)
+
+
+def test_inspect_prints_the_plan_and_a_rank_graph(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(["inspect", "models:gpt2", "--mesh", "pp=2,tp=2", "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "autopar plan for Mesh(pp=2, tp=2)" in out and "cuts before: transformer.h.1" in out
+    assert "rank 3 runs:" in out
+    assert any(line.startswith(">> ") and "torch.ops.autopar.all_reduce" in line for line in out.splitlines())
+
+
+def test_inspect_diff_shows_the_inserted_collectives(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(["inspect", "models:llama", "--mesh", "tp=2", "--rank", "0", "--diff"]) == 0
+    out = capsys.readouterr().out
+    assert "--- captured" in out and "+++ rank 0" in out
+    assert any(line.startswith("+") and "autopar.all_reduce" in line for line in out.splitlines())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "models:gpt2", "--mesh", "dp=0"], "mesh axis dp=0 must be an integer >= 1"),
+    (["inspect", "nosuchmodule:f"], "cannot import 'nosuchmodule'"),
+    (["inspect", "models:nosuch"], "module 'models' has no 'nosuch'"),
+    (["inspect", "models:mlp_default"], "return (model, example_inputs)"),
+])
+def test_errors_are_one_readable_line(capsys, monkeypatch, argv: list[str], message: str) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 2
+
+
+def test_debug_flag_shows_the_traceback(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    with pytest.raises(ValueError, match="dp=0"):
+        main(["inspect", "models:gpt2", "--mesh", "dp=0", "--debug"])
+
+
+def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", "demo", "--mesh", "pp=2", "--steps", "2",
+                           "--layers", "2", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2/2  loss" in done.stdout and "single-device" in done.stdout
+    trace = json.loads((tmp_path / "autopar-timeline.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"0F0", "1B1"}
+
+
+def test_debug_log_names_each_pass() -> None:
+    code = ("import sys, torch; sys.path.insert(0, %r); import models, autopar;"
+            "autopar.parallelize(models.gpt2(), autopar.Mesh(pp=2, tp=2), example_inputs=(torch.zeros(4, 8, dtype=torch.long),),"
+            "microbatches=2)") % TESTS
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "AUTOPAR_DEBUG": "1"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ["capture (torch.export)", "tensor parallel (solve + lower, tp=2): ", "pipeline cut (2 stages): "]:
+        assert f"[autopar] {name}" in done.stderr
+    assert " -> " in done.stderr and " nodes in " in done.stderr
+
+
+def test_timeline_pictures(tmp_path: Path) -> None:
+    timelines = {0: [("0F0", 0.0, 0.001), ("0SEND_F0", 0.001, 0.0011), ("0B0", 0.003, 0.005)],
+                 1: [("1RECV_F0", 0.0, 0.0012), ("1F0", 0.0012, 0.002), ("1B0", 0.002, 0.003)]}
+    trace = chrome_trace(timelines)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["tid"], e["name"], e["cat"]) for e in events][:2] == [(0, "0F0", "F"), (0, "0SEND_F0", "SEND_F")]
+    assert events[2]["ts"] == pytest.approx(3000) and events[2]["dur"] == pytest.approx(2000)
+    pytest.importorskip("matplotlib")
+    png = save_gantt(timelines, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compiling_prints_nothing(capsys) -> None:
+    pm = parallelize(models.mlp((4, 2)), Mesh(dp=1), example_inputs=(torch.ones(2, 4, dtype=torch.float64),),
+                     example_target=torch.ones(2, 2, dtype=torch.float64), loss_fn=models.mse, optimizer=models.sgd)
+    assert pm.plan is not None
+    assert capsys.readouterr().out == ""
