@@ -28,6 +28,13 @@ def test_hf_tp(launcher, name: str, tp: int) -> None:
     _hf(name, launcher, Mesh(tp=tp))
 
 
+def test_gpt2_vocabulary_that_does_not_divide(launcher) -> None:
+    """A vocabulary of 97 (like GPT-2's 50257) cannot be split by tp=2: the solver shards something else."""
+    ids = IDS % 97
+    assert_equivalent(models.factory(models.gpt2, vocab=97), Mesh(tp=2), (ids,), ids, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
+
+
 def test_llama_gqa_fewer_kv_heads_than_tp(launcher) -> None:
     """2 key/value heads over tp=4: the solver must not shard them 4 ways."""
     _hf("llama", launcher, Mesh(tp=4), model={"heads": 4, "kv_heads": 2})
