@@ -189,6 +189,18 @@ class ParallelModel:
                 out[name] = from_storage(out[name], program.layouts[name])
         return out
 
+    def _check_ownership(self, program: Program, rt: _Runtime) -> None:
+        """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
+        stages = program.stages_for(rt.groups.coord("tp"))
+        if stages is None:
+            return
+        pp = rt.groups.coord("pp")
+        used = {n for st in stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
+        held = {n for n, p in self.model.named_parameters() if any(p is q for q in rt.params)}
+        if not used <= held | {n for n, p in self.model.named_parameters() if not p.requires_grad}:
+            raise RuntimeError(f"internal error: this input's program uses parameters {sorted(used - held)[:3]} on pp "
+                               f"rank {pp}, which holds other ones; please report it with the model")
+
     def _pp_rank_fn(self, groups: Groups) -> Callable[[int], int]:
         coords = self.mesh.coords(groups.rank)
         return lambda pp: self.mesh.rank_of(**{**coords, "pp": pp})
@@ -215,6 +227,7 @@ class ParallelModel:
             raise ValueError("step() needs an optimizer: parallelize(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
         program = self.compile(args, kwargs, target, with_loss=True)
         rt = self._runtime(program)
+        self._check_ownership(program, rt)
         self._seed_rng()
         parts = self._local_parts((args, kwargs, target), rt)
         if rt.pipeline is not None:
@@ -264,6 +277,7 @@ class ParallelModel:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program = self.compile(args, kwargs, None, with_loss=False)
         rt = self._runtime(program)
+        self._check_ownership(program, rt)
         self._seed_rng()
         parts = self._local_parts((args, kwargs, None), rt)
         with torch.no_grad():

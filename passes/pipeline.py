@@ -141,8 +141,15 @@ def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, 
     if cuts != sorted(set(cuts)):
         raise ValueError(f"split points {split_points} must name modules in execution order, each starting later")
     stage: dict[fx.Node, int] = {}
-    for i, node in enumerate(_compute_nodes(gm)):
+    nodes = _compute_nodes(gm)
+    for i, node in enumerate(nodes):
         stage[node] = sum(c <= i for c in cuts)
+    for node in reversed(nodes):  # nodes a pass inserted (no module of the user's) join their first consumer
+        if not module_path(node) and node.target is not operator.getitem:
+            later = [stage[u] for u in node.users if u in stage]
+            if later:
+                stage[node] = max(stage[node], min(later))
+    for node in nodes:
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in stage:
             stage[node] = stage[node.args[0]]
     return stage

@@ -223,14 +223,13 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             for i in range(m.shape[0]):  # a node tied to itself: only the diagonal can be chosen
                 c[offset[u] + i] += m[i, i]
             continue
-        if len(choices[u].strategies) == 1 or len(choices[v].strategies) == 1 or np.ptp(m) == 0:
-            # unary: fold the cost into the side that varies (the other has one choice or none matters)
-            if len(choices[v].strategies) == 1 or np.ptp(m, axis=0).max() == 0:
-                for i in range(m.shape[0]):
-                    c[offset[u] + i] += m[i, 0]
-            else:
-                for j in range(m.shape[1]):
-                    c[offset[v] + j] += m[0, j]
+        if len(choices[v].strategies) == 1 or np.ptp(m, axis=1).max() == 0:
+            for i in range(m.shape[0]):  # the cost depends on u's choice only
+                c[offset[u] + i] += m[i, 0]
+            continue
+        if len(choices[u].strategies) == 1 or np.ptp(m, axis=0).max() == 0:
+            for j in range(m.shape[1]):  # ... or on v's only
+                c[offset[v] + j] += m[0, j]
             continue
         base = n_vars
         n_vars += m.size
