@@ -246,6 +246,23 @@ def _view(call: Call) -> list[Strategy] | None:
     return found
 
 
+def _flatten(call: Call) -> list[Strategy] | None:
+    """flatten(start, end) is the view that merges dims start..end (the same dim mapping)."""
+    x = call["self"]
+    if x.ndim == 0 or not all(isinstance(s, int) for s in x.shape):
+        return None
+    start, end = norm_dim(call["start_dim"], x.ndim), norm_dim(call["end_dim"], x.ndim)
+    merged = 1
+    for size in x.shape[start : end + 1]:
+        merged *= size
+    out = [*x.shape[:start], merged, *x.shape[end + 1 :]]
+    found = [call.strategy(P, PARTIAL, self=P)] if summable(x) else []
+    for ins, outs in _view_groups(list(x.shape), out):
+        if divisible(x.shape[ins[0]], call.n) and divisible(out[outs[0]], call.n):
+            found.append(call.strategy(Shard(outs[0]), "", self=Shard(ins[0])))
+    return found
+
+
 def _infer_sizes(numel: int, sizes: list[int]) -> list[int]:
     if -1 in sizes:
         known = 1
@@ -509,6 +526,7 @@ OP_RULES: dict[Op, Rule] = {
     **dict.fromkeys([aten.arange.default, aten.arange.start, aten.arange.start_step], _arange),
     # view / reshape: a sharded dim leading a merge/split group maps to the group's leading output dim
     **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], _view),
+    aten.flatten.using_ints: _flatten,  # a view merging dims start..end
     # expand: kept dims follow the input; broadcast or new dims may be sharded from a replicated input
     aten.expand.default: _expand,
     # transpose / permute / t: the shard follows its dim

@@ -393,6 +393,14 @@ def _arange(d: Draw, op: Any) -> tuple[tuple, dict]:
     return (start, start + length * step - d(st.integers(0, abs(step) - 1)) * (1 if step > 0 else -1), step), kwargs
 
 
+@case(aten.flatten.using_ints)
+def _flatten(d: Draw, op: Any) -> tuple[tuple, dict]:
+    shape = d.shape(1, 4)
+    start = d(st.integers(0, len(shape) - 1))
+    end = d(st.integers(start, len(shape) - 1))
+    return (d.floats(shape), start - len(shape) if d(st.booleans()) else start, end), {}
+
+
 @case(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _view(d: Draw, op: Any) -> tuple[tuple, dict]:
     # build both shapes from groups of factors, so that dims merge and split
