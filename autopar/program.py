@@ -160,7 +160,9 @@ def compile_program(
         raise ValueError(f"{len(split_points)} split points give {len(split_points) + 1} stages, but pp={mesh.pp} "
                          f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split points")
     with log_pass(f"pipeline cut ({n_stages} stages)", len(lowered[0].gm.graph.nodes)) as info:
-        stage_sets = [split_stages(c, split_points, trainable) for c in lowered]
+        cut: dict[int, list[StageGraph]] = {}  # tp ranks share one lowered graph: cut it once
+        stage_sets = [cut.setdefault(id(c.gm), split_stages(c, split_points, trainable)) if id(c.gm) not in cut
+                      else cut[id(c.gm)] for c in lowered]
         info["nodes"] = " + ".join(str(len(st.gm.graph.nodes)) for st in stage_sets[0])
         info["detail"] = "cuts before " + ", ".join(split_points)
     graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}

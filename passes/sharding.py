@@ -143,10 +143,15 @@ def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, 
 def default_budget(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], choices: dict[fx.Node, Choice]) -> int:
     """Bytes per rank if every parameter of >= 2 dims that all its uses can take sharded is sharded."""
     total = 0
+    uses_of: dict[fx.Node, list[tuple[fx.Node, int]]] = {}
+    for u, choice in choices.items():
+        for k, v in enumerate(choice.inputs):
+            if v is not None and v[1] is None:
+                uses_of.setdefault(v[0], []).append((u, k))
     for node in param_names:
         nbytes = tensor_bytes(node.meta.get("val"))
         shards = [s.output for s in choices[node].strategies if isinstance(s.output, Shard)]
-        uses = [(u, k) for u in choices for k, v in enumerate(choices[u].inputs) if v == (node, None)]
+        uses = uses_of.get(node, [])
         ok = any(all(any(st.inputs[k] == p for st in choices[u].strategies) for u, k in uses) for p in shards)
         total += nbytes // n if ok and node.meta["val"].dim() >= 2 else nbytes
     return total
