@@ -51,6 +51,7 @@ class Plan:
     tied: dict[str, str] = field(default_factory=dict)
     pipeline: list[str] = field(default_factory=list)
     memory_note: str = ""
+    tensor_parallel: list[str] = field(default_factory=list)  # one layer's tensor-parallel layout
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -75,6 +76,9 @@ class Plan:
         if self.pipeline:
             lines.append("  pipeline: " + self.pipeline[0])
             lines += [f"    {line}" for line in self.pipeline[1:]]
+        if self.tensor_parallel:
+            lines.append("  tensor parallelism, " + self.tensor_parallel[0])
+            lines += self.tensor_parallel[1:]
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
             lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {_mb(c.bytes)} total  ({c.what})")
@@ -218,6 +222,7 @@ def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> N
                                            tp.bytes[(direction, op)] * plan.microbatches,
                                            f"{direction}, {count} per microbatch"))
     plan.fallbacks = tp.fallbacks
+    plan.tensor_parallel = tp.layer
     sharded = sum(_numel(shape) for name, shape, p in plan.params if "Shard" in p)
     total = sum(_numel(shape) for _, shape, _ in plan.params) or 1
     plan.memory["parameters"] = int(plan.memory["parameters"] * (1 - sharded / total * (1 - 1 / mesh.tp)))

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
+from passes.blocks import repeated_blocks
 from passes.cost import requires_grad, tensor_bytes
 from passes.fused_projections import Interleave, interleave_fused_projections
 from passes.lower import lower_tp
@@ -39,6 +40,7 @@ class TensorParallel:
     bytes: Counter  # same keys -> bytes
     fallbacks: list[str]
     layouts: dict[str, Interleave] = dataclasses.field(default_factory=dict)  # parameters stored re-ordered
+    layer: list[str] = dataclasses.field(default_factory=list)  # the first repeated layer, Megatron-style
 
 
 def local_shape(shape: tuple[int, ...], placement: object, n: int) -> tuple[int, ...]:
@@ -63,7 +65,49 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
     counts, nbytes = count_collectives(gm)
-    return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts)
+    summary = layer_summary(gm, repeated_blocks(cap.gm))
+    return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts, summary)
+
+
+SHOWN = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "scaled_dot_product_attention", "embedding"}
+COLLECTIVE_ROLE = {"all_reduce": "all-reduce forward (partial sums -> replicated)",
+                   "grad_all_reduce": "identity forward, all-reduce backward",
+                   "all_gather": "all-gather forward", "chunk": "keep local chunk, all-gather backward",
+                   "reduce_scatter": "reduce-scatter forward"}  # to_partial (a bias added once) communicates nothing
+
+
+def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[str]:
+    """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective."""
+    from passes.pipeline import module_path
+
+    firsts = set(same_as.values())
+    paths = [p for nd in firsts for p in module_path(nd) if p.rsplit(".", 1)[-1].isdigit()]
+    if not paths:
+        return []
+    block = min(paths, key=lambda p: (p.count("."), p))
+    lines = [f"one layer ({block}; every identical layer is laid out the same):"]
+    inside = False
+    for nd in gm.graph.nodes:
+        if nd.op != "call_function":
+            continue
+        mods = module_path(nd)
+        if mods:
+            inside = block in mods
+        if not inside:
+            continue
+        if getattr(nd.target, "namespace", None) == "autopar":
+            name = nd.target._opname
+            if name in COLLECTIVE_ROLE:
+                lines.append(f"    {'':<22} >> {name}: {COLLECTIVE_ROLE[name]}")
+            continue
+        op = getattr(nd.target, "_opname", str(nd.target))
+        if op not in SHOWN:
+            continue
+        where = mods[-1].removeprefix(block + ".") if mods else "?"
+        strategy = nd.meta.get("autopar.placement")
+        note = getattr(strategy, "note", "") or "replicated"
+        lines.append(f"    {where:<22} {op:<28} {note}")
+    return lines
 
 
 def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:

@@ -126,6 +126,11 @@ def test_gpt2_plan_reads_like_megatron() -> None:
     assert placements["transformer.h.0.attn.c_proj.weight"] == Shard(0)  # row-parallel
     assert placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
     assert placements["transformer.h.0.mlp.c_proj.weight"] == Shard(0)
+    layer = text.split("one layer (transformer.h.0")[1].split("collectives per step")[0]
+    steps = [w for line in layer.splitlines() for w in ("grad_all_reduce:", "column-parallel", "heads", "row-parallel",
+                                                        "all_reduce:") if w in line.split()]
+    assert steps == ["grad_all_reduce:", "column-parallel", "heads", "row-parallel", "all_reduce:",
+                     "grad_all_reduce:", "column-parallel", "row-parallel", "all_reduce:"], layer
 
 
 def test_repeated_layers_are_solved_once() -> None:
