@@ -60,12 +60,17 @@ def inspect(argv: list[str]) -> int:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--draw", metavar="PNG", help="draw which rank holds which shard of which layer")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
     model, inputs, target, loss_fn = example_for(load_factory(args.factory)(), args.batch, args.seq)
     pm = parallelize(model, mesh, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                      microbatches=args.microbatches, schedule=args.schedule)
     print(pm.plan)
+    if args.draw:
+        from autopar.drawing import draw_plan
+
+        print(f"plan picture: {draw_plan(pm.compile(inputs, {}, target, with_loss=target is not None), mesh, args.draw)}")
     if args.rank is not None:
         code = pm.graph(args.rank).code
         if args.diff:
@@ -85,7 +90,33 @@ def demo(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"demo": demo, "inspect": inspect}
+def plan(argv: list[str]) -> int:
+    from autopar.planner import plan as make_plan, sequence_of
+
+    p = argparse.ArgumentParser(prog="autopar plan", description="rank dp x pp x tp, ZeRO, schedule and microbatch "
+                                "choices for a model on a cluster; the model is built on the meta device")
+    p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs[, target, loss_fn])")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100 or cpu")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per device)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (models with a sequence dim)")
+    p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
+    p.add_argument("--top", type=int, default=10, help="rows of the table (and of the JSON)")
+    p.add_argument("--runnable", action="store_true", help="only configurations autopar runs today")
+    p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
+    args = p.parse_args(argv)
+    with torch.device("meta"):  # planning needs shapes, not weights
+        built = load_factory(args.factory)()
+    model, inputs = (built[0], tuple(built[1])) if isinstance(built, tuple) else (built, None)
+    result = make_plan(model, args.devices, cluster=args.cluster, global_batch=args.global_batch or 2 * args.devices,
+                       seq_len=args.seq if sequence_of(inputs) else None, precision=args.precision,
+                       optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable)
+    print(result.to_json(top=args.top) if args.json else result.render(top=args.top))
+    return 0
+
+
+COMMANDS = {"demo": demo, "inspect": inspect, "plan": plan}
 
 
 def main(argv: list[str] | None = None) -> int:

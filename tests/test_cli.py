@@ -94,3 +94,18 @@ def test_compiling_prints_nothing(capsys) -> None:
                      example_target=torch.ones(2, 2, dtype=torch.float64), loss_fn=models.mse, optimizer=models.sgd)
     assert pm.plan is not None
     assert capsys.readouterr().out == ""
+
+
+def test_plan_grid_and_picture(tmp_path: Path) -> None:
+    from autopar.drawing import draw_plan, plan_grid
+
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    pm = parallelize(models.gpt2(), Mesh(pp=2, tp=2), example_inputs=(ids,), microbatches=2)
+    program = pm.compile((ids,), {}, None, with_loss=False)
+    layers, grid = plan_grid(program, Mesh(pp=2, tp=2))
+    assert layers[:3] == ["transformer.wte", "transformer.wpe", "transformer.h.0"]
+    assert grid[(0, 1)]["transformer.wte"] == "shard 2/2" and grid[(1, 0)]["transformer.wte"] == "shard 1/2"  # tied
+    assert "transformer.h.0" in grid[(0, 0)] and "transformer.h.0" not in grid[(1, 0)]
+    assert grid[(1, 1)]["transformer.ln_f"] == "full"
+    pytest.importorskip("matplotlib")
+    assert draw_plan(program, Mesh(pp=2, tp=2), tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
