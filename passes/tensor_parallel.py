@@ -23,7 +23,7 @@ from passes.cost import requires_grad, tensor_bytes
 from passes.fused_projections import Interleave, interleave_fused_projections
 from passes.lower import lower_tp
 from passes.sharding import solve_sharding
-from passes.sharding_rules import has_rule
+from passes.sharding_rules import has_rule, local_op
 
 # backward of each forward collective (runtime/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
@@ -61,11 +61,17 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     choices = solve_sharding(cap.gm, n, params, memory_budget=memory_budget, trainable=leaves, fixed=fixed)
     rg = requires_grad(cap.gm, leaves)
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
+    inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"
+                     and ch.strategy.note in ("vocab-parallel", "batch-mean")
+                     and nd.target is not torch.ops.aten.embedding.default  # masks ids; no communication
+                     and local_op(nd.target, ch.strategy, n, 0, None) is not None})
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
     counts, nbytes = count_collectives(gm)
     summary = layer_summary(gm, repeated_blocks(cap.gm))
+    if inside:
+        summary.append(f"    plus collectives inside local replacements of: {', '.join(inside)}")
     return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts, summary)
 
 
@@ -117,7 +123,10 @@ def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:
     for nd in gm.graph.nodes:
         if nd.op == "call_function" and getattr(nd.target, "namespace", None) == "autopar":
             name = nd.target._opname
+            # bytes each rank contributes (as the runtime counts them): the local piece of an all-gather
             size = tensor_bytes(nd.meta.get("val"))
+            if name == "all_gather":
+                size = tensor_bytes(nd.args[0].meta.get("val"))
             if FORWARD.get(name):
                 counts[("forward", FORWARD[name])] += 1
                 nbytes[("forward", FORWARD[name])] += size
