@@ -31,10 +31,11 @@ Conventions:
   (all of the same mask when replicated); the rules cover only their shapes.
 
 The matmul family lives here, written as einsum strings and derived by one
-function (``einsum_strategies``); pointwise, creation and shape rules live in
-``passes/sharding_rules_ops.py``, reduction, normalization, attention, embedding
-and loss rules in ``passes/sharding_rules_nn.py``; both add their entries to the
-same tables.
+function (``einsum_strategies``); pointwise and creation rules live in
+``passes/sharding_rules_ops.py``, shape rules (views, slicing, concatenation,
+indexing) in ``passes/sharding_rules_shape.py``, reduction, normalization,
+attention, embedding and loss rules in ``passes/sharding_rules_nn.py``; each
+adds its entries to the same tables.
 """
 
 from __future__ import annotations
@@ -450,8 +451,8 @@ def _run_on_meta(call: Call) -> Any:
 
 
 # The other rules add themselves to RULES / LOCAL_ARGS / LOCAL_OPS on import:
-# sharding_rules_ops, which imports sharding_rules_nn at its end (the nn rules use
-# its building blocks, so importing sharding_rules_nn from here would fail when
+# sharding_rules_ops, which imports sharding_rules_shape and sharding_rules_nn at its
+# end (they use its building blocks, so importing them from here would fail when
 # sharding_rules_ops is the first module imported).
 import passes.sharding_rules_ops  # noqa: E402,F401
 
