@@ -181,21 +181,7 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
     if len(placeholders) != len(slots):
         raise ValueError(f"the graph has {len(placeholders)} placeholders but the signature has {len(slots)} slots")
     by_name = {s.name: node for node, s in zip(placeholders, slots) if s.kind == "param"}
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    firsts = []
-    for group in layout.groups:
-        present = [p for p in group.params if p in by_name]
-        users = [u for p in present for u in by_name[p].users]
-        if users:
-            firsts.append((min(users, key=order.__getitem__), group, by_name[present[0]]))
-    firsts.sort(key=lambda item: order[item[0]])
-    carriers = {}
-    for _, group, carrier in firsts:
-        name = "zero_shard_" + group.name.replace(".", "_").replace(":", "_")
-        carrier.target = name
-        carrier._rename(name)
-        carriers[group.name] = carrier
-    zero_ops = set(ops.values())
+    firsts = _first_uses(graph, layout, by_name)
     if firsts:
         with graph.inserting_before(firsts[0][0]):
             graph.call_function(ops["begin"], (prefetch,))
@@ -210,20 +196,49 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
                 if ahead.name not in prefetched:
                     prefetched.add(ahead.name)
                     graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)))
-            parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, group.split_sizes()))
-            pieces = []
-            for j, (pname, shape) in enumerate(zip(group.params, group.shapes)):
-                node = by_name.get(pname)
-                if node is None or not [u for u in node.users if u.target not in zero_ops]:
-                    continue
-                piece = graph.call_function(operator.getitem, (parts, j))
-                pieces.append(piece)
-                view = graph.call_function(torch.ops.aten.view.default, (piece, list(shape)))
-                node.replace_all_uses_with(view, delete_user_cb=lambda u: u.target not in zero_ops)
+            pieces = _split_into_parameters(graph, flat, group, by_name, set(ops.values()))
         _free_after_last_use(graph, flat, pieces, ops["free"])
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _first_uses(graph: fx.Graph, layout: ZeroLayout,
+                by_name: dict[str, fx.Node]) -> list[tuple[fx.Node, FlatGroup, fx.Node]]:
+    """``(first use, group, carrier placeholder)`` of every group the graph uses, in graph order.
+
+    The carrier (the group's first parameter placeholder) is renamed ``zero_shard_<group>``: it is
+    fed the group's shard.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    firsts = []
+    for group in layout.groups:
+        present = [p for p in group.params if p in by_name]
+        users = [u for p in present for u in by_name[p].users]
+        if users:
+            firsts.append((min(users, key=order.__getitem__), group, by_name[present[0]]))
+    firsts.sort(key=lambda item: order[item[0]])
+    for _, group, carrier in firsts:
+        name = "zero_shard_" + group.name.replace(".", "_").replace(":", "_")
+        carrier.target = name
+        carrier._rename(name)
+    return firsts
+
+
+def _split_into_parameters(graph: fx.Graph, flat: fx.Node, group: FlatGroup, by_name: dict[str, fx.Node],
+                           zero_ops: set) -> list[fx.Node]:
+    """Views of the gathered ``flat`` shaped like the group's parameters, replacing their placeholders' uses."""
+    parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, group.split_sizes()))
+    pieces = []
+    for j, (name, shape) in enumerate(zip(group.params, group.shapes)):
+        node = by_name.get(name)
+        if node is None or not [u for u in node.users if u.target not in zero_ops]:
+            continue
+        piece = graph.call_function(operator.getitem, (parts, j))
+        pieces.append(piece)
+        view = graph.call_function(torch.ops.aten.view.default, (piece, list(shape)))
+        node.replace_all_uses_with(view, delete_user_cb=lambda u: u.target not in zero_ops)
+    return pieces
 
 
 def _free_after_last_use(graph: fx.Graph, flat: fx.Node, pieces: list[fx.Node], free: object) -> None:

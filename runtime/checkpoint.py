@@ -119,7 +119,11 @@ def _layout(rt: Any) -> bytes:
 
 def _summary(layout: bytes) -> str:
     desc = json.loads(layout.decode()) if layout else {}
-    return f"zero={desc.get('zero')} on {desc.get('mesh')}"
+    names = [g["name"] for g in (desc.get("layout") or {}).get("groups", [])]
+    text = f"zero={desc.get('zero')} on {desc.get('mesh')}"
+    if names:
+        text += f" in {len(names)} flat groups ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+    return text
 
 
 def _owners(rt: Any, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -231,7 +235,8 @@ def _restore_optimizer(rt: Any, model: torch.nn.Module, state: dict, template: d
     owners = _owners(rt, model)
     index = {owner: i for i, (owner, _) in enumerate(owners)}
     groups = pickle.loads(state["optim/param_groups"])
-    current = [sorted(name for name, p in owners if any(p is q for q in g["params"])) for g in rt.optimizer.param_groups]
+    current = [sorted(name for name, p in owners if any(p is q for q in g["params"]))
+               for g in rt.optimizer.param_groups]
     if sorted(sorted(g["params"]) for g in groups) != sorted(current):
         raise ValueError(f"the checkpoint's optimizer groups {[g['params'] for g in groups]} do not match this "
                          f"optimizer's {current}; build the optimizer the same way as the job that saved it")

@@ -99,12 +99,13 @@ class ZeroRuntime:
         self._hits: Counter[FlatShard] = Counter()
         self._launched: set[FlatShard] = set()
         if self.stage < 3:
-            for p in self._group_of_params():
+            for p in self.owned_parameters():
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self.memory = MemoryAccount(self._parameter_tensors, self._gradient_tensors, self.optimizer,
                                     (lambda: self.tracker.peak) if self.stage == 3 else None, on_step=False)
 
-    def _group_of_params(self) -> list[torch.nn.Parameter]:
+    def owned_parameters(self) -> list[torch.nn.Parameter]:
+        """The model parameters this runtime shards (this rank's trainable ones), in layout order."""
         return [p for members in self.members.values() for p in members]
 
     def _adopt(self, fs: FlatShard, members: list[torch.nn.Parameter]) -> None:
@@ -232,8 +233,8 @@ class ZeroRuntime:
 
     # memory ----------------------------------------------------------------------
     def _parameter_tensors(self) -> list[torch.Tensor]:
-        return [*self._group_of_params(), *self.params]
+        return [*self.owned_parameters(), *self.params]
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
-        return [*(p.grad for p in self._group_of_params()), *(fs.grad for fs in self.shards),
+        return [*(p.grad for p in self.owned_parameters()), *(fs.grad for fs in self.shards),
                 *(fs.grad_full for fs in self.shards)]

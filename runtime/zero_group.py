@@ -77,7 +77,8 @@ class FlatShard:
         self._prefetched: _Prefetch | None = None
 
     def __repr__(self) -> str:
-        return f"FlatShard({self.spec.name!r}, {self.spec.numel} elements, shard {self.spec.shard} on rank {self.index})"
+        spec = self.spec
+        return f"FlatShard({spec.name!r}, {spec.numel} elements, shard {spec.shard} on rank {self.index})"
 
     # parameters ---------------------------------------------------------------
     def views(self, base: torch.Tensor) -> list[torch.Tensor]:
@@ -132,9 +133,9 @@ class FlatShard:
         self._prefetched = None
 
     # gradients ----------------------------------------------------------------
-    def reduce_gradient(self, flat: torch.Tensor) -> None:
+    def reduce_gradient(self, flat: torch.Tensor, *, wait: bool = True) -> None:
         """Stages 2-3: reduce-scatters the group's padded flat gradient; the average lands in ``grad``."""
-        self.queue.reduce_scatter(self, flat)
+        self.queue.reduce_scatter(self, flat, wait=wait)
 
     def accumulate(self, reduced: torch.Tensor, *, in_place: bool) -> None:
         """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average."""
@@ -157,8 +158,11 @@ class ReduceQueue:
         self._pending: deque[tuple[FlatShard, object, torch.Tensor, torch.Tensor, bool]] = deque()
         self.launched = 0  # reduce-scatters launched since construction (for tests and the plan)
 
-    def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor) -> None:
-        """Reduce-scatters ``flat`` (the group's padded flat gradient) into a new slice, added to ``grad`` later."""
+    def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, *, wait: bool = True) -> None:
+        """Reduce-scatters ``flat`` (the group's padded flat gradient) into a new slice, added to ``grad`` later.
+
+        With ``wait``, older reduce-scatters beyond ``inflight`` are completed first; without, call ``limit``.
+        """
         if shard.group is None:
             lo = shard.index * shard.spec.shard
             shard.accumulate(flat[lo : lo + shard.spec.shard].clone(), in_place=False)
@@ -166,6 +170,8 @@ class ReduceQueue:
         out = torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
         work = _reduce_scatter(out, flat, group=shard.group, async_op=True)
         self._push(shard, work, out, flat, False)
+        if wait:
+            self.limit()
 
     def reduce_scatter_in_place(self, shard: FlatShard) -> None:
         """Stage 1: reduce-scatters ``grad_full`` into its own slice ``grad``."""
@@ -174,10 +180,14 @@ class ReduceQueue:
             return
         work = _reduce_scatter(shard.grad, shard.grad_full, group=shard.group, async_op=True)
         self._push(shard, work, shard.grad, shard.grad_full, True)
+        self.limit()
 
     def _push(self, shard: FlatShard, work: object, out: torch.Tensor, src: torch.Tensor, in_place: bool) -> None:
         self.launched += 1
         self._pending.append((shard, work, out, src, in_place))
+
+    def limit(self) -> None:
+        """Completes the oldest reduce-scatters until at most ``inflight`` are outstanding."""
         while len(self._pending) > self.inflight:
             self._complete()
 

@@ -4,13 +4,16 @@
 its backward reduce-scatters the layer's gradient over the same ranks
 (asynchronously; the averaged slice lands in the shard's gradient buffer when
 the step's gradient sync finishes). ``zero_prefetch`` starts a later layer's
-all-gather early. ``zero_free(full)`` releases a gathered buffer's memory after
-its last forward use. ``zero_begin`` / ``zero_end`` bracket one forward run:
+all-gather early. ``zero_free(full, pieces)`` releases a gathered buffer's
+memory after its last forward use. ``zero_begin`` / ``zero_end`` bracket one forward run:
 while it runs, a tensor autograd saves for backward that lives in a gathered
 buffer is stored as a handle (group, size, stride, offset) instead, so freeing
-the buffer loses nothing; backward re-gathers the group on first need,
-prefetches the group gathered before it, and frees that copy when the layer's
-gradient is reduce-scattered (the last backward step that touches the layer).
+the buffer loses nothing; backward re-gathers the group on first need and frees
+that copy once the autograd node that used its last handle has run, or once the
+gradients of the layer's parameters are complete (before they are concatenated
+and reduce-scattered), whichever comes first; the layer backward reaches
+next is prefetched when this layer's reduce-scatter starts, so the two
+collectives overlap and one backward copy is alive during compute.
 
 Buffers are freed by releasing their storage (``resize_(0)``) rather than by
 dropping references, because a completed collective may keep a reference to
@@ -88,11 +91,21 @@ class _ForwardRun:
             return None
         return storage.data_ptr(), entry[1]
 
-    def free(self, full: torch.Tensor) -> None:
-        """``zero_free``: the forward is done with ``full``; release it unless autograd kept it whole."""
+    def free(self, full: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+        """``zero_free``: the forward is done with ``full``; release it unless autograd kept it whole.
+
+        In backward, the re-gathered copy is released as soon as the gradients of ``pieces`` (the
+        layer's parameters) are complete, before they are concatenated for the reduce-scatter.
+        """
         entry = self._entry(full)
-        if entry is not None and entry[0] not in self.kept:
-            del self.buffers[entry[0]]
+        if entry is None:
+            return
+        address, group = entry
+        needed = [p for p in pieces if p.requires_grad]  # none under torch.no_grad
+        if needed:
+            torch.autograd.graph.register_multi_grad_hook(needed, lambda _: self.release_regathered(group))
+        if address not in self.kept:
+            del self.buffers[address]
             release(full)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -114,18 +127,22 @@ class _ForwardRun:
         group = saved.group
         full = self.regathered.get(group)
         if full is None:
-            full = self.regathered[group] = group.gather()
-            self._prefetch_before(group)
+            full = group.gather()  # (usually prefetched while the previous layer's gradient reduced)
+            group.queue.drain()  # that gradient's buffer is freed before this layer's backward computes
+            self.regathered[group] = full
         self.outstanding[group] -= 1
+        node = torch._C._current_autograd_node()
+        if self.outstanding[group] <= 0 and node is not None:  # the last saved use: free once this node is done
+            node.register_hook(lambda *_: self.release_regathered(group))
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     def release_regathered(self, group: FlatShard) -> None:
-        """The layer's gradient is complete: its backward copy is no longer needed."""
+        """The layer's parameter gradients are complete: its backward copy is no longer needed."""
         full = self.regathered.pop(group, None)
         if full is not None:
             release(full)
 
-    def _prefetch_before(self, group: FlatShard) -> None:
+    def prefetch_before(self, group: FlatShard) -> None:
         """Starts re-gathering the groups backward reaches next (those gathered just before ``group``)."""
         if group not in self.order:
             return
@@ -187,9 +204,13 @@ def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-    if ctx.run is not None:
-        ctx.run.release_regathered(ctx.group)
-    ctx.group.reduce_gradient(grad.contiguous())
+    run, group = ctx.run, ctx.group
+    if run is not None:
+        run.release_regathered(group)
+    group.reduce_gradient(grad.contiguous(), wait=False)
+    if run is not None:
+        run.prefetch_before(group)  # the layers backward reaches next, gathered while this one reduces
+    group.queue.limit()
     return None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
 
 
@@ -197,11 +218,11 @@ zero_all_gather.register_autograd(_backward, setup_context=_setup)
 
 
 @torch.library.custom_op("autopar::zero_free", mutates_args=())
-def zero_free(full: torch.Tensor) -> None:
+def zero_free(full: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """Releases a gathered layer after its last forward use (saved copies are re-gathered in backward)."""
     run = _current()
     if run is not None:
-        run.free(full)
+        run.free(full, pieces)
 
 
 @torch.library.custom_op("autopar::zero_prefetch", mutates_args=())

@@ -1,0 +1,126 @@
+"""Checkpoints: resume on the same mesh step for step, survive a killed save, move full states across meshes."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from autopar import Mesh, RankError, parallelize
+from runtime import checkpoint
+
+X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+Y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+WIDTHS = (6, 7, 5, 3)
+
+
+def _train(zero: int, path: str, steps: int, *, load: bool, save: bool, seed: int = 0, kill_in_save: bool = False,
+           dp: int = 2) -> dict:
+    """``steps`` steps (after loading ``path`` when asked), then a save; a scheduler's state rides in ``extra``."""
+    pm = parallelize(models.mlp(WIDTHS, seed=seed), Mesh(dp=dp), loss_fn=models.mse, optimizer=models.adamw, zero=zero,
+                     example_inputs=(X,), example_target=Y)
+    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.8)
+    if load:
+        sched.load_state_dict(pm.load(path)["scheduler"])
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.step(X, target=Y))
+        sched.step()
+    if kill_in_save and dist.get_rank() == 0:
+        _die_after_writing_data()
+    if save:
+        pm.save(path, extra={"scheduler": sched.state_dict()})
+    return {"losses": losses, "state": pm.state_dict()}
+
+
+def _job(**options: object) -> functools.partial:
+    return functools.partial(_train, **options)
+
+
+def _die_after_writing_data() -> None:
+    """The next checkpoint write kills this process once its shard files are on disk, before the commit."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def write_then_die(self: FileSystemWriter, plan: object, planner: object) -> object:
+        write(self, plan, planner).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.write_data = write_then_die
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_resuming_gives_the_losses_of_an_uninterrupted_run(launcher, tmp_path, zero: int) -> None:
+    path = str(tmp_path / "ckpt")
+    straight = launcher(_job(load=False, save=False), 2, zero, path, 4)[0]
+    first = launcher(_job(load=False, save=True), 2, zero, path, 2)[0]
+    resumed = launcher(_job(load=True, save=False, seed=7), 2, zero, path, 2)  # fresh processes and weights
+    for run in resumed:
+        assert first["losses"] + run["losses"] == straight["losses"]  # bitwise, step for step
+        for k, v in straight["state"].items():
+            assert torch.equal(run["state"][k], v), k
+
+
+@pytest.mark.parametrize("zero", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(launcher, tmp_path, zero: int) -> None:
+    path = str(tmp_path / "ckpt")
+    straight = launcher(_job(load=False, save=False), 2, zero, path, 4)[0]
+    launcher(_job(load=False, save=True), 2, zero, path, 2)
+    committed = open(os.path.join(path, checkpoint.LATEST)).read()
+    with pytest.raises(RankError):
+        launcher(_job(load=True, save=True, kill_in_save=True), 2, zero, path, 1)
+    versions = sorted(os.listdir(path))
+    assert open(os.path.join(path, checkpoint.LATEST)).read() == committed
+    assert len([v for v in versions if v.startswith(checkpoint.PREFIX)]) == 2  # the torn one is there, unnamed
+    resumed = launcher(_job(load=True, save=True), 2, zero, path, 2)[0]
+    assert resumed["losses"] == straight["losses"][2:]
+    assert len([v for v in os.listdir(path) if v.startswith(checkpoint.PREFIX)]) == 1  # the next save cleans up
+
+
+def _continue_from_full_state(state: dict, zero: int, dp: int) -> dict:
+    pm = parallelize(models.mlp(WIDTHS, seed=5), Mesh(dp=dp), loss_fn=models.mse, optimizer=models.sgd, zero=zero,
+                     example_inputs=(X,), example_target=Y)
+    pm.load_state_dict(state)
+    return {"losses": [pm.step(X, target=Y) for _ in range(2)], "state": pm.state_dict()}
+
+
+def test_a_full_state_loads_into_the_single_device_model_and_into_another_mesh(launcher, tmp_path) -> None:
+    trained = launcher(_job(load=False, save=False), 2, 3, str(tmp_path), 2)[0]["state"]
+    model = models.mlp(WIDTHS, seed=9)
+    model.load_state_dict(trained)  # strict: the original keys and shapes
+    opt = models.sgd(list(model.parameters()))
+    want = []
+    for _ in range(2):
+        loss = models.mse(model(X), Y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    for zero, dp in [(1, 4), (2, 1), (0, 4)]:
+        for run in launcher(_continue_from_full_state, dp, trained, zero, dp):
+            assert run["losses"] == pytest.approx(want, rel=1e-10)
+            for k, v in model.state_dict().items():
+                torch.testing.assert_close(run["state"][k], v, rtol=1e-10, atol=1e-12)
+
+
+def _load_elsewhere(path: str) -> None:
+    pm = parallelize(models.mlp(WIDTHS), Mesh(dp=4), loss_fn=models.mse, optimizer=models.adamw, zero=3,
+                     example_inputs=(X,), example_target=Y)
+    pm.load(path)
+
+
+def test_a_checkpoint_from_another_mesh_is_refused_with_the_fix(launcher, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    launcher(_job(load=False, save=True), 2, 3, path, 1)
+    with pytest.raises(RankError, match="zero=3 on Mesh\\(dp=2\\).*zero=3 on Mesh\\(dp=4\\).*pm.load_state_dict"):
+        launcher(_load_elsewhere, 4, path)
+
+
+def test_a_folder_without_a_committed_checkpoint_is_named(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="LATEST is missing"):
+        checkpoint.latest(str(tmp_path))
