@@ -1,8 +1,9 @@
 """Local ranks: spawn processes, join them into a job, collect results, never hang.
 
 ``WorkerPool`` keeps worker processes alive across jobs (a test session runs
-many small jobs); each job gets a fresh rendezvous on 127.0.0.1 and a fresh
-default process group of the job's size. ``launch`` is a one-job pool. If any
+many small jobs); each job gets a fresh rendezvous store on 127.0.0.1 (served by the parent,
+so no other process can take its port) and a fresh default process group of
+the job's size. ``launch`` is a one-job pool. If any
 rank raises or its process dies, every worker of the job is stopped and a
 ``RankError`` naming the rank and carrying its traceback is raised.
 """
@@ -68,10 +69,9 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         try:
             fn, args = cloudpickle.loads(payload)
-            dist.init_process_group(
-                default_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                timeout=TIMEOUT,
-            )
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)  # the parent holds the port
+            dist.init_process_group(default_backend(), store=dist.PrefixStore(f"job{job}", store), rank=rank,
+                                    world_size=world, timeout=TIMEOUT)
             out = fn(*args)
             dist.destroy_process_group()  # not on failure: peers would see a closed connection, not the cause
             results.put((job, rank, True, cloudpickle.dumps(out)))
@@ -106,7 +106,9 @@ class WorkerPool:
             self.close()
             self._start()
         self._jobs += 1
-        job, port, payload = self._jobs, free_port(), cloudpickle.dumps((fn, args))
+        # the parent serves the rendezvous store, so its port stays taken for the whole job (no race for it)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        job, port, payload = self._jobs, store.port, cloudpickle.dumps((fn, args))
         for rank in range(nprocs):
             self._tasks[rank].put((job, rank, nprocs, port, payload))
         try:
@@ -114,6 +116,8 @@ class WorkerPool:
         except BaseException:
             self.close()  # ranks may be blocked in a collective with the failed one
             raise
+        finally:
+            del store
 
     def _collect(self, job: int, nprocs: int) -> list[Any]:
         results: dict[int, Any] = {}
