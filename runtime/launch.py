@@ -145,10 +145,11 @@ class WorkerPool:
         return [results[r] for r in range(nprocs)]
 
     def close(self) -> None:
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]  # a failed start leaves some never started
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._procs:
+        for p in started:
             p.join(timeout=5)
         self._procs = []
 
