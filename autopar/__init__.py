@@ -17,6 +17,8 @@ _LAZY = {
     "launch": "runtime.launch",
     "WorkerPool": "runtime.launch",
     "testing": "autopar.testing",
+    "plan": "autopar.planner",
+    "Cluster": "autopar.cluster",
 }
 
 __all__ = ["CaptureError", "Mesh", "RankError", *_LAZY]

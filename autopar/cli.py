@@ -1,4 +1,5 @@
-"""The ``autopar`` command line: ``demo`` (the main job) and ``inspect`` (plans and rewritten graphs)."""
+"""The ``autopar`` command line: ``demo`` (the main job), ``inspect`` (plans and rewritten graphs) and
+``plan`` (ranked parallelism choices for a model on a cluster)."""
 from __future__ import annotations
 
 import argparse

@@ -425,7 +425,17 @@ def parallelize(
 
     ``loss_fn(out, target)`` is traced with the model; without it, ``step`` uses the
     model's own loss (a scalar output or the ``loss`` entry of its output).
+    ``mesh="auto"``: the planner (``autopar.planner``) chooses the mesh, ZeRO stage,
+    schedule and microbatches for the job's world size from ``example_inputs``.
     """
+    if isinstance(mesh, str):
+        from autopar.planner import auto_choice
+
+        chosen = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                             optimizer=optimizer)
+        mesh, auto = chosen.mesh, chosen.parallelize_options()
+        zero, schedule, microbatches, stages_per_rank = (auto["zero"], auto["schedule"], auto["microbatches"],
+                                                         auto["stages_per_rank"])
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,

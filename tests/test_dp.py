@@ -42,7 +42,9 @@ def test_transformer_float64(launcher, d_heads, layers, dp, seq) -> None:
     d, heads = d_heads
     ids = torch.randint(0, 32, (dp * 2, seq), generator=torch.Generator().manual_seed(seq))
     make = models.factory(models.transformer, d=d, heads=heads, layers=layers)
-    assert_equivalent(make, Mesh(dp=dp), (ids,), ids, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-11,
+    # the key bias's gradient is zero in exact arithmetic (softmax ignores it); AdamW divides that rounding noise
+    # by its own scale, so this parameter carries reassociation error up to ~1e-11: hence atol 1e-9
+    assert_equivalent(make, Mesh(dp=dp), (ids,), ids, models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9,
                       launcher=launcher)
 
 

@@ -1,0 +1,245 @@
+"""The machines a plan is for: devices per node, links, peak FLOP/s and memory per device.
+
+A ``Cluster`` is a small frozen value. The presets describe one kind of node
+repeated (``dgx-a100``, ``dgx-h100``) and this machine's CPU ranks (``cpu``,
+numbers measured once on a 2-core machine); ``Cluster.measure_local(ranks)``
+measures the local machine anew on ``ranks`` processes.
+
+Ranks are laid out as the mesh lays them out (``rank = ((dp_i * PP) + pp_i) *
+TP + tp_i``) and filled node by node, so a group of ranks along an axis stays
+inside one node when ``stride * size <= devices_per_node``; otherwise its
+collectives run at the inter-node bandwidth of one device's network link.
+
+The GPU numbers are data-sheet numbers (dense bf16 tensor-core peak, NVLink
+bandwidth per direction, one InfiniBand link per GPU). ``efficiency`` and
+``narrow`` say how close the model's matrix multiplications get to peak; for
+the DGX presets they are fitted to published Megatron-LM results
+(docs/planner.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """One device's connection to its peers: bytes per second in one direction, and the latency of one message."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth} B/s, {self.latency} s")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical nodes of ``devices_per_node`` devices each.
+
+    ``memory``: bytes a device offers to training (what is left after the
+    runtime's own context); ``peak_flops``: dense FLOP/s of the mixed-precision
+    (bf16) matmul units, ``peak_flops_fp32`` of fp32; ``efficiency``: the
+    fraction of peak that large matmuls reach; ``narrow``: a matmul whose
+    weight's narrower dim is ``w`` reaches ``efficiency * w / (w + narrow)``
+    (0: every matmul reaches ``efficiency``); ``overlap``: the fraction of
+    data-parallel communication that can run while the device computes (1
+    for GPUs with their own copy engines, 0 for ranks sharing CPU cores);
+    ``op_overhead``: seconds each operator costs beyond its FLOPs (kernel
+    launch, dispatch);
+    ``fused_attention``: attention kernels keep O(sequence) per head for
+    backward (flash-style) rather than the attention matrix; ``cores``: for
+    CPU ranks, the cores a node's ranks share (``peak_flops`` and
+    ``op_overhead`` are then one rank's when it runs alone; a step takes at
+    least the node's total work over its cores), 0 when every device
+    computes on its own.
+    """
+
+    name: str
+    devices_per_node: int
+    memory: float
+    peak_flops: float
+    peak_flops_fp32: float
+    intra: Link
+    inter: Link
+    efficiency: float = 0.5
+    narrow: float = 0.0
+    overlap: float = 1.0
+    op_overhead: float = 2e-6
+    fused_attention: bool = True
+    cores: int = 0
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node={self.devices_per_node} must be >= 1")
+        if self.memory <= 0 or self.peak_flops <= 0 or self.peak_flops_fp32 <= 0:
+            raise ValueError(f"cluster {self.name!r}: memory and peak FLOP/s must be > 0")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency={self.efficiency} must be in (0, 1]: the fraction of peak matmuls reach")
+        if not 0 <= self.overlap <= 1 or self.narrow < 0 or self.cores < 0 or self.op_overhead < 0:
+            raise ValueError(f"cluster {self.name!r}: overlap={self.overlap} must be in [0, 1]; narrow={self.narrow}, "
+                             f"cores={self.cores} and op_overhead={self.op_overhead} must be >= 0")
+
+    def peak(self, precision: str) -> float:
+        """Peak FLOP/s for a precision's name: the bf16 units for "mixed" (and "half"), else fp32."""
+        return self.peak_flops if precision in ("mixed", "half") else self.peak_flops_fp32
+
+    def link(self, span: int) -> Link:
+        """The link of a group whose ranks spread over ``span`` consecutive ranks (stride x size)."""
+        return self.intra if span <= self.devices_per_node else self.inter
+
+    def replace(self, **changes: Any) -> Cluster:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> Cluster:
+        """``"dgx-a100"``, ``"dgx-h100"`` or ``"cpu"``."""
+        key = name.lower().replace("_", "-")
+        if key not in PRESETS:
+            raise ValueError(f"unknown cluster {name!r}; the presets are {', '.join(PRESETS)} "
+                             "(or build one with Cluster(...) or Cluster.measure_local(ranks))")
+        return PRESETS[key]
+
+    @classmethod
+    def measure_local(cls, ranks: int = 2, *, seconds: float = 0.3,
+                      launcher: Callable[..., list] | None = None) -> Cluster:
+        """This machine as ``ranks`` local processes: one node whose ranks share its cores.
+
+        Measures, on one rank running alone with the threads a rank of such a
+        job gets, a float32 matmul's FLOP/s and the time of a small operator
+        (about ``2 * seconds``); on all ranks, a gloo all-reduce's latency (alone, and
+        between bursts of compute, as training runs it; the larger counts) and
+        bandwidth (100 calls of 4 B, 30 after compute, 8 of 4 MiB).
+        ``launcher(fn, nprocs, *args)`` defaults to ``autopar.launch``.
+        """
+        if launcher is None:
+            from runtime.launch import launch as launcher
+        results = launcher(_measure_rank, ranks, seconds)
+        flops, overhead = results[0]["flops"], results[0]["op_overhead"]
+        latency = max(r["latency"] for r in results) if ranks > 1 else 50e-6
+        bandwidth = min(r["bandwidth"] for r in results) if ranks > 1 else 1 * GB
+        memory = _physical_memory() / max(ranks, 1)
+        link = Link(bandwidth, latency)
+        return cls(name=f"local cpu ({ranks} ranks, measured)", devices_per_node=ranks, memory=memory,
+                   peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
+                   overlap=0.0, op_overhead=overhead, fused_attention=False, cores=os.cpu_count() or 1)
+
+
+def _physical_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * GB
+
+
+def _timed(fn: Callable[[], Any], seconds: float) -> float:
+    """Seconds per call of ``fn``, median of batches filling about ``seconds``."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds / 4:
+        fn()
+        calls += 1
+    per_batch = max(1, calls)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        times.append((time.perf_counter() - t) / per_batch)
+    return sorted(times)[1]
+
+
+def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of ``fn`` over a fixed number of calls (collectives: all ranks must agree)."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+def _measure_rank(seconds: float) -> dict[str, float]:
+    """What ``Cluster.measure_local`` measures on one rank (runs inside a launched job)."""
+    import torch
+    import torch.distributed as dist
+
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    x = torch.randn(8, requires_grad=True)
+
+    def small_ops() -> None:  # forward + backward of a tiny op: what every graph node costs at least
+        (x * 2).sum().backward()
+
+    flops = overhead = 0.0
+    if not together or dist.get_rank() == 0:  # one rank alone, with the threads a rank of this job gets
+        flops = 2 * n**3 / _timed(lambda: a @ b, seconds)
+        overhead = _timed(small_ops, seconds) / 4  # mul, sum and their backwards
+    if together:
+        dist.barrier()
+    out = {"flops": flops, "op_overhead": overhead, "latency": 0.0, "bandwidth": 1.0}
+    if together:
+        tiny, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
+        n_ranks = dist.get_world_size()
+        t_tiny = _timed_calls(lambda: dist.all_reduce(tiny), 100)  # every rank runs the same number of collectives
+        t_big = _timed_calls(lambda: dist.all_reduce(big), 8)
+        c = torch.randn(128, 128)
+
+        def compute() -> None:
+            for _ in range(4):
+                c @ c
+
+        def compute_then_reduce() -> None:  # ranks out of step, as in training: peers must be scheduled first
+            compute()
+            dist.all_reduce(tiny)
+
+        dist.barrier()
+        t_compute = _timed_calls(compute, 30)
+        dist.barrier()
+        t_loaded = _timed_calls(compute_then_reduce, 30) - t_compute
+        steps = 2 * (n_ranks - 1)
+        out["latency"] = max(t_tiny, t_loaded) / steps
+        out["bandwidth"] = (steps / n_ranks) * big.numel() * 4 / max(t_big - t_tiny, 1e-9)
+    return out
+
+
+# Data-sheet numbers. A100 SXM 80GB: 312 TFLOP/s dense bf16, 19.5 fp32; NVLink 3 600 GB/s both
+# directions; one 200 Gb/s HDR InfiniBand link per GPU. H100 SXM: 989 TFLOP/s dense bf16, 67 fp32;
+# NVLink 4 900 GB/s; one 400 Gb/s NDR link per GPU. The usable memory leaves about 6 GB of each
+# 80 GiB (86 GB) card to the CUDA context, NCCL and allocator fragmentation. Efficiency and
+# narrow: fitted on the ten GPT runs of Narayanan et al. 2021 ("Efficient Large-Scale Language
+# Model Training on GPU Clusters Using Megatron-LM"), Table 1; see docs/planner.md. The H100
+# preset reuses the A100 fit (no comparable public table was used to fit it).
+A100_EFFICIENCY = 0.70
+A100_NARROW = 1000.0
+
+PRESETS: dict[str, Cluster] = {
+    "dgx-a100": Cluster(
+        name="DGX-A100 (8 x A100 80GB per node)", devices_per_node=8, memory=80 * GB,
+        peak_flops=312e12, peak_flops_fp32=19.5e12, intra=Link(300 * GB, 5e-6), inter=Link(25 * GB, 10e-6),
+        efficiency=A100_EFFICIENCY, narrow=A100_NARROW),
+    "dgx-h100": Cluster(
+        name="DGX-H100 (8 x H100 80GB per node)", devices_per_node=8, memory=80 * GB,
+        peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
+        efficiency=A100_EFFICIENCY, narrow=A100_NARROW),
+    # this machine's CPU ranks (2 cores, gloo over loopback), as Cluster.measure_local(4) measured them
+    "cpu": Cluster(
+        name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,
+        peak_flops=80e9, peak_flops_fp32=80e9, intra=Link(0.8 * GB, 300e-6), inter=Link(0.8 * GB, 300e-6),
+        efficiency=1.0, overlap=0.0, op_overhead=6e-6, fused_attention=False, cores=2),
+}
+
+
+def gb(nbytes: float) -> str:
+    """Bytes as decimal gigabytes, the unit of the ZeRO paper and of device data sheets."""
+    if nbytes >= 0.1 * GB or nbytes == 0:
+        return f"{nbytes / GB:.1f} GB"
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e3:.1f} kB" if nbytes >= 1e3 else f"{nbytes:.0f} B"
