@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster, gb
-from autopar.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, ModelProfile, Precision,
-                                b_sym, precision_of, profile_model)
+from autopar.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, b_sym,
+                                precision_of)
+from autopar.model_profile import ModelProfile, profile_model
 from autopar.mesh import Mesh
 
 TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel")

@@ -25,7 +25,8 @@ import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
 from autopar.cluster import GB, Cluster
-from autopar.cost_model import PRECISIONS, Config, CostModel, b_sym, profile_model, s_sym, state_bytes
+from autopar.cost_model import PRECISIONS, Config, CostModel, state_bytes
+from autopar.model_profile import b_sym, profile_model, s_sym
 from autopar.planner import gpt, gpt3_175b, plan
 from runtime.schedule import make_schedule
 
