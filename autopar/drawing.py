@@ -30,7 +30,7 @@ def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int]
     grid: dict[tuple[int, int], dict[str, str]] = {}
     for pp in range(mesh.pp):
         for tp in range(mesh.tp):
-            stages = program.stages_for(tp)
+            stages = program.stages_for(mesh.rank_of(pp=pp, tp=tp))
             held = names if stages is None else [
                 n for st in stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params]
             cells: dict[str, set[bool]] = {}

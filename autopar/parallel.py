@@ -15,7 +15,9 @@ from autopar.capture import tied_aliases
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.program import Program, check_supported, compile_program, shared_parameters
-from passes.fused_projections import from_storage, to_storage
+from autopar.rank_state import checkpoint_scope, full_state, local_state
+from autopar.zero_compile import shared_across_pp
+from passes.fused_projections import to_storage
 from runtime.batch import signature, split_batch
 from runtime.grad_sync import BucketedAllReduce
 from runtime.collectives import Binding, set_process_binding
@@ -116,7 +118,13 @@ class ParallelModel:
             pp = groups.coord("pp")
             mine = {n for st in program.stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
         params = [p for n, p in self.model.named_parameters() if p.requires_grad and n in mine]
-        zero = ZeroRuntime(self.model, groups, self.options, params) if self.options.zero else None
+        zero = None
+        if self.options.zero:
+            zero = ZeroRuntime(self.model, groups, self.options, params, alone=shared_across_pp(program))
+            if zero.layout != program.zero_layouts[groups.rank]:
+                raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
+                                   f"{zero.layout.describe()}, the compiler as "
+                                   f"{program.zero_layouts[groups.rank].describe()}; please report it with the model")
         opt = zero.optimizer if zero else self.options.optimizer(params) if self.options.optimizer is not None else None
         sync = zero
         if groups["dp"] is not None and zero is None:
@@ -125,7 +133,11 @@ class ParallelModel:
                       optimizer=opt, grad_sync=sync, zero=zero,
                       memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
         if program.stages is not None:
-            rt.shared = self._shared_groups(program, groups, state)
+            with torch.no_grad():  # other stages' parameters are not kept (a capture gives them shapes again)
+                for n, p in self.model.named_parameters():
+                    if n not in mine:
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            rt.shared = self._shared_groups(program, groups, state.__getitem__ if zero is None else zero.shard_of)
             rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), self._pp_rank_fn(groups),
                                          groups.device)
         return rt
@@ -164,39 +176,25 @@ class ParallelModel:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if name in self._full_shapes and tuple(p.shape) != self._full_shapes[name]:
-                    shards[name] = p.data
+                    shards[name] = (p.data, p.grad)  # (zero=1 keeps gradients, of the shard's shape)
+                    p.grad = None
                     p.data = torch.empty(self._full_shapes[name], dtype=p.dtype, device=p.device)
         try:
             yield
         finally:
             for name, p in self.model.named_parameters():
                 if name in shards:
-                    p.data = shards[name]
-
-    def _gather_tp_state(self, program: Program) -> dict[str, torch.Tensor]:
-        """Full parameters from the tp shards (every rank calls it)."""
-        out = {}
-        group = self._rt.groups["tp"]
-        for name, p in self.model.named_parameters():
-            placement = program.placements.get(name)
-            if isinstance(placement, Shard):
-                pieces = [torch.empty_like(p.data) for _ in range(self.mesh.tp)]
-                dist.all_gather(pieces, p.data.contiguous(), group=group)
-                out[name] = torch.cat(pieces, placement.dim)
-            elif name in program.layouts:
-                out[name] = p.data
-            if name in program.layouts:
-                out[name] = from_storage(out[name], program.layouts[name])
-        return out
+                    p.data, p.grad = shards[name]
 
     def _check_ownership(self, program: Program, rt: _Runtime) -> None:
         """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
-        stages = program.stages_for(rt.groups.coord("tp"))
+        stages = program.stages_for(rt.groups.rank)
         if stages is None:
             return
         pp = rt.groups.coord("pp")
         used = {n for st in stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
-        held = {n for n, p in self.model.named_parameters() if any(p is q for q in rt.params)}
+        mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
+        held = {n for n, p in self.model.named_parameters() if any(p is q for q in mine)}
         if not used <= held | {n for n, p in self.model.named_parameters() if not p.requires_grad}:
             raise RuntimeError(f"internal error: this input's program uses parameters {sorted(used - held)[:3]} on pp "
                                f"rank {pp}, which holds other ones; please report it with the model")
@@ -205,14 +203,16 @@ class ParallelModel:
         coords = self.mesh.coords(groups.rank)
         return lambda pp: self.mesh.rank_of(**{**coords, "pp": pp})
 
-    def _shared_groups(self, program: Program, groups: Groups, state: dict) -> list[tuple[torch.Tensor, Any]]:
-        """One process group per set of pp ranks sharing a parameter; every rank creates every group."""
+    def _shared_groups(self, program: Program, groups: Groups,
+                       tensor_of: Callable[[str], torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """One process group per set of pp ranks sharing a parameter (whose ``tensor_of(name)`` gets the
+        summed gradient); every rank creates every group."""
         out = []
         for name, pp_ranks in sorted(shared_parameters(program.stages, program.schedule).items()):
             for ranks in self.mesh.groups("pp"):
                 group = dist.new_group([ranks[i] for i in pp_ranks])
                 if groups.rank in ranks and groups.coord("pp") in pp_ranks:
-                    out.append((state[name], group))
+                    out.append((tensor_of(name), group))
         return out
 
     def _local_parts(self, tree: Any, rt: _Runtime) -> list[Any]:
@@ -237,8 +237,9 @@ class ParallelModel:
         if rt.grad_sync is not None:
             rt.grad_sync.finish()
         for param, group in rt.shared:  # copies of one parameter on several stages get the summed gradient
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+            if param.grad is None:  # (every holder takes part, with zeros if its stages made no gradient)
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
         rt.optimizer.step()
         rt.optimizer.zero_grad(set_to_none=True)
         loss /= self.mesh.dp
@@ -266,7 +267,7 @@ class ParallelModel:
 
         rt.shared_on_rank = _shared_within_rank(program, rt.groups.coord("pp"))
         flat = [pytree.tree_leaves(p) for p in parts]
-        loss = rt.pipeline.step(program.stages_for(rt.groups.coord("tp")), flat, rt.state, program.captured.constants, before_backward)
+        loss = rt.pipeline.step(program.stages_for(rt.groups.rank), flat, rt.state, program.captured.constants, before_backward)
         if loss is None:
             loss = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
         src = self._pp_rank_fn(rt.groups)(program.schedule.stage_to_rank[last])
@@ -291,7 +292,7 @@ class ParallelModel:
     def _pipeline_forward(self, program: Program, parts: list[Any], rt: _Runtime) -> list[Any]:
         """Pipelined forward; the last stage broadcasts its outputs to the other pp ranks."""
         last = program.stages[-1]
-        flats = rt.pipeline.forward(program.stages_for(rt.groups.coord("tp")), [pytree.tree_leaves((a, k)) for a, k, _ in parts], rt.state,
+        flats = rt.pipeline.forward(program.stages_for(rt.groups.rank), [pytree.tree_leaves((a, k)) for a, k, _ in parts], rt.state,
                                     program.captured.constants)
         if flats is None:
             flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
@@ -303,28 +304,16 @@ class ParallelModel:
         return [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded state under the original model's keys (CPU tensors); with zero=3, on every rank."""
-        if self._rt is not None and self._rt.zero is not None:
-            return self._rt.zero.full_state_dict()
+        """The full, unsharded state under the original model's keys (CPU tensors), on every rank.
+
+        Every rank must call it: it gathers ZeRO shards over dp, broadcasts each stage's tensors over
+        pp and gathers tensor-parallel shards over tp.
+        """
         program = self._require_program()
-        if self._rt is not None and program.stages is not None:
-            self._gather_pipeline_state(program)
-        full = self._gather_tp_state(program) if self._rt is not None and program.placements else {}
         aliases = tied_aliases(self.model)
+        full = full_state(self.model, self.mesh, program, self._rt) if self._rt is not None else {}
         return {k: full.get(aliases.get(k, k), v).detach().to("cpu", copy=True)
                 for k, v in self.model.state_dict().items()}
-
-    def _gather_pipeline_state(self, program: Program) -> None:
-        """Each tensor's owner (the pp rank of the first stage using it) broadcasts it to the other pp ranks."""
-        rt = self._rt
-        owner: dict[str, int] = {}
-        for st in program.stages:
-            for slot in st.slots:
-                owner.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
-        to_rank = self._pp_rank_fn(rt.groups)
-        with torch.no_grad():
-            for name, t in rt.state.items():
-                dist.broadcast(t.data, src=to_rank(owner.get(name, 0)), group=rt.groups["pp"])
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """This rank's pipeline actions of the last step: ``(action, start, end)`` (perf_counter seconds)."""
@@ -354,19 +343,29 @@ class ParallelModel:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a full state (``state_dict()`` of this model from any mesh, or of the single-device model)."""
-        rt = self._runtime(self._require_program())
+        program = self._require_program()
+        rt = self._runtime(program)
+        local = local_state(self.model, self.mesh, program, rt.groups.rank, state)
+        if program.stages is not None:  # other stages' parameters are not kept here: nothing to load into them
+            aliases = tied_aliases(self.model)
+            released = {n: p.data for n, p in self.model.named_parameters() if p.numel() == 0}
+            local = {k: released.get(aliases.get(k, k), v) for k, v in local.items()}
         if rt.zero is not None:
-            rt.zero.load_full_state_dict(state)
+            rt.zero.load_full_state_dict(local)
         else:
-            self.model.load_state_dict(state)
+            self.model.load_state_dict(local)
 
     def save(self, path: str, extra: Any = None) -> None:
         """Writes the sharded model and optimizer state to the checkpoint folder ``path`` (every rank calls it)."""
-        checkpoint.save(path, self._runtime(self._require_program()), self.model, extra)
+        program = self._require_program()
+        rt = self._runtime(program)
+        checkpoint.save(path, rt, self.model, extra, checkpoint_scope(self.model, self.mesh, program, rt.groups.rank))
 
     def load(self, path: str) -> Any:
         """Reads the latest complete checkpoint in ``path`` (saved on this mesh); returns its ``extra``."""
-        return checkpoint.load(path, self._runtime(self._require_program()), self.model)
+        program = self._require_program()
+        rt = self._runtime(program)
+        return checkpoint.load(path, rt, self.model, checkpoint_scope(self.model, self.mesh, program, rt.groups.rank))
 
 
 def _shared_within_rank(program: Program, pp: int) -> bool:

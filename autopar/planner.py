@@ -289,8 +289,6 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
     if config.recompute:
         return "activation recomputation is planned, not yet run"
-    if config.zero and (config.tp > 1 or config.pp > 1):
-        return f"zero={config.zero} runs with dp only (tp=1, pp=1)"
     if prec != precision_of(profile.dtype):
         return f"autopar runs the model in its own dtype ({profile.dtype}), not {prec.name} precision"
     return ""

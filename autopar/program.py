@@ -19,10 +19,10 @@ from autopar.options import Options
 from passes.cost import tensor_bytes
 from passes.pipeline import StageGraph, choose_split_points, split_stages
 from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
-from passes.zero import rank_graphs, zero_placements, zero_plan
 from runtime.schedule import Schedule, add_communication, make_schedule
 from runtime.simulate import simulate
 from runtime.zero import check_optimizer
+from autopar.zero_compile import apply_zero
 
 
 @dataclass(frozen=True)
@@ -106,17 +106,18 @@ class Program:
     layouts: dict[str, Any] = field(default_factory=dict)  # parameter -> Interleave: stored re-ordered (tp > 1)
     param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
     trainable: set[str] = field(default_factory=set)
+    zero_layouts: dict[int, Any] = field(default_factory=dict)  # rank -> its ZeroLayout (zero > 0)
+    rank_stages: dict[int, list[StageGraph]] = field(default_factory=dict)  # rank -> its stages, when they differ
 
-    def stages_for(self, tp_index: int) -> list[StageGraph] | None:
-        return self.stage_sets[tp_index] if self.stage_sets else self.stages
+    def stages_for(self, rank: int) -> list[StageGraph] | None:
+        """The pipeline stages ``rank`` runs (those of its pp coordinate are its own), None without pp."""
+        if rank in self.rank_stages:
+            return self.rank_stages[rank]
+        return self.stage_sets[self.plan.mesh.coords(rank)["tp"]] if self.stage_sets else self.stages
 
 
 def check_supported(mesh: Mesh, options: Options) -> None:
-    """Rejects what this version cannot run yet, naming it (never a silent wrong answer)."""
-    if options.zero and mesh.tp > 1:
-        raise NotImplementedError(f"zero={options.zero} with tp={mesh.tp} is not supported yet; use zero=0 or tp=1")
-    if options.zero and mesh.pp > 1:
-        raise NotImplementedError(f"zero={options.zero} with pp={mesh.pp} is not supported yet; use zero=0 or pp=1")
+    """Rejects what cannot run, naming it (never a silent wrong answer)."""
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 
@@ -138,7 +139,6 @@ def compile_program(
         cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
         info["nodes"] = len(cap.gm.graph.nodes)
     plan = _plan(model, mesh, options, cap, args)
-    layout = _add_zero_to_plan(plan, model, mesh, options) if options.zero else None
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lowered, pinned, placements, layouts = [cap], placements, {}, {}
     if mesh.tp > 1:
@@ -150,10 +150,8 @@ def compile_program(
         add_tensor_parallel_to_plan(plan, mesh, tp)
     if mesh.pp == 1:
         graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
-        if options.zero == 3:  # each layer's shard is all-gathered before its first use (passes/zero.py)
-            graphs = rank_graphs(cap.gm, cap.slots, layout, mesh.groups("dp"), mesh.size, prefetch=options.zero_prefetch)
         return _finish(Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts),
-                       mesh, options, trainable)
+                       model, mesh, options, trainable)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
@@ -173,13 +171,13 @@ def compile_program(
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
                            split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts),
-                   mesh, options, trainable)
+                   model, mesh, options, trainable)
 
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
     """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
     c = mesh.coords(rank)
-    stages = program.stages_for(c["tp"])
+    stages = program.stages_for(rank)
     graphs = ([st.gm for st in stages if program.schedule.stage_to_rank[st.index] == c["pp"]]
               if stages is not None else [program.graphs[rank]])
     sizes: dict[str, int] = {}
@@ -193,15 +191,21 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
     return sum(sizes.values()), trainable
 
 
-def _finish(program: Program, mesh: Mesh, options: Options, trainable: set[str]) -> Program:
+def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str]) -> Program:
     """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages)."""
     placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
     program.param_of = {nd.name: s.name for nd, s in zip(placeholders, program.captured.slots) if s.kind == "param"}
     program.trainable = trainable
-    if options.zero:
-        return program  # ZeRO's own estimate stands (runtime/zero.py)
     factor = optimizer_state_factor(options)
     per_rank = {r: rank_parameter_bytes(program, mesh, r) for r in range(mesh.size)}
+    if options.zero:  # ZeRO's layouts, estimate and dp collectives replace data parallelism's
+        with log_pass(f"zero={options.zero} (layouts over dp={mesh.dp})") as info:
+            collectives = apply_zero(program, model, mesh, options, factor=factor,
+                                     frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
+            info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
+        program.plan.collectives = ([c for c in program.plan.collectives if c.axis != "dp"]
+                                    + [Collective(*c) for c in collectives])
+        return program
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = {"parameters": params, "gradients": grads, "optimizer": factor * grads}
@@ -280,19 +284,6 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
             "optimizer": optimizer_state_factor(options) * grad_bytes,
         },
     )
-
-
-def _add_zero_to_plan(plan: Plan, model: torch.nn.Module, mesh: Mesh, options: Options) -> Any:
-    """ZeRO's memory estimate and dp collectives replace data parallelism's; returns the layout."""
-    params = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters() if p.requires_grad]
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    layout, plan.memory, collectives = zero_plan(
-        params, frozen_bytes=frozen, stage=options.zero, n=mesh.dp, bucket_bytes=options.bucket_bytes,
-        microbatches=options.microbatches, optimizer_factor=optimizer_state_factor(options),
-        prefetch=options.zero_prefetch)
-    plan.collectives = [c for c in plan.collectives if c.axis != "dp"] + [Collective(*c) for c in collectives]
-    plan.params = zero_placements(plan.params, layout)
-    return layout
 
 
 def _placement(mesh: Mesh, tp: Any = None) -> str:

@@ -117,13 +117,18 @@ def layer_of(name: str) -> str:
 
 
 def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage: int, n: int,
-                bucket_bytes: int) -> ZeroLayout:
-    """The flat groups of ``params`` (name, local shape, dtype) for ``stage`` over ``n`` dp ranks."""
+                bucket_bytes: int, alone: set[str] | frozenset[str] = frozenset()) -> ZeroLayout:
+    """The flat groups of ``params`` (name, local shape, dtype) for ``stage`` over ``n`` dp ranks.
+
+    Each parameter in ``alone`` gets a group of its own (named after it), ahead of the others.
+    """
     if stage not in STAGES:
         raise ValueError(f"zero={stage!r}: a layout exists for stages 1, 2 and 3")
     if n < 1:
         raise ValueError(f"dp size {n} must be >= 1")
-    groups: list[FlatGroup] = []
+    groups = [_group(name, [(name, shape)], dtype, n) for name, shape, dtype in params if name in alone]
+    params = [p for p in params if p[0] not in alone]
+    first = len(groups)
     if stage == 3:
         layers: OrderedDict[tuple[str, torch.dtype], list] = OrderedDict()
         for name, shape, dtype in params:
@@ -140,12 +145,14 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
     for name, shape, dtype in reversed(params):  # backward produces the last parameters' gradients first
         nbytes = _numel(shape) * dtype.itemsize
         if bucket and (size + nbytes > bucket_bytes or bucket[0][2] != dtype):
-            groups.append(_group(f"bucket{len(groups)}", [(a, b) for a, b, _ in bucket], bucket[0][2], n))
+            groups.append(_group(f"bucket{len(groups) - first}", [(a, b) for a, b, _ in bucket],
+                                 bucket[0][2], n))
             bucket, size = [], 0
         bucket.append((name, shape, dtype))
         size += nbytes
     if bucket:
-        groups.append(_group(f"bucket{len(groups)}", [(a, b) for a, b, _ in bucket], bucket[0][2], n))
+        groups.append(_group(f"bucket{len(groups) - first}", [(a, b) for a, b, _ in bucket],
+                             bucket[0][2], n))
     return ZeroLayout(stage, n, tuple(groups))
 
 
@@ -323,23 +330,17 @@ def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_
     return layout, memory, zero_collectives(layout, microbatches=microbatches)
 
 
-def rank_graphs(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, dp_groups: list[list[int]],
-                rank_count: int, *, prefetch: int) -> dict[int, fx.GraphModule]:
-    """Stage 3: each rank's graph, rewritten once per dp group (the graphs differ only in the ranks they name)."""
-    graphs = {}
-    for ranks in dp_groups:
-        rewritten = insert_gathers(gm, slots, layout, axis="dp", ranks=ranks, prefetch=prefetch)
-        graphs.update(dict.fromkeys(ranks, rewritten))
-    if len(graphs) != rank_count:
-        raise ValueError(f"the dp groups cover {len(graphs)} ranks, the mesh has {rank_count}")
-    return graphs
-
-
 def zero_placements(params: list[tuple[str, tuple[int, ...], str]],
                     layout: ZeroLayout) -> list[tuple[str, tuple[int, ...], str]]:
     """The plan's per-parameter rows, each told which flat group shards it over dp."""
     what = {1: "optimizer state sharded over dp", 2: "gradients + optimizer state sharded over dp",
             3: "stored sharded over dp, gathered per layer"}[layout.stage]
     group_of = {name: g.name for g in layout.groups for name in g.params}
-    return [(name, shape, f"{placement}  zero={layout.stage}: {what} in {group_of[name]!r}" if name in group_of
-             else placement) for name, shape, placement in params]
+    out = []
+    for name, shape, placement in params:
+        if name in group_of:
+            if layout.stage == 3:
+                placement = placement.replace("dp: Replicate()", "dp: Shard(flat)")
+            placement = f"{placement}  zero={layout.stage}: {what} in {group_of[name]!r}"
+        out.append((name, shape, placement))
+    return out

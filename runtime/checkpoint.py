@@ -15,6 +15,11 @@ optimizer state, replicated. The optimizer's param groups (LR after a
 scheduler included), the layout and the caller's ``extra`` are saved as
 objects. ``load`` refuses a checkpoint written for another mesh or stage and
 names the fix (load a full state with ``pm.load_state_dict``).
+
+With pipeline or tensor parallelism (a ``Scope``), each rank saves only the
+tensors its stages hold, and every key whose value differs between pp or tp
+ranks (tp shards, ZeRO groups, optimizer groups, the layout) carries the
+rank's coordinates (``@pp1.tp0``); replicated keys are written once.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import pickle
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +41,25 @@ LATEST = "LATEST"
 PREFIX = "ckpt-"
 
 
-def save(root: str, rt: Any, model: torch.nn.Module, extra: Any = None) -> str:
+@dataclass(frozen=True)
+class Scope:
+    """What one rank saves: the tensors it holds (None: all), and the keys that differ across pp/tp ranks."""
+
+    where: str = ""  # "@pp<i>.tp<j>" on a mesh with pp or tp, else ""
+    held: frozenset[str] | None = None  # names of the parameters and buffers this rank saves
+    tp_local: frozenset[str] = frozenset()  # names stored as tp shards: their keys carry ``where``
+
+    def key(self, name: str) -> str:
+        return name + self.where if name in self.tp_local else name
+
+
+def save(root: str, rt: Any, model: torch.nn.Module, extra: Any = None, scope: Scope = Scope()) -> str:
     """Writes a new version of ``rt``'s state under ``root`` and commits it; returns the version's folder."""
-    _check_supported(rt)
     rank = dist.get_rank()
     names = [f"{PREFIX}{int(time.time())}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     version = os.path.join(root, names[0])
-    state = _state(rt, model)
+    state = _state(rt, model, scope)
     state["meta/extra"] = pickle.dumps(extra)
     dcp.save(state, checkpoint_id=version)
     dist.barrier()  # every rank has written its part
@@ -52,25 +69,28 @@ def save(root: str, rt: Any, model: torch.nn.Module, extra: Any = None) -> str:
     return version
 
 
-def load(root: str, rt: Any, model: torch.nn.Module) -> Any:
+def load(root: str, rt: Any, model: torch.nn.Module, scope: Scope = Scope()) -> Any:
     """Loads the version ``root/LATEST`` names into ``rt`` (same mesh and stage); returns the saved ``extra``."""
-    _check_supported(rt)
     version = latest(root)
     stored = dcp.FileSystemReader(version).read_metadata().state_dict_metadata
-    meta = {"meta/layout": b""}
+    layout_key = "meta/layout" + scope.where
+    if layout_key not in stored:  # written on another mesh: report what it was written for
+        layout_key = min(key for key in stored if key.startswith("meta/layout"))
+    meta = {layout_key: b""}
     dcp.load(meta, checkpoint_id=version)
+    found = meta[layout_key]
     want = _layout(rt)
-    if meta["meta/layout"] != want:
+    if found != want:
         raise ValueError(
-            f"the checkpoint {version} was written for {_summary(meta['meta/layout'])}, but this model runs "
+            f"the checkpoint {version} was written for {_summary(found)}, but this model runs "
             f"{_summary(want)}; resume on the same mesh and zero stage, or load a full state with "
             "pm.load_state_dict(state) (pm.state_dict() of the old job, saved with torch.save)"
         )
-    state = _state(rt, model)
-    opt_state = _optimizer_template(rt, model, stored, state)
+    state = _state(rt, model, scope)
+    opt_state = _optimizer_template(rt, model, stored, state, scope)
     state["meta/extra"] = b""
     dcp.load(state, checkpoint_id=version)
-    _restore_optimizer(rt, model, state, opt_state)
+    _restore_optimizer(rt, model, state, opt_state, scope)
     if rt.zero is not None and rt.zero.stage < 3:
         for work in [fs.all_gather_in_place() for fs in rt.zero.shards]:
             if work is not None:
@@ -105,12 +125,6 @@ def _commit(root: str, name: str) -> None:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
 
 
-def _check_supported(rt: Any) -> None:
-    mesh = rt.groups.mesh
-    if mesh.pp > 1 or mesh.tp > 1:
-        raise NotImplementedError(f"checkpoints of {mesh} are not supported yet; pm.save/pm.load need pp=1 and tp=1")
-
-
 def _layout(rt: Any) -> bytes:
     desc = {"mesh": repr(rt.groups.mesh), "zero": rt.zero.stage if rt.zero is not None else 0,
             "layout": rt.zero.layout.describe() if rt.zero is not None else None}
@@ -118,7 +132,10 @@ def _layout(rt: Any) -> bytes:
 
 
 def _summary(layout: bytes) -> str:
-    desc = json.loads(layout.decode()) if layout else {}
+    try:
+        desc = json.loads(layout.decode())
+    except ValueError:
+        return layout.decode()
     names = [g["name"] for g in (desc.get("layout") or {}).get("groups", [])]
     text = f"zero={desc.get('zero')} on {desc.get('mesh')}"
     if names:
@@ -126,12 +143,12 @@ def _summary(layout: bytes) -> str:
     return text
 
 
-def _owners(rt: Any, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _owners(rt: Any, model: torch.nn.Module, scope: Scope) -> list[tuple[str, torch.Tensor]]:
     """The optimizer's parameters in its own order, each with a stable name (its flat group, or its parameter)."""
     if rt.zero is not None:
-        by_id = {id(fs.shard): fs.spec.name for fs in rt.zero.shards}
+        by_id = {id(fs.shard): fs.spec.name + scope.where for fs in rt.zero.shards}
     else:
-        by_id = {id(p): n for n, p in model.named_parameters()}
+        by_id = {id(p): scope.key(n) for n, p in model.named_parameters()}
     return [(by_id[id(p)], p) for g in rt.optimizer.param_groups for p in g["params"]]
 
 
@@ -155,27 +172,27 @@ def _sharded(local: torch.Tensor, padded: int, mesh: Any) -> Any:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(padded,), stride=(1,))
 
 
-def _state(rt: Any, model: torch.nn.Module) -> dict[str, Any]:
+def _state(rt: Any, model: torch.nn.Module, scope: Scope) -> dict[str, Any]:
     """The model's part of the checkpoint, aliasing the live tensors (so DCP loads in place)."""
-    state: dict[str, Any] = {"meta/layout": _layout(rt)}
+    state: dict[str, Any] = {"meta/layout" + scope.where: _layout(rt)}
     zero = rt.zero
     sharded = {n for fs in zero.shards for n in fs.spec.params} if zero is not None else set()
+    aliases = _aliases(model)
     for name, t in model.state_dict(keep_vars=True).items():
-        if name not in sharded:
-            state[f"model/{name}"] = t.detach()
+        canonical = aliases.get(name, name)
+        if canonical in sharded or (scope.held is not None and canonical not in scope.held):
+            continue  # a tied alias of a sharded parameter is saved once, in its flat group
+        state[f"model/{scope.key(canonical)}"] = t.detach()
     if zero is not None:
-        for alias, canonical in _aliases(model).items():  # a tied alias is saved once, under its canonical name
-            if canonical in sharded:
-                state.pop(f"model/{alias}", None)
         mesh = _dp_mesh(rt) if rt.groups["dp"] is not None else None
         for fs in zero.shards:
-            state[f"zero/{fs.spec.name}"] = _sharded(fs.shard.detach(), fs.spec.padded, mesh)
+            state[f"zero/{fs.spec.name}{scope.where}"] = _sharded(fs.shard.detach(), fs.spec.padded, mesh)
     if rt.optimizer is not None:
-        owners = _owners(rt, model)
+        owners = _owners(rt, model, scope)
         name_of = {id(p): owner for owner, p in owners}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
                   for g in rt.optimizer.param_groups]
-        state["optim/param_groups"] = pickle.dumps(groups)
+        state["optim/param_groups" + scope.where] = pickle.dumps(groups)
         state.update(_optimizer_entries(rt, owners))
     return state
 
@@ -201,13 +218,14 @@ def _optimizer_entries(rt: Any, owners: list[tuple[str, torch.Tensor]]) -> dict[
     return out
 
 
-def _optimizer_template(rt: Any, model: torch.nn.Module, stored: dict, state: dict) -> dict[str, dict[str, Any]]:
+def _optimizer_template(rt: Any, model: torch.nn.Module, stored: dict, state: dict,
+                        scope: Scope) -> dict[str, dict[str, Any]]:
     """Fresh tensors, in ``state``, for the optimizer state the checkpoint holds (the optimizer may have none yet)."""
     if rt.optimizer is None:
         return {}
     mesh = _dp_mesh(rt) if rt.zero is not None and rt.groups["dp"] is not None else None
     out: dict[str, dict[str, Any]] = {}
-    for owner, p in _owners(rt, model):
+    for owner, p in _owners(rt, model, scope):
         prefix = f"optim/{owner}/"
         for key, md in stored.items():
             if not key.startswith(prefix):
@@ -228,13 +246,15 @@ def _optimizer_template(rt: Any, model: torch.nn.Module, stored: dict, state: di
     return out
 
 
-def _restore_optimizer(rt: Any, model: torch.nn.Module, state: dict, template: dict[str, dict[str, Any]]) -> None:
+def _restore_optimizer(rt: Any, model: torch.nn.Module, state: dict, template: dict[str, dict[str, Any]],
+                       scope: Scope) -> None:
     """Hands the loaded optimizer state to the optimizer, matching parameters by name."""
-    if rt.optimizer is None or "optim/param_groups" not in state:
+    key = "optim/param_groups" + scope.where
+    if rt.optimizer is None or key not in state:
         return
-    owners = _owners(rt, model)
+    owners = _owners(rt, model, scope)
     index = {owner: i for i, (owner, _) in enumerate(owners)}
-    groups = pickle.loads(state["optim/param_groups"])
+    groups = pickle.loads(state[key])
     current = [sorted(name for name, p in owners if any(p is q for q in g["params"]))
                for g in rt.optimizer.param_groups]
     if sorted(sorted(g["params"]) for g in groups) != sorted(current):

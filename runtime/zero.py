@@ -60,8 +60,12 @@ def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
 class ZeroRuntime:
     """The ZeRO state of one rank; see the module docstring for how ``ParallelModel`` drives it."""
 
-    def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter]) -> None:
-        """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups["dp"]``."""
+    def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter],
+                 alone: set[str] | frozenset[str] = frozenset()) -> None:
+        """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups["dp"]``.
+
+        Each parameter named in ``alone`` (held by several pipeline ranks) gets a flat group of its own.
+        """
         mesh = groups.mesh
         self.model = model
         self.groups = groups
@@ -70,7 +74,7 @@ class ZeroRuntime:
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
-                                              n=mesh.dp, bucket_bytes=options.bucket_bytes)
+                                              n=mesh.dp, bucket_bytes=options.bucket_bytes, alone=alone)
         check_optimizer(options.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.queue = ReduceQueue()
@@ -103,6 +107,10 @@ class ZeroRuntime:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self.memory = MemoryAccount(self._parameter_tensors, self._gradient_tensors, self.optimizer,
                                     (lambda: self.tracker.peak) if self.stage == 3 else None, on_step=False)
+
+    def shard_of(self, name: str) -> torch.nn.Parameter:
+        """The flat shard of the group holding parameter ``name``."""
+        return next(fs.shard for fs in self.shards if name in fs.spec.params)
 
     def owned_parameters(self) -> list[torch.nn.Parameter]:
         """The model parameters this runtime shards (this rank's trainable ones), in layout order."""
@@ -180,22 +188,12 @@ class ZeroRuntime:
                 fs.grad = None  # freed with the optimizer's zero_grad(set_to_none=True)
 
     # full state ----------------------------------------------------------------
-    def _full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every sharded parameter at full size (stage 3 all-gathers: every rank must call this)."""
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every sharded parameter at full size over dp (stage 3 all-gathers: every dp rank must call this)."""
         out = {}
         for fs in self.shards:
             full = fs.full if fs.full is not None else fs.gather()
             out.update(zip(fs.spec.params, fs.views(full)))
-        return out
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state under its own keys, full size, on CPU."""
-        full = self._full_parameters()
-        aliases = tied_aliases(self.model)
-        out = {}
-        for key, value in self.model.state_dict(keep_vars=True).items():
-            value = full.get(aliases.get(key, key), value)
-            out[key] = value.detach().to("cpu", copy=True)
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -71,13 +71,13 @@ def gpt2(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, dtype: t
 
 
 def llama(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
-          dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+          dtype: torch.dtype = torch.float64, seed: int = 0, tied: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg).to(dtype).train()
 
 

@@ -1,4 +1,4 @@
-"""dp x pp x tp together on 8 local ranks equals single-device training, in any axis order."""
+"""dp x pp x tp (+ ZeRO) together on 8 local ranks equals single-device training, in any axis order."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +14,11 @@ IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
-def test_dp2_pp2_tp2(launcher, name: str) -> None:
+@pytest.mark.parametrize("name,zero", [("gpt2", 0), ("llama", 0), ("bert", 0), ("gpt2", 3), ("llama", 2), ("bert", 1)])
+def test_dp2_pp2_tp2(launcher, name: str, zero: int) -> None:
     assert_equivalent(models.factory(getattr(models, name), layers=4), Mesh(dp=2, pp=2, tp=2), (IDS,), TARGET,
-                      models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, microbatches=2)
+                      models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, microbatches=2,
+                      zero=zero, bucket_mb=1e-3)
 
 
 def test_axis_order_is_free(launcher) -> None:
@@ -32,8 +33,10 @@ def _factorizations(n: int) -> list[dict[str, int]]:
 
 @given(sizes=st.sampled_from(_factorizations(4) + _factorizations(8)), order=st.permutations(["dp", "pp", "tp"]),
        schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
-       config=st.sampled_from([("llama", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 8, 4)]))
-def test_random_meshes_schedules_and_transformers(launcher, sizes, order, schedule, config) -> None:
+       config=st.sampled_from([("llama", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 8, 4)]),
+       zero=st.sampled_from([0, 1, 2, 3]))
+def test_random_meshes_zero_stages_schedules_and_transformers(launcher, sizes, order, schedule, config,
+                                                              zero) -> None:
     name, layers, heads, kv = config
     mesh = Mesh(**{axis: sizes[axis] for axis in order})
     microbatches = 2 * mesh.pp if schedule == "interleaved-1f1b" else 2
@@ -41,4 +44,5 @@ def test_random_meshes_schedules_and_transformers(launcher, sizes, order, schedu
     ids = torch.randint(0, 96, (batch, 6), generator=torch.Generator().manual_seed(batch))
     kw = {"layers": layers, "heads": heads, "d": 32} | ({"kv_heads": kv} if name == "llama" else {})
     assert_equivalent(models.factory(getattr(models, name), **kw), mesh, (ids,), ids, models.lm_loss, models.adamw,
-                      steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, schedule=schedule, microbatches=microbatches)
+                      steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, schedule=schedule, microbatches=microbatches,
+                      zero=zero, bucket_mb=1e-3)

@@ -96,8 +96,3 @@ def test_a_batch_that_does_not_divide_names_the_numbers() -> None:
     with pytest.raises(ValueError, match=r"batch 6 does not divide by dp\*microbatches = 2\*2 = 4; pass a batch "
                                          r"that is a multiple of 4 or set microbatches to one of \[1, 3\]"):
         parallelize(models.mlp((8, 4)), Mesh(dp=2), example_inputs=(torch.randn(6, 8),), microbatches=2)
-
-
-def test_unsupported_combinations_say_so() -> None:
-    with pytest.raises(NotImplementedError, match="zero=1 with tp=2 is not supported yet"):
-        parallelize(models.mlp((8, 4)), Mesh(dp=2, tp=2), zero=1, optimizer=models.sgd)

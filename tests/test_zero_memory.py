@@ -47,3 +47,36 @@ def test_measured_bytes_per_rank_match_the_zero_formulas(launcher, dp: int) -> N
             assert measured["gathered"] == (1 + prefetch) * layer  # measured peak of gathered layers
         if stage >= 2:
             assert measured["gradients"] == pytest.approx(4 * psi / dp, rel=0.01)  # no full gradient is kept
+
+
+def _composed_accounts(sizes: dict) -> dict:
+    mesh = Mesh(**sizes)
+    x, y = torch.randn(8 * mesh.dp, WIDTH), torch.randn(8 * mesh.dp, WIDTH)
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = models.mlp((WIDTH,) * (LAYERS + 1), dtype=torch.float32)
+        pm = parallelize(model, mesh, loss_fn=models.mse, zero=stage, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                         example_inputs=(x,), example_target=y, microbatches=2)
+        for _ in range(3):
+            pm.step(x, target=y)
+        rank = torch.distributed.get_rank()
+        layout = pm.compile((x,), target=y).zero_layouts.get(rank)
+        held = ({n: p.numel() for n, p in model.named_parameters() if any(p is q for q in pm.parameters())}
+                if stage == 0 else {n: k for g in layout.groups for n, k in zip(g.params, g.numels)})
+        largest = max(g.nbytes for g in layout.groups) if stage == 3 else 0
+        out[stage] = (held, largest, pm.memory(), dict(pm.plan.memory))
+    return out
+
+
+@pytest.mark.parametrize("sizes", [dict(dp=2, pp=2), dict(dp=2, tp=2)])
+def test_with_pp_or_tp_each_rank_follows_the_formulas_for_what_it_holds(launcher, sizes: dict) -> None:
+    """Psi is the rank's share: its stage's layers under pp, its column/row shards under tp."""
+    total = LAYERS * (WIDTH * WIDTH + WIDTH)
+    for rank, accounts in enumerate(launcher(_composed_accounts, Mesh(**sizes).size, sizes)):
+        assert accounts[0][0] == accounts[1][0] == accounts[2][0] == accounts[3][0]  # every stage, the same share
+        psi = sum(accounts[0][0].values())
+        assert psi == pytest.approx(total / 2, rel=0.02), (rank, psi)  # half the model (tp: biases of row layers)
+        for stage, (_, largest, measured, estimate) in accounts.items():
+            want = _formula(stage, psi, 2, largest, 1)  # zero_prefetch=1: two layers gathered at once
+            assert measured["total"] == pytest.approx(want, rel=0.05), (rank, stage, measured, want)
+            assert sum(estimate.values()) >= measured["total"] * 0.95  # the plan's worst rank bounds each rank

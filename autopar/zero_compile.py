@@ -1,0 +1,118 @@
+"""ZeRO at compile time on any mesh: each rank's flat layout, the plan's estimate, the stage-3 graphs.
+
+A rank's ZeRO layout is a function of the trainable parameters it holds — those
+of its pipeline stages, at their tensor-parallel local shapes, in the model's
+parameter order — so the compiler here and the rank's runtime
+(``runtime/zero.py``) compute the same one; ``ParallelModel`` checks that they do.
+A parameter held by several pipeline ranks (tied embeddings) gets a flat group
+of its own, so its shards cover the same elements on every holder and their
+gradients can be summed shard by shard.
+
+Invariant: ranks that differ only in their dp coordinate hold the same
+parameters and get the same layout; only the shard each one owns differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.mesh import Mesh
+from autopar.options import Options
+from passes.zero import ZeroLayout, insert_gathers, zero_collectives, zero_layout, zero_placements, memory_estimate
+
+
+def local_shape(shape: tuple[int, ...], placement: Any, n: int, index: int) -> tuple[int, ...]:
+    """The shape tp rank ``index`` of ``n`` stores for a parameter of full ``shape`` (as ``_shard_for_tp`` cuts it)."""
+    if not isinstance(placement, Shard) or n == 1:
+        return tuple(shape)
+    return tuple(torch.empty(shape, device="meta").chunk(n, placement.dim)[index].shape)
+
+
+def held_names(program: Any, rank: int) -> set[str] | None:
+    """Names of the parameters and buffers ``rank``'s pipeline stages use (None: no pipeline, it holds all)."""
+    if program.stages is None:
+        return None
+    pp = program.plan.mesh.coords(rank)["pp"]
+    return {s.name for st in program.stages if program.schedule.stage_to_rank[st.index] == pp
+            for s in st.slots if s.kind in ("param", "buffer")}
+
+
+def rank_parameters(program: Any, model: torch.nn.Module, rank: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, local shape, dtype)`` of the trainable parameters ``rank`` holds, in the model's order."""
+    mesh = program.plan.mesh
+    held = held_names(program, rank)
+    tp = mesh.coords(rank)["tp"]
+    return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), p.dtype)
+            for n, p in model.named_parameters()
+            if p.requires_grad and (held is None or n in held)]
+
+
+def shared_across_pp(program: Any) -> set[str]:
+    """Parameters that stages on several pipeline ranks use."""
+    if program.stages is None:
+        return set()
+    holders: dict[str, set[int]] = {}
+    for st in program.stages:
+        for name in st.params:
+            holders.setdefault(name, set()).add(program.schedule.stage_to_rank[st.index])
+    return {name for name, ranks in holders.items() if len(ranks) > 1}
+
+
+def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
+    return zero_layout(rank_parameters(program, model, rank), stage=options.zero, n=program.plan.mesh.dp,
+                       bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
+
+
+def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
+               frozen_bytes: dict[int, int]) -> list[tuple[str, str, int, int, str]]:
+    """Adds every rank's layout and the worst rank's memory estimate to ``program``; under zero=3
+    rewrites each rank's graphs to gather its layers (``passes.zero.insert_gathers``). Returns the
+    worst rank's dp collectives ``(axis, op, count, bytes, what)``.
+
+    ``factor``: optimizer-state elements per parameter element; ``frozen_bytes``: bytes of
+    parameters without gradients each rank holds.
+    """
+    plan = program.plan
+    firsts = {tuple(ranks): ranks[0] for ranks in mesh.groups("dp")}  # one representative per dp group
+    layouts = {rep: rank_layout(program, model, options, rep) for rep in firsts.values()}
+    program.zero_layouts = {r: layouts[firsts[tuple(ranks)]] for ranks in mesh.groups("dp") for r in ranks}
+    estimates = {}
+    for rep, layout in layouts.items():
+        trainable = sum(g.nbytes for g in layout.groups)
+        estimates[rep] = memory_estimate(param_bytes=frozen_bytes.get(rep, 0) + trainable, trainable_bytes=trainable,
+                                         optimizer_factor=factor, stage=options.zero, n=mesh.dp,
+                                         gathered=layout.largest_gathered(options.zero_prefetch)
+                                         if options.zero == 3 else 0)
+    worst = max(estimates, key=lambda r: sum(estimates[r].values()))
+    plan.memory = estimates[worst]
+    plan.memory_note = f"largest on rank {worst}" if len(layouts) > 1 else ""
+    merged = {g.name: g for rep in layouts if mesh.coords(rep)["tp"] == 0 for g in layouts[rep].groups}
+    plan.params = zero_placements(plan.params, ZeroLayout(options.zero, mesh.dp, tuple(merged.values())))
+    if options.zero == 3:
+        _gather_layers(program, mesh, options)
+    return zero_collectives(layouts[worst], microbatches=options.microbatches)
+
+
+def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
+    """Each dp group's graphs (its pipeline stages) with all-gathers of its layers, named by its ranks."""
+    for ranks in mesh.groups("dp"):
+        layout = program.zero_layouts[ranks[0]]
+        if program.stages is None:
+            captured = program.graphs[ranks[0]]
+            slots = program.captured.slots
+            rewritten = insert_gathers(captured, slots, layout, axis="dp", ranks=ranks, prefetch=options.zero_prefetch)
+            program.graphs.update(dict.fromkeys(ranks, rewritten))
+            continue
+        c = mesh.coords(ranks[0])
+        stages = list(program.stages_for(ranks[0]))
+        for i, st in enumerate(stages):
+            if program.schedule.stage_to_rank[st.index] == c["pp"]:
+                gm = insert_gathers(st.gm, st.slots, layout, axis="dp", ranks=ranks, prefetch=options.zero_prefetch)
+                stages[i] = dataclasses.replace(st, gm=gm)
+        for r in ranks:
+            program.rank_stages[r] = stages
+            program.graphs[r] = stages[c["pp"]].gm
+
