@@ -19,6 +19,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError
+from autopar.log import log_pass
+from passes.constant_masks import fold_constant_masks
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 PREFIX = "model."  # the attribute the wrappers below keep the user's model under
@@ -123,7 +125,11 @@ def capture(
         raise
     except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError with a hint
         raise CaptureError(f"torch.export could not capture {type(model).__name__}", cause=e, hint=_hint(e)) from e
-    return _dedupe_tied(_from_exported(ep), model)
+    captured = _dedupe_tied(_from_exported(ep), model)
+    with log_pass("constant attention masks -> is_causal", len(captured.gm.graph.nodes)) as info:
+        info["detail"] = f"{fold_constant_masks(captured.gm)} attention calls rewritten"
+        info["nodes"] = len(captured.gm.graph.nodes)
+    return captured
 
 
 def check_inputs(tree: Any) -> None:

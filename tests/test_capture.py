@@ -96,3 +96,47 @@ def test_a_batch_that_does_not_divide_names_the_numbers() -> None:
     with pytest.raises(ValueError, match=r"batch 6 does not divide by dp\*microbatches = 2\*2 = 4; pass a batch "
                                          r"that is a multiple of 4 or set microbatches to one of \[1, 3\]"):
         parallelize(models.mlp((8, 4)), Mesh(dp=2), example_inputs=(torch.randn(6, 8),), microbatches=2)
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention under a mask built from positions: causal, a sliding window, or the caller's own."""
+
+    def __init__(self, window: int | None) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.window = window
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.proj(x).unflatten(-1, (2, 4)).transpose(1, 2)  # (B, heads, S, 4)
+        if mask is None:
+            pos = torch.arange(x.shape[1])
+            mask = pos[None, :] <= pos[:, None]
+            if self.window is not None:
+                mask = mask & (pos[:, None] - pos[None, :] < self.window)
+            mask = mask.expand(x.shape[0], 1, -1, -1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
+
+
+def _attention_calls(cap: object) -> list:
+    return [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_mask_built_from_positions_becomes_is_causal(name: str) -> None:
+    make, args = CASES[name]
+    calls = _attention_calls(capture(make(), args, {}))
+    assert calls and all(n.args[3:6] == (None, 0.0, True) for n in calls)  # no mask tensor made, saved or sent
+
+
+def test_only_causal_or_input_independent_masks_are_folded() -> None:
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    causal, window = _MaskedAttention(None), _MaskedAttention(3)
+    assert _attention_calls(capture(causal, (x,), {}))[0].args[5] is True
+    kept = _attention_calls(capture(window, (x,), {}))[0]  # a sliding window is not causal: the mask stays
+    assert isinstance(kept.args[3], torch.fx.Node)
+    given = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    kept = _attention_calls(capture(causal, (x, given), {}))[0]  # the caller's mask is an input: it stays
+    assert isinstance(kept.args[3], torch.fx.Node)
+    for model, inputs in [(causal, (x,)), (window, (x,)), (causal, (x, given))]:
+        cap = capture(model, inputs, {})
+        torch.testing.assert_close(cap.run(dict(model.named_parameters()), list(inputs), cap.gm), model(*inputs))
