@@ -146,8 +146,7 @@ def main() -> None:
           f"ranks, {args.steps} interleaved steps; autopar zero=3 (prefetch {args.prefetch}) vs FSDP2 per block")
     print(f"median step: autopar {a * 1e3:.1f} ms   FSDP2 {f * 1e3:.1f} ms   ratio autopar/FSDP2 {a / f:.3f} "
           "(target <= 1.0)")
-    print(f"peak bytes per rank: autopar {pa / 2**20:.2f} MiB   FSDP2 {pf / 2**20:.2f} MiB   ratio {pa / pf:.3f} "
-          "(target <= 1.0)")
+    print(f"peak bytes per rank: autopar {pa:,} B   FSDP2 {pf:,} B   ratio {pa / pf:.4f} (target <= 1.0)")
     print(f"autopar account after a step: {results[0]['account']}")
     print("loss at step 1, 5, last: autopar " + ", ".join(f"{first['autopar'][i]:.5f}" for i in (0, 4, -1))
           + "   FSDP2 " + ", ".join(f"{first['fsdp2'][i]:.5f}" for i in (0, 4, -1)))
