@@ -1,0 +1,95 @@
+"""``parallelize(model, "auto")``: the best configuration autopar runs for the running job.
+
+``auto_choice`` plans for the job's world size on a cluster preset that
+resembles this machine (the local GPU model, or CPU ranks sharing its cores),
+for the model's own dtype and optimizer, and keeps only configurations
+autopar's runtime runs today.
+
+Invariant: every rank gets the same choice (rank 0's is broadcast when a
+process group is up).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.cost_model import precision_of
+from autopar.plan_search import Candidate, evaluate, plan
+
+
+def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
+                optimizer: Callable | None) -> Candidate:
+    """The best configuration autopar runs for the job's world size (``parallelize(model, "auto")``).
+
+    Every rank plans the same way; under a running job rank 0's choice is
+    broadcast so that all ranks agree even if two plans tie.
+    """
+    if spec != "auto":
+        raise ValueError(f"mesh {spec!r} is not a Mesh; pass autopar.Mesh(...) or the string 'auto'")
+    if example_inputs is None:
+        raise ValueError("parallelize(model, 'auto') needs example_inputs=(...) (a global batch) to plan for its "
+                         "batch and sequence sizes")
+    devices = _world_size()
+    first = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ValueError("parallelize(model, 'auto') needs a tensor input with the batch in dim 0")
+    seq = first.shape[1] if sequence_of(example_inputs) else None
+    small = tuple(_two_rows(a) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == first.shape[0] else a
+                  for a in example_inputs)  # the profile's capture needs a batch of 2, whatever the global one
+    states = _optimizer_states(optimizer)
+    cluster = _local_cluster(devices)
+    result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
+                  precision=precision_of(next(model.parameters()).dtype), optimizer=states,
+                  example_inputs=small, example_kwargs=example_kwargs, runnable_only=True, recompute=(False,))
+    chosen = result.best
+    if dist.is_available() and dist.is_initialized():
+        box = [chosen.config]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] != chosen.config:
+            chosen = evaluate(result.cost, box[0], cluster, result.precision, result.profile) or chosen
+    return chosen
+
+
+def _two_rows(x: torch.Tensor) -> torch.Tensor:
+    return x[:2] if x.shape[0] >= 2 else torch.cat([x, x])[:2]
+
+
+def sequence_of(inputs: tuple | None) -> bool:
+    """Whether a model's inputs have a sequence dim 1: token ids (B, S), or (B, S, H) and wider; default yes."""
+    first = next((a for a in inputs or () if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        return inputs is None
+    return first.dim() >= 3 or (first.dim() == 2 and not first.is_floating_point())
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    raise ValueError("parallelize(model, 'auto') plans for the job's world size, but no job is running "
+                     "(no process group, no WORLD_SIZE); launch the script with torchrun or autopar.launch, "
+                     "or call autopar.plan(model, devices=N, ...) and pass its best mesh")
+
+
+def _optimizer_states(optimizer: Callable | None) -> str:
+    if optimizer is None:
+        return "sgd"
+    from autopar.options import Options
+    from autopar.program import optimizer_state_factor
+
+    return {2: "adam", 1: "sgd-momentum", 0: "sgd"}[optimizer_state_factor(Options(optimizer=optimizer))]
+
+
+def _local_cluster(devices: int) -> Cluster:
+    """The preset nearest this job's machines: CPU ranks sharing this node's cores, or the local GPU model."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", devices))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return Cluster.preset("dgx-a100").replace(name=f"local {props.name}", memory=0.93 * props.total_memory,
+                                                  devices_per_node=per_node)
+    return Cluster.preset("cpu").replace(devices_per_node=per_node, cores=os.cpu_count() or 1)

@@ -1,0 +1,192 @@
+"""What a plan says to a person: the ranked table, its header, and sentences explaining the best candidate.
+
+``explain`` writes sentences a reader can check against the table (what the
+largest layer needs, why other tp and pp sizes lose, what ZeRO, the bubble and
+communication cost); ``render_table`` and ``render_plan`` print a
+``PlanResult``. Sizes print in the units people quote them in (GB, "175B"
+parameters, ms).
+
+Invariant: reads a ``PlanResult`` and never changes it; every number printed is
+one of the candidates' estimates or the cost model's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from autopar.cluster import gb
+from autopar.cost_model import b_sym
+
+if TYPE_CHECKING:
+    from autopar.plan_search import Candidate, PlanResult
+
+TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel")
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+
+def render_table(result: PlanResult, top: int = 10) -> str:
+    """The ranked candidates, ``top`` rows: mesh, ZeRO, schedule, memory, step time, throughput."""
+    head = (f"{'#':>3}  {'mesh dp x pp x tp':<18} {'zero':>4}  {'schedule':<17} {'m x b':>8}  {'rc':<2} "
+            f"{'params+grads+opt':>16} {'activ.':>9} {'total':>9}  {'step':>9} {'tokens/s':>10} {'TF/dev':>7}  run")
+    lines = [head]
+    for i, c in enumerate(result.candidates[:top], 1):
+        cfg, m = c.config, c.memory
+        v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
+        sched = "-" if cfg.pp == 1 else cfg.schedule + v
+        state = m["parameters"] + m["gradients"] + m["optimizer"]
+        lines.append(
+            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}':<18} {cfg.zero:>4}  {sched:<17} "
+            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {'y' if cfg.recompute else '-':<2} "
+            f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
+            f"{_seconds(c.step_time):>9} {c.estimate.tokens_per_s:>10,.0f} "
+            f"{c.estimate.flops_per_device / 1e12:>7.1f}"
+            f"  {'yes' if c.runnable else 'no'}")
+    return "\n".join(lines)
+
+
+def render_plan(result: PlanResult, top: int = 10) -> str:
+    """The header, the ranked table (``top`` rows) and the explanation."""
+    fitting = sum(c.fits for c in result.candidates)
+    lines = [f"autopar plan: {result.model} ({_count(result.profile.total_params)} parameters) on {result.devices} x "
+             f"{result.cluster.name}; global batch {result.global_batch} x {result.seq_len} tokens, "
+             f"{result.precision.name} precision",
+             f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
+             f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation, "
+             "run = autopar runs it today", "", render_table(result, top), "", "why:"]
+    lines += [f"  - {line}" for line in result.explanation]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# explanations
+# ---------------------------------------------------------------------------
+
+def explain(result: PlanResult) -> list[str]:
+    """Sentences a person can check against the table: what is needed, what does not fit, what it costs."""
+    cands = result.candidates
+    best = cands[0]
+    prec, mem = result.precision, result.cluster.memory
+    out = [_largest_layer(result)]
+    for axis in ("tp", "pp"):
+        out += _axis_reasons(result, axis)
+    out += [f"note: {note}" for note in result.profile.notes if "not analyzed" in note]
+    if not best.fits:
+        out.append(f"nothing fits {gb(mem)} per device: the smallest configuration ({best.config.describe()}) needs "
+                   f"{gb(best.total_memory)}; add devices, lower the global batch or sequence, or use recomputation")
+        return out
+    c, e = best.config, best.estimate
+    out += _zero_reason(result)
+    b_max = result.max_microbatch_size(c)
+    expr = result.memory_expr(c)
+    at_one, at_two = float(expr.subs(b_sym, 1)), float(expr.subs(b_sym, 2))
+    slope, const = at_two - at_one, 2 * at_one - at_two
+    out.append(f"memory per device of the best is {gb(const)} + {gb(slope)} x b for microbatch size b; the largest b "
+               f"that fits {gb(mem)} is {b_max}; chosen b={c.microbatch_size} with {c.microbatches} microbatches")
+    t = {k: float(v) for k, v in e.time.items()}
+    total = best.step_time
+    parts = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)} ({v / total:.0%})" for k, v in t.items() if v > 0)
+    out.append(f"step time {_seconds(total)}: {parts}")
+    if c.pp > 1:
+        out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
+                   f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
+    peak = result.cluster.peak(prec.name)
+    out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
+               f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
+    runnable = next((x for x in cands if x.fits and x.runnable), None)
+    if not best.runnable:
+        other = (f"{runnable.config.describe()} at {_seconds(runnable.step_time)}" if runnable
+                 else "none fits" if any(x.runnable for x in cands) else "none of these")
+        out.append(f"the best is not run by autopar today ({best.not_runnable}); the best it runs: {other}")
+    return out
+
+
+def _largest_layer(result: PlanResult) -> str:
+    prec = result.precision
+    per_param = prec.param + prec.grad + prec.master + result.cost.states * prec.state
+    layers = result.profile.layers
+    if not layers:
+        return f"{result.profile.total_params:,} parameters, no repeated layers; {per_param} bytes per parameter"
+    seg = max(layers, key=lambda s: s.parts[1].param_elements)
+    n = seg.parts[1].param_elements
+    count = sum(s.count for s in layers)
+    return (f"{count} layers; the largest ({seg.name}) has {_count(n)} parameters and needs {gb(n * per_param)} "
+            f"for parameters, gradients and optimizer state ({prec.name}: {per_param} bytes per parameter)")
+
+
+def _axis_reasons(result: PlanResult, axis: str) -> list[str]:
+    """For each other size of ``axis``: why it was not chosen (does not fit, or slower)."""
+    best = result.candidates[0]
+    chosen = getattr(best.config, axis)
+    out = []
+    sizes = sorted({getattr(c.config, axis) for c in result.candidates})
+    for size in sizes:
+        if size == chosen:
+            continue
+        group = [c for c in result.candidates if getattr(c.config, axis) == size]
+        fitting = [c for c in group if c.fits]
+        if not fitting:
+            smallest = min(group, key=lambda c: c.total_memory)
+            out.append(f"with {axis}={size} nothing fits: the smallest need is {gb(smallest.total_memory)} per device "
+                       f"({smallest.config.describe()}) > {gb(result.cluster.memory)} -> {axis}={chosen}")
+        elif best.fits:
+            fastest = min(fitting, key=lambda c: c.step_time)
+            worse = _biggest_difference(fastest, best)
+            out.append(f"{axis}={size} fits but its best ({fastest.config.describe()}) takes "
+                       f"{_seconds(fastest.step_time)} per step, {fastest.step_time / best.step_time:.2f}x the best"
+                       + (f" ({worse})" if worse else ""))
+    if axis == "tp" and chosen > 1:
+        span = result.cluster.devices_per_node
+        where = "inside one node" if chosen <= span else f"across nodes ({span} devices per node)"
+        out.append(f"tp={chosen} all-reduces run {where} at {gb(result.cluster.link(chosen).bandwidth)}/s")
+    return out
+
+
+def _biggest_difference(other: Candidate, best: Candidate) -> str:
+    diffs = {k: float(other.estimate.time[k]) - float(best.estimate.time[k]) for k in TIME_KEYS}
+    key = max(diffs, key=lambda k: diffs[k])
+    if diffs[key] <= 0:
+        return ""
+    return (f"{key.replace('_', ' ')} {_seconds(float(other.estimate.time[key]))} vs "
+            f"{_seconds(float(best.estimate.time[key]))}")
+
+
+def _zero_reason(result: PlanResult) -> list[str]:
+    best = result.candidates[0]
+    c = best.config
+    if c.dp == 1:
+        return []
+    state = lambda x: x.memory["parameters"] + x.memory["gradients"] + x.memory["optimizer"]  # noqa: E731
+    out = []
+    for z in range(4):
+        if z == c.zero:
+            continue
+        twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, zero=z)), None)
+        if twin is None:
+            continue
+        verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
+        out.append(f"zero={z} instead of {c.zero}: parameters+gradients+optimizer {gb(state(twin))} vs "
+                   f"{gb(state(best))} per device; {verdict}")
+    return out[:2]
+
+
+# ---------------------------------------------------------------------------
+# units
+# ---------------------------------------------------------------------------
+
+def _count(n: float) -> str:
+    """1234567 -> "1.2M"; parameters, in the units people quote them."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f}{unit}" if n < 100 * scale else f"{n / scale:,.0f}{unit}"
+    return f"{n:.0f}"
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"

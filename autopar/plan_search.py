@@ -1,0 +1,283 @@
+"""The planner's search: every configuration of a device count, evaluated by the cost model and ranked.
+
+``plan`` profiles the model (or takes a profile), walks ``search_space`` (dp x
+pp x tp meshes, ZeRO stages, schedules, microbatch sizes, recomputation),
+estimates each configuration with ``CostModel`` and sorts the candidates:
+fitting ones first, then by step time. ``PlanResult`` holds them with the cost
+model, so a configuration's memory and time can be asked again as sympy
+expressions in the microbatch size.
+
+Invariant: every candidate's numbers come from one ``CostModel.estimate``;
+nothing here recomputes memory or time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import sympy
+import torch
+
+from autopar.cluster import Cluster, gb
+from autopar.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
+from autopar.model_profile import ModelProfile, profile_model
+from autopar.mesh import Mesh
+from autopar.plan_report import explain, render_plan, render_table
+
+
+@dataclass
+class Candidate:
+    """One evaluated configuration."""
+
+    config: Config
+    estimate: Estimate
+    fits: bool
+    runnable: bool  # autopar's runtime runs this configuration today
+    not_runnable: str = ""  # why not, when it does not
+
+    @property
+    def mesh(self) -> Mesh:
+        c = self.config
+        sizes = {k: v for k, v in (("dp", c.dp), ("pp", c.pp), ("tp", c.tp)) if v > 1}
+        return Mesh(**(sizes or {"dp": 1}))
+
+    @property
+    def memory(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.estimate.memory.items()}
+
+    @property
+    def total_memory(self) -> float:
+        return float(self.estimate.total_memory)
+
+    @property
+    def step_time(self) -> float:
+        return float(self.estimate.step_time)
+
+    def parallelize_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``autopar.parallelize`` that run this configuration."""
+        c = self.config
+        return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
+                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None}
+
+    def as_dict(self) -> dict[str, Any]:
+        c, e = self.config, self.estimate
+        return {
+            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "zero": c.zero, "schedule": c.schedule,
+            "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
+            "microbatch_size": c.microbatch_size, "recompute": c.recompute,
+            "memory_bytes": {**self.memory, "total": self.total_memory},
+            "time_s": {**{k: float(v) for k, v in e.time.items()}, "step": self.step_time},
+            "tokens_per_s": float(e.tokens_per_s), "flops_per_device": float(e.flops_per_device),
+            "fits": self.fits, "runnable": self.runnable, "not_runnable": self.not_runnable,
+        }
+
+
+@dataclass
+class PlanResult:
+    """Ranked candidates (fitting ones first, fastest first) and the explanation of the best."""
+
+    model: str
+    devices: int
+    cluster: Cluster
+    precision: Precision
+    global_batch: int
+    seq_len: int
+    candidates: list[Candidate]
+    explanation: list[str]
+    considered: int
+    seconds: float
+    profile: ModelProfile
+    cost: CostModel = field(repr=False)
+
+    @property
+    def best(self) -> Candidate:
+        if not self.candidates or not self.candidates[0].fits:
+            need = min((c.total_memory for c in self.candidates), default=0.0)
+            raise ValueError(f"no configuration of {self.model} fits {gb(self.cluster.memory)} per device on "
+                             f"{self.devices} devices; the smallest needs {gb(need)}. Use more devices, a smaller "
+                             f"global batch or sequence, or recompute=(True,)")
+        return self.candidates[0]
+
+    def memory_expr(self, config: Config) -> sympy.Expr:
+        """Memory per device of ``config`` as a sympy expression in the microbatch size ``b``."""
+        return sympy.nsimplify(self.cost.estimate(config, symbolic=True).total_memory, rational=True)
+
+    def step_time_expr(self, config: Config) -> sympy.Expr:
+        """Step time of ``config`` (seconds) as a sympy expression in the microbatch size ``b``."""
+        return self.cost.estimate(config, symbolic=True).step_time
+
+    def max_microbatch_size(self, config: Config, memory: float | None = None) -> int:
+        """The largest microbatch size for which ``config`` fits ``memory`` (default: the device's)."""
+        return self.cost.max_microbatch_size(config, self.cluster.memory if memory is None else memory)
+
+    def table(self, top: int = 10) -> str:
+        """The ranked candidates, ``top`` rows: mesh, ZeRO, schedule, memory, step time, throughput."""
+        return render_table(self, top)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self, top: int = 10) -> str:
+        """The header, the ranked table (``top`` rows) and the explanation."""
+        return render_plan(self, top)
+
+    def to_json(self, top: int = 20) -> str:
+        return json.dumps({
+            "model": self.model, "parameters": self.profile.total_params, "devices": self.devices,
+            "cluster": self.cluster.name, "precision": self.precision.name, "global_batch": self.global_batch,
+            "seq_len": self.seq_len, "considered": self.considered, "seconds": self.seconds,
+            "candidates": [c.as_dict() for c in self.candidates[:top]], "explanation": self.explanation,
+        }, indent=2)
+
+
+def plan(
+    model: torch.nn.Module,
+    devices: int,
+    *,
+    cluster: Cluster | str = "dgx-a100",
+    global_batch: int,
+    seq_len: int | None = None,
+    precision: str | Precision = "mixed",
+    optimizer: str = "adam",
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+    zero: tuple[int, ...] = (0, 1, 2, 3),
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
+    recompute: tuple[bool, ...] = (False, True),
+    tp: tuple[int, ...] | None = None,
+    pp: tuple[int, ...] | None = None,
+    max_microbatch: int = 16,
+    runnable_only: bool = False,
+    overlap_grad_sync: bool = True,
+    profile: ModelProfile | None = None,
+) -> PlanResult:
+    """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
+
+    ``model`` may live on the meta device. ``seq_len``: tokens per sequence
+    (``None`` for a model whose inputs have no sequence dim). ``precision``:
+    ``"fp32"`` or ``"mixed"`` (bf16 weights, gradients and activations; fp32
+    master weights and optimizer state). ``optimizer``: ``"adam"`` (2 state
+    elements per parameter), ``"sgd-momentum"`` (1) or ``"sgd"`` (0).
+    ``tp`` / ``pp``: restrict the sizes searched. ``overlap_grad_sync``: the
+    dp gradient reduction overlaps backward (DDP, autopar) rather than
+    following it (Megatron-LM in 2021). ``profile``: reuse a
+    ``profile_model`` result (planning several clusters or batch sizes).
+    """
+    start = time.perf_counter()
+    cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    prec = PRECISIONS[precision] if isinstance(precision, str) else precision
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    _check_positive(devices=devices, global_batch=global_batch, max_microbatch=max_microbatch)
+    if profile is None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"plan needs an nn.Module (on the meta device is fine) or profile=..., "
+                             f"got {type(model).__name__}")
+        tp_sizes = tuple(t for t in _powers_of_two(min(devices, cluster.devices_per_node)) if devices % t == 0)
+        profile = profile_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                sequence=seq_len is not None, tp_sizes=tuple(tp or tp_sizes))
+    cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
+                     overlap_grad_sync=overlap_grad_sync)
+    evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
+                                              recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
+                 if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
+    if not evaluated:
+        layers = sum(seg.count for seg in profile.layers)
+        raise ValueError(f"no configuration of {devices} devices applies: global batch {global_batch} must divide by "
+                         f"dp x microbatches, and pp x stages per rank must not exceed the {layers} layers; "
+                         "change the batch or the device count")
+    candidates = [c for c in evaluated if c.runnable or not runnable_only]
+    if not candidates:
+        raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
+                         f"{evaluated[0].config.describe()}: {evaluated[0].not_runnable}); plan with "
+                         "runnable_only=False to see them all")
+    # fitting first, fastest first; within 0.1% of the same time the lower ZeRO stage, then less memory
+    candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
+                                   c.config.zero, c.total_memory))
+    result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
+                        global_batch=global_batch, seq_len=seq_len or 1, candidates=candidates, explanation=[],
+                        considered=len(evaluated), seconds=0.0, profile=profile, cost=cost)
+    result.explanation = explain(result)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
+                 schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
+                 recompute: tuple[bool, ...] = (False, True), tp: tuple[int, ...] | None = None,
+                 pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
+    """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
+    layers = sum(seg.count for seg in profile.layers)
+    for t in sorted(profile.tp_sizes):
+        if devices % t or (tp is not None and t not in tp):
+            continue
+        for p in _divisors(devices // t):
+            if p > max(layers, 1) or (pp is not None and p not in pp):
+                continue
+            dp = devices // (t * p)
+            if global_batch % dp:
+                continue
+            local = global_batch // dp
+            for b in [d for d in _divisors(local) if d <= max_microbatch]:
+                m = local // b
+                for sched, v in _schedules(schedules, p, m, layers):
+                    for z in [z for z in zero if dp > 1 or z == 0]:
+                        for rc in recompute:
+                            yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
+                                         microbatches=m, microbatch_size=b, recompute=rc)
+
+
+def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [(n, 1) for n in names if n in ("gpipe", "1f1b")]
+    if "interleaved-1f1b" in names:
+        out += [("interleaved-1f1b", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
+    return out
+
+
+def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
+             profile: ModelProfile) -> Candidate | None:
+    """``config`` as a ``Candidate`` (its estimate, whether it fits and runs); None when the cost model rejects it."""
+    try:
+        est = cost.estimate(config)
+    except ValueError:
+        return None
+    reason = not_runnable(config, prec, profile)
+    return Candidate(config=config, estimate=est, fits=float(est.total_memory) <= cluster.memory,
+                     runnable=not reason, not_runnable=reason)
+
+
+def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
+    """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
+    if config.recompute:
+        return "activation recomputation is planned, not yet run"
+    if prec != precision_of(profile.dtype):
+        return f"autopar runs the model in its own dtype ({profile.dtype}), not {prec.name} precision"
+    return ""
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n < 10_000 else \
+        sorted({x for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0 for x in (d, n // d)})
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")

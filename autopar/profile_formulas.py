@@ -1,0 +1,223 @@
+"""The model profile's symbolic quantities: sizes in the batch ``b`` and sequence ``s`` read off a graph.
+
+From a graph captured with symbolic batch and sequence sizes: the export's
+symbols renamed to ``b`` and ``s`` (``export_symbols``, ``to_sympy``); the
+tensors autograd saves for backward (``saved_tensors``, found by running the
+graph on fake tensors under ``saved_tensors_hooks``) and their elements per
+segment (``saved_elements``); the elements that enter a segment and that leave
+the model; the width of each matmul's weight (small-GEMM cost).
+
+Invariant: every quantity is a sympy expression in ``b_sym`` and ``s_sym`` (or
+an integer), taken from the shapes in ``node.meta["val"]``, never guessed from
+the model's class.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.profile_graph import placeholders
+
+b_sym, s_sym = sympy.symbols("b s", positive=True, integer=True)
+
+
+def to_sympy(x: Any, names: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
+    """A size (an int or a symbolic ``SymInt``) as a sympy expression, export's symbols renamed by ``names``."""
+    if isinstance(x, torch.SymInt):
+        return sympy.expand(x.node.expr.xreplace(names))
+    return sympy.Integer(int(x))
+
+
+def export_symbols(ep: torch.export.ExportedProgram, seq: bool) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Export's symbols for the first input's dims 0 and 1 -> ``b`` and ``s``."""
+    user = [n for n, spec in zip(placeholders(ep.graph_module), ep.graph_signature.input_specs)
+            if spec.kind.name == "USER_INPUT" and isinstance(n.meta.get("val"), torch.Tensor)]
+    if not user:
+        raise ValueError("the model has no tensor input; the planner needs one whose dim 0 is the batch")
+    shape = user[0].meta["val"].shape
+    out = {}
+    for dim, symbol in [(0, b_sym), (1, s_sym)][: 2 if seq else 1]:
+        if dim >= len(shape) or not isinstance(shape[dim], torch.SymInt):
+            what = "batch" if dim == 0 else "sequence"
+            raise ValueError(f"export fixed the {what} size of the first input (dim {dim}); the planner needs it free. "
+                             f"Pass example_inputs whose dim {dim} can vary (batch and sequence sizes >= 2)"
+                             + ("" if dim == 0 else ", or seq_len=None for a model without a sequence"))
+        out[shape[dim].node.expr] = symbol
+    return out
+
+
+def numel_of(val: Any) -> int:
+    """Elements of a node's value: a tensor's, or the sum over a tuple or list of them (0 for anything else)."""
+    if isinstance(val, torch.Tensor):
+        return val.numel()
+    if isinstance(val, (tuple, list)):
+        return sum(numel_of(v) for v in val)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# what autograd saves
+# ---------------------------------------------------------------------------
+
+@dataclass
+class _Saved:
+    saver: fx.Node
+    producer: fx.Node | None  # None: made inside the saving op (e.g. attention probabilities)
+    elements: Any
+    floating: bool
+    itemsize: int
+
+
+class SavedTensors(fx.Interpreter):
+    """Runs a graph on fake tensors with autograd on; records each tensor saved for backward once."""
+
+    def __init__(self, gm: fx.GraphModule, params: set[fx.Node]) -> None:
+        super().__init__(gm)
+        self.params = params
+        self.current: fx.Node | None = None
+        self.producer: dict[int, fx.Node] = {}
+        self.param_ids: set[int] = set()
+        self.saved: dict[int, _Saved] = {}
+        self.keep: list[Any] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        out = super().run_node(n)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.keep.append(t)
+                base = t._base if t._base is not None else t
+                if n.op == "placeholder" and n in self.params:
+                    self.param_ids.add(id(base))
+                self.producer.setdefault(id(base), n)
+        return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if kwargs.get("device") == torch.device("meta"):  # a meta-device model runs as fake CPU tensors
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return super().call_function(target, args, kwargs)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        key = id(base)
+        if key in self.param_ids or key in self.saved:
+            return t
+        self.keep.append(base)
+        self.saved[key] = _Saved(self.current, self.producer.get(key), base.numel(), base.is_floating_point(),
+                                 base.element_size())
+        return t
+
+
+def saved_tensors(gm: fx.GraphModule, params: set[fx.Node], trainable: set[fx.Node]) -> SavedTensors:
+    """What autograd keeps for backward when ``gm`` runs (fake tensors on the CPU, shapes as in ``meta["val"]``)."""
+    nodes = placeholders(gm)
+    vals = [n.meta.get("val") for n in nodes]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    interp = SavedTensors(gm, params)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        args = []
+        for node, v in zip(nodes, vals):
+            if not isinstance(v, torch.Tensor):
+                args.append(v)
+                continue
+            t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+            args.append(t.requires_grad_() if node in trainable and v.is_floating_point() else t)
+        with torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
+            interp.run(*args)
+    return interp
+
+
+def saved_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict,
+                   factors: dict[str, Any]) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """What ``nodes`` save for backward: ``(floating, other_bytes, attention, attention_fused)``.
+
+    ``floating``: elements of floating tensors (the per-token part);
+    ``other_bytes``: bytes of other tensors (indices, masks); ``attention``:
+    elements of attention internals (the attention matrix on the math path);
+    ``attention_fused``: what a fused attention kernel keeps instead (its
+    output and log-sum-exp). ``factors``: local/full size by producing node name.
+    """
+    floating = other_bytes = attention = attention_fused = sympy.Integer(0)
+    for rec in saved.saved.values():
+        if rec.saver not in nodes:
+            continue
+        owner = rec.producer if rec.producer is not None else rec.saver
+        elements = to_sympy(rec.elements, names) * factors.get(owner.name, 1)
+        if not rec.floating:
+            other_bytes += elements * rec.itemsize
+        elif rec.producer is None and "scaled_dot_product" in str(rec.saver.target):
+            attention += elements
+        else:
+            floating += elements
+    for node in nodes:
+        if "scaled_dot_product" in str(node.target):
+            q, out = node.args[0].meta["val"], node.meta["val"]
+            lse = to_sympy(q.numel(), names) / to_sympy(q.shape[-1], names)  # one float per query and head
+            attention_fused += sympy.expand((lse + to_sympy(out.numel(), names)) * factors.get(node.name, 1))
+    return floating, other_bytes, attention, attention_fused
+
+
+# ---------------------------------------------------------------------------
+# what enters a segment, what leaves the model
+# ---------------------------------------------------------------------------
+
+def entering_elements(nodes: set[fx.Node], names: dict) -> sympy.Expr:
+    """Floating elements made outside ``nodes`` (not parameters or inputs) and used by them."""
+    total = sympy.Integer(0)
+    seen = set()
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            made_by = arg.args[0] if arg.target is operator.getitem else arg
+            if (made_by in nodes or arg in seen or arg.op != "call_function" or not isinstance(val, torch.Tensor)
+                    or not val.is_floating_point()):
+                continue
+            seen.add(arg)
+            total += to_sympy(val.numel(), names)
+    return total
+
+
+def output_elements(gm: fx.GraphModule, names: dict) -> sympy.Expr:
+    """Floating elements of the graph's outputs (what a loss over them keeps)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    total = sympy.Integer(0)
+    for arg in pytree.tree_leaves(out.args):
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() > 0:
+            total += to_sympy(val.numel(), names)
+    return total
+
+
+# ---------------------------------------------------------------------------
+# matmul widths
+# ---------------------------------------------------------------------------
+
+_MATMULS = {"aten.addmm.default": 2, "aten.mm.default": 1, "aten.linear.default": 1, "aten.matmul.default": 1}
+_VIEWS = ("aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
+          "aten.reshape.default", "aten.alias.default", "aten.detach.default", "aten._unsafe_view.default")
+
+
+def weight_width(node: fx.Node, params: set[fx.Node]) -> int | None:
+    """The narrower dim of a matmul's weight when the weight is a parameter (or a view of one), else None.
+
+    Large matrix multiplications reach a larger fraction of peak than narrow
+    ones; the planner charges each matmul by this width (``Cluster.narrow``).
+    """
+    position = _MATMULS.get(str(node.target))
+    if position is None or len(node.args) <= position or not isinstance(node.args[position], fx.Node):
+        return None
+    weight = node.args[position]
+    source = weight
+    while source.op == "call_function" and str(source.target) in _VIEWS:
+        source = source.args[0]
+    val = weight.meta.get("val")
+    if source not in params or not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    return int(min(val.shape[-2:]))
