@@ -59,6 +59,7 @@ def inspect(argv: list[str]) -> int:
     p.add_argument("--diff", action="store_true", help="with --rank: diff against the captured graph")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--draw", metavar="PNG", help="draw which rank holds which shard of which layer")
@@ -66,7 +67,7 @@ def inspect(argv: list[str]) -> int:
     mesh = parse_mesh(args.mesh)
     model, inputs, target, loss_fn = example_for(load_factory(args.factory)(), args.batch, args.seq)
     pm = parallelize(model, mesh, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                     microbatches=args.microbatches, schedule=args.schedule)
+                     microbatches=args.microbatches, schedule=args.schedule, zero=args.zero)
     print(pm.plan)
     if args.draw:
         from autopar.drawing import draw_plan

@@ -46,7 +46,7 @@ def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
     from autopar.parallel import parallelize
 
     pm = parallelize(demo_model(args.layers, args.width, args.vocab), mesh, loss_fn=next_token_loss,
-                     optimizer=adamw, microbatches=args.microbatches, schedule=args.schedule)
+                     optimizer=adamw, microbatches=args.microbatches, schedule=args.schedule, zero=args.zero)
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     worst = 0.0
@@ -74,10 +74,12 @@ def run(argv: list[str]) -> int:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp (default 0)")
     p.add_argument("--out", default=".", help="folder for the timeline pictures")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
-    print(f"autopar demo: GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}) on {mesh}, "
+    zero = f", zero={args.zero}" if args.zero else ""
+    print(f"autopar demo: GPT-2 ({args.layers} layers, width {args.width}, vocab {args.vocab}) on {mesh}{zero}, "
           f"{mesh.size} local CPU ranks; global batch {args.batch} x {args.seq}; {args.steps} steps")
     model = demo_model(args.layers, args.width, args.vocab)
     opt = adamw(list(model.parameters()))

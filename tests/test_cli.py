@@ -35,6 +35,15 @@ def test_inspect_diff_shows_the_inserted_collectives(capsys, monkeypatch) -> Non
     assert any(line.startswith("+") and "autopar.all_reduce" in line for line in out.splitlines())
 
 
+def test_inspect_shows_zero_gathers_inside_a_pipeline_stage(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(["inspect", "models:gpt2", "--mesh", "dp=2,pp=2", "--zero", "3", "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "zero=3: stored sharded over dp" in out and "largest on rank" in out
+    gathers = [line for line in out.splitlines() if line.startswith(">> ") and "zero_all_gather.default(" in line]
+    assert gathers and all("'dp', [1, 3]" in line for line in gathers)  # rank 3's dp group, its stage's layers
+
+
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "models:gpt2", "--mesh", "dp=0"], "mesh axis dp=0 must be an integer >= 1"),
     (["inspect", "nosuchmodule:f"], "cannot import 'nosuchmodule'"),
