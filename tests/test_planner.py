@@ -281,6 +281,26 @@ def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
     assert _spearman([c.step_time for c in chosen], measured) >= 0.6, report
 
 
+def test_zero_on_pp_and_tp_meshes_predicted_memory_matches_the_measured_account(launcher) -> None:
+    """ZeRO composed with pp and tp: every stage's predicted parameter, gradient and optimizer bytes per rank."""
+    result = plan(_small_gpt2(), 4, cluster="cpu", global_batch=BATCH, seq_len=SEQ, precision="fp32",
+                  optimizer="adam", recompute=(False,), runnable_only=True)
+    chosen: dict = {}
+    for c in result.candidates:
+        if c.config.zero and c.config.dp == 2:
+            chosen.setdefault((c.config.pp, c.config.tp, c.config.zero), c)
+    assert {(pp, tp) for pp, tp, _ in chosen} == {(2, 1), (1, 2)} and len(chosen) == 6, sorted(chosen)
+    cands = list(chosen.values())
+    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in cands]
+    runs = launcher(_run_meshes, 4, configs, 1)
+    for i, c in enumerate(cands):
+        for rank in range(4):
+            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            for key in ("parameters", "gradients", "optimizer"):
+                assert runs[rank][i][1][key] == pytest.approx(float(predicted[key]), rel=0.10), \
+                    (c.config.describe(), rank, key, runs[rank][i][1], predicted)
+
+
 def _spearman(a: list[float], b: list[float]) -> float:
     rank = lambda xs: {i: r for r, i in enumerate(sorted(range(len(xs)), key=lambda i: xs[i]))}  # noqa: E731
     ra, rb, n = rank(a), rank(b), len(a)

@@ -66,6 +66,19 @@ def test_drawn_transformers_equal_single_device(launcher, sizes, zero, schedule,
                       zero_prefetch=prefetch, schedule=schedule if mesh.pp > 1 else "1f1b", microbatches=microbatches)
 
 
+def _partly_frozen_gpt2() -> torch.nn.Module:
+    model = models.gpt2(layers=4)
+    model.transformer.wpe.weight.requires_grad_(False)  # frozen: kept whole, outside the flat groups
+    model.transformer.h[1].ln_1.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_frozen_parameters_stay_whole_on_a_3d_mesh(launcher, zero: int) -> None:
+    assert_equivalent(_partly_frozen_gpt2, Mesh(dp=2, pp=2, tp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
+                      steps=3, rtol=1e-9, atol=1e-10, launcher=launcher, zero=zero, bucket_mb=1e-3, microbatches=2)
+
+
 def test_each_rank_gathers_its_own_stage_layers_over_its_dp_group() -> None:
     mesh = Mesh(dp=2, pp=2, tp=2)
     pm = parallelize(models.gpt2(layers=4), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, zero=3,
