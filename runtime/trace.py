@@ -13,8 +13,8 @@ from pathlib import Path
 
 Timeline = list[tuple[str, float, float]]
 _KIND = re.compile(r"\d+([A-Z_]+)\d+")
-COLORS = {"F": "#4c72b0", "B": "#55a868", "SEND_F": "#c0c0c0", "RECV_F": "#909090", "SEND_B": "#c0c0c0",
-          "RECV_B": "#909090"}
+COLORS = {"F": "#4c72b0", "B": "#55a868", "SEND_F": "#dd8452", "RECV_F": "#8c8c8c", "SEND_B": "#dd8452",
+          "RECV_B": "#8c8c8c"}
 
 
 def kind(action: str) -> str:
@@ -41,7 +41,8 @@ def save_chrome_trace(timelines: dict[int, Timeline], path: str | Path) -> Path:
 
 
 def save_gantt(timelines: dict[int, Timeline], path: str | Path, title: str = "pipeline timeline") -> Path:
-    """A PNG Gantt chart: a row per rank, forward / backward / communication bars, gaps are idle time."""
+    """A PNG Gantt chart: a row per rank; forward, backward, send and receive bars (a receive blocks, so its
+    bar includes the wait for the peer); gaps are idle time (the rank runs no pipeline action)."""
     try:
         import matplotlib
 
@@ -64,9 +65,10 @@ def save_gantt(timelines: dict[int, Timeline], path: str | Path, title: str = "p
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "RECV_F")]
-    ax.legend(handles, ["forward", "backward", "send / receive"], loc="upper center", bbox_to_anchor=(0.5, -0.12),
-              ncol=3, fontsize=8, frameon=False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "SEND_F", "RECV_F")]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#8c8c8c", linewidth=0.5))
+    ax.legend(handles, ["forward", "backward", "send", "receive (waiting for the peer)", "idle"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
