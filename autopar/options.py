@@ -18,6 +18,7 @@ class Options:
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB (DDP's default)
     split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
     stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
+    max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -32,6 +33,8 @@ class Options:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} must be >= 1")
         if self.stages_per_rank not in (None, 1) and self.schedule != "interleaved-1f1b":
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
 

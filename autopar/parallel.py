@@ -23,6 +23,7 @@ from runtime.grad_sync import BucketedAllReduce
 from runtime.collectives import Binding, set_process_binding
 from runtime.groups import Groups, join
 from runtime import checkpoint
+from runtime.clip import clip, global_grad_norm
 from runtime.memory import MemoryAccount
 from runtime.zero import ZeroRuntime
 from runtime.pipeline import PipelineRunner, output_metas
@@ -58,6 +59,7 @@ class ParallelModel:
         self._full_shapes: dict[str, tuple[int, ...]] = {}
         self._placements: dict[str, Any] | None = None
         self._rng_base: int | None = None
+        self.grad_norm: float | None = None  # with max_grad_norm: the last step's global norm, before clipping
         self._rng_calls = 0
 
     # compile time -----------------------------------------------------------
@@ -240,6 +242,11 @@ class ParallelModel:
             if param.grad is None:  # (every holder takes part, with zeros if its stages made no gradient)
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
+        if self.options.max_grad_norm is not None:
+            holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()} \
+                if program.stages is not None else {}
+            self.grad_norm = global_grad_norm(rt, self.model, program.placements, holders)
+            clip(rt, self.grad_norm, self.options.max_grad_norm)
         rt.optimizer.step()
         rt.optimizer.zero_grad(set_to_none=True)
         loss /= self.mesh.dp
@@ -419,6 +426,7 @@ def parallelize(
     bucket_mb: float = 25.0,
     split_points: list[str] | None = None,
     stages_per_rank: int | None = None,
+    max_grad_norm: float | None = None,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -426,6 +434,9 @@ def parallelize(
     model's own loss (a scalar output or the ``loss`` entry of its output).
     ``mesh="auto"``: the planner (``autopar.planner``) chooses the mesh, ZeRO stage,
     schedule and microbatches for the job's world size from ``example_inputs``.
+    ``max_grad_norm``: clip the gradient to this global 2-norm before each optimizer
+    step (as ``torch.nn.utils.clip_grad_norm_`` on one device); ``pm.grad_norm`` is
+    the last step's norm.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -439,7 +450,8 @@ def parallelize(
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
                       microbatches=microbatches, bucket_mb=bucket_mb,
-                      split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank)
+                      split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
+                      max_grad_norm=max_grad_norm)
     check_supported(mesh, options)
     pm = ParallelModel(model, mesh, options)
     if example_inputs is not None:

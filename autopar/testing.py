@@ -28,8 +28,9 @@ class Run:
 
 
 def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Callable | None,
-                  optimizer: Callable, steps: int, kwargs: dict | None = None) -> Run:
-    """Single-device training on the global batch."""
+                  optimizer: Callable, steps: int, kwargs: dict | None = None,
+                  max_grad_norm: float | None = None) -> Run:
+    """Single-device training on the global batch (gradients clipped to ``max_grad_norm`` when given)."""
     from autopar.capture import model_loss
 
     model = make_model()
@@ -40,6 +41,8 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
         out = model(*inputs, **kwargs)
         loss = loss_fn(out, target) if loss_fn is not None else model_loss(out)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
@@ -86,7 +89,8 @@ def assert_equivalent(
     ``launcher(fn, nprocs, *args)`` runs the ranks (default ``autopar.launch``;
     a ``WorkerPool``'s ``launch`` reuses processes across calls).
     """
-    ref = reference_run(make_model, inputs, target, loss_fn, optimizer, steps, kwargs)
+    ref = reference_run(make_model, inputs, target, loss_fn, optimizer, steps, kwargs,
+                        parallelize_kwargs.get("max_grad_norm"))
     runs = parallel_run(make_model, mesh, inputs, target, loss_fn, optimizer, steps, kwargs, launcher,
                         **parallelize_kwargs)
     for rank, run in enumerate(runs):
