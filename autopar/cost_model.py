@@ -431,4 +431,6 @@ def _p2p(nbytes: Any, link: Any) -> Any:
 def _collective(op: str, nbytes: Any, n: int, link: Any) -> Any:
     if op in ("all_reduce", "all_reduce_max"):
         return _ring_all_reduce(nbytes, n, link)
+    if op == "all_to_all":  # n-1 pairwise exchanges of 1/n^2 of the whole tensor each
+        return 0 if n <= 1 else (n - 1) * (link.latency + nbytes / n / n / link.bandwidth)
     return _ring_gather(nbytes, n, link)

@@ -265,7 +265,7 @@ def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr) -> list[Colle
             continue
         name = node.target._opname
         local = numel_of(node.meta.get("val"))
-        whole = local * n if name in ("chunk", "reduce_scatter") else local  # elements of the unsharded tensor
+        whole = local * n if name in ("chunk", "reduce_scatter", "all_to_all") else local  # unsharded elements
         for direction, table in (("forward", FORWARD), ("backward", BACKWARD)):
             if table.get(name) and (direction == "forward" or node.meta.get("autopar.needs_grad", True)):
                 out.append(Collective(table[name], direction, sympy.expand(whole * tokens)))

@@ -58,7 +58,9 @@ def _convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str) -> fx.N
         return graph.call_function(autopar_ops.reduce_scatter.default, (x, axis, dst.dim))
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         return graph.call_function(autopar_ops.to_partial.default, (x, axis))
-    if isinstance(src, Shard) and isinstance(dst, (Shard, Partial)):
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return graph.call_function(autopar_ops.all_to_all.default, (x, axis, src.dim, dst.dim))
+    if isinstance(src, Shard) and isinstance(dst, Partial):
         return _convert(graph, _convert(graph, x, src, R, axis), R, dst, axis)
     raise NotImplementedError(f"no redistribution from {src} to {dst}")
 
@@ -164,6 +166,8 @@ def _placement_after(node: fx.Node, before: Any) -> Any:
     name = node.target._opname
     if name in ("chunk", "reduce_scatter"):
         return Shard(node.args[2])
+    if name == "all_to_all":
+        return Shard(node.args[3])
     if name == "grad_all_reduce":
         return _placement_after(node.args[0], before) if node.args[0].op == "call_function" and \
             getattr(node.args[0].target, "namespace", None) == "autopar" else before

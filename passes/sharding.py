@@ -83,7 +83,7 @@ def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         return 0.0  # kept on index 0, zeros elsewhere; identity backward
     if isinstance(src, Shard) and isinstance(dst, Shard):
-        return 2 * gather  # all_gather then chunk
+        return 2 * (cost.latency_s + ring / n)  # all_to_all forward and backward: 1/n of a gather's bytes
     if isinstance(src, Shard) and isinstance(dst, Partial):
         return gather
     return math.inf

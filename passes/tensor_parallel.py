@@ -27,9 +27,10 @@ from passes.sharding_rules import has_rule, local_op
 
 # backward of each forward collective (runtime/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
-            "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None}
+            "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None, "all_to_all": "all_to_all"}
 FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
-           "reduce_scatter": "reduce_scatter", "to_partial": None, "all_reduce_max": "all_reduce_max"}
+           "reduce_scatter": "reduce_scatter", "to_partial": None, "all_reduce_max": "all_reduce_max",
+           "all_to_all": "all_to_all"}
 
 
 @dataclass
@@ -79,7 +80,8 @@ SHOWN = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "scaled_dot_produc
 COLLECTIVE_ROLE = {"all_reduce": "all-reduce forward (partial sums -> replicated)",
                    "grad_all_reduce": "identity forward, all-reduce backward",
                    "all_gather": "all-gather forward", "chunk": "keep local chunk, all-gather backward",
-                   "reduce_scatter": "reduce-scatter forward"}  # to_partial (a bias added once) communicates nothing
+                   "reduce_scatter": "reduce-scatter forward",
+                   "all_to_all": "all-to-all forward and backward (one sharded dim for another)"}  # to_partial (a bias added once) communicates nothing
 
 
 def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[str]:

@@ -13,6 +13,7 @@ Shard(d)):
 | all_gather(x, ax, d)   | concatenate along d      | local chunk     | Shard(d) -> Replicate  |
 | chunk(x, ax, d)        | local chunk along d      | all-gather      | Replicate -> Shard(d)  |
 | reduce_scatter(x,ax,d) | sum, keep local chunk    | all-gather      | Partial -> Shard(d)    |
+| all_to_all(x,ax,a,b)   | exchange chunks along b  | all_to_all(b,a) | Shard(a) -> Shard(b)   |
 | to_partial(x, axis)    | x on index 0, else zeros | identity        | Replicate -> Partial   |
 
 The process group of each axis comes from ``bind(groups)``, which the runtime
@@ -103,6 +104,17 @@ def _chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return x.chunk(n, dim=dim)[i].clone(memory_format=torch.contiguous_format)
 
 
+def _all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim): rank i sends its chunk j along ``dst_dim`` to rank j, which
+    concatenates what it receives along ``src_dim`` (1/n of the bytes of all-gather then chunk)."""
+    n, _, g = _size_index(axis)
+    inputs = [piece.contiguous() for piece in x.chunk(n, dim=dst_dim)]
+    outputs = [torch.empty_like(piece) for piece in inputs]
+    current().record("all_to_all", axis, x)
+    dist.all_to_all(outputs, inputs, group=g)
+    return torch.cat(outputs, dim=src_dim)
+
+
 def _reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     # gloo has no reduce_scatter: all-reduce, then keep the local chunk (same result, more bytes)
     return _chunk(_all_reduce(x, axis), axis, dim)
@@ -135,6 +147,11 @@ def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 @torch.library.custom_op("autopar::chunk", mutates_args=())
 def chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return _chunk(x, axis, dim)
+
+
+@torch.library.custom_op("autopar::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    return _all_to_all(x, axis, src_dim, dst_dim)
 
 
 @torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
@@ -240,6 +257,14 @@ def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+@all_to_all.register_fake
+def _(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[src_dim] *= _tp_size(axis)
+    shape[dst_dim] //= _tp_size(axis)
+    return x.new_empty(shape)
+
+
 @reduce_scatter.register_fake
 def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     shape = list(x.shape)
@@ -257,4 +282,6 @@ grad_all_reduce.register_autograd(lambda ctx, g: (all_reduce(g, ctx.args[0]), No
 to_partial.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
 all_gather.register_autograd(lambda ctx, g: (chunk(g, *ctx.args), None, None), setup_context=_setup)
 chunk.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
+all_to_all.register_autograd(lambda ctx, g: (all_to_all(g, ctx.args[0], ctx.args[2], ctx.args[1]), None, None, None),
+                             setup_context=_setup)
 reduce_scatter.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)

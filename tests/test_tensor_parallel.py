@@ -167,3 +167,45 @@ def test_dropout_masks_agree_across_tp_ranks(launcher) -> None:
     assert a["losses"] == b["losses"]
     for name in a["state"]:
         torch.testing.assert_close(a["state"][name], b["state"][name], rtol=0, atol=0)
+
+
+def _all_to_all_on_rank(n: int) -> tuple[bool, bool, int]:
+    import torch.distributed as dist
+
+    from runtime.collectives import Binding, bind
+
+    i = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    full, weight = torch.randn(4, 8, 6, dtype=torch.float64, generator=g), torch.randn(4, 8, 6, dtype=torch.float64,
+                                                                                        generator=g)
+    local = full.chunk(n, 0)[i].clone().requires_grad_()
+    with bind(Binding({"tp": dist.group.WORLD})) as binding:
+        out = torch.ops.autopar.all_to_all(local, "tp", 0, 1)  # Shard(0) -> Shard(1)
+        (out * weight.chunk(n, 1)[i]).sum().backward()  # backward: all_to_all Shard(1) -> Shard(0)
+    return (torch.equal(out.detach(), full.chunk(n, 1)[i]), torch.equal(local.grad, weight.chunk(n, 0)[i]),
+            binding.bytes[("all_to_all", "tp")])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_to_all_moves_the_sharded_dim_forward_and_back(launcher, n: int) -> None:
+    for value_ok, grad_ok, nbytes in launcher(_all_to_all_on_rank, n, n):
+        assert value_ok and grad_ok
+        assert nbytes == 2 * (4 // n) * 8 * 6 * 8  # the local piece, forward and backward
+
+
+def test_a_sharded_dim_changes_by_all_to_all_at_a_fraction_of_the_gather_cost() -> None:
+    import torch.fx as fx
+    from torch.distributed.tensor import Replicate, Shard
+
+    from passes.lower import _convert
+    from passes.sharding import AxisCost, redistribution_time
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = _convert(graph, x, Shard(0), Shard(1), "tp")
+    assert node.target is torch.ops.autopar.all_to_all.default and node.args == (x, "tp", 0, 1)
+    cost = AxisCost(bandwidth=1e9, latency_s=0.0)
+    direct = redistribution_time(Shard(0), Shard(1), 2**20, 4, cost)
+    via_replicate = redistribution_time(Shard(0), Replicate(), 2**20, 4, cost) + \
+        redistribution_time(Replicate(), Shard(1), 2**20, 4, cost)
+    assert direct == pytest.approx(via_replicate / 4)
