@@ -34,9 +34,9 @@ def _factorizations(n: int) -> list[dict[str, int]]:
 @given(sizes=st.sampled_from(_factorizations(4) + _factorizations(8)), order=st.permutations(["dp", "pp", "tp"]),
        schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
        config=st.sampled_from([("llama", 4, 4, 2), ("gpt2", 4, 4, 4), ("llama", 4, 8, 4)]),
-       zero=st.sampled_from([0, 1, 2, 3]))
+       zero=st.sampled_from([0, 1, 2, 3]), clip=st.sampled_from([None, 0.05]))
 def test_random_meshes_zero_stages_schedules_and_transformers(launcher, sizes, order, schedule, config,
-                                                              zero) -> None:
+                                                              zero, clip) -> None:
     name, layers, heads, kv = config
     mesh = Mesh(**{axis: sizes[axis] for axis in order})
     microbatches = 2 * mesh.pp if schedule == "interleaved-1f1b" else 2
@@ -45,4 +45,4 @@ def test_random_meshes_zero_stages_schedules_and_transformers(launcher, sizes, o
     kw = {"layers": layers, "heads": heads, "d": 32} | ({"kv_heads": kv} if name == "llama" else {})
     assert_equivalent(models.factory(getattr(models, name), **kw), mesh, (ids,), ids, models.lm_loss, models.adamw,
                       steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, schedule=schedule, microbatches=microbatches,
-                      zero=zero, bucket_mb=1e-3)
+                      zero=zero, bucket_mb=1e-3, max_grad_norm=clip)
