@@ -17,7 +17,7 @@ from autopar.log import log_pass
 from autopar.mesh import Mesh
 from autopar.options import Options
 from passes.cost import tensor_bytes
-from passes.pipeline import StageGraph, choose_split_points, split_stages
+from passes.pipeline import StageGraph, choose_split_points, shared_parameters, split_stages
 from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from runtime.schedule import Schedule, add_communication, make_schedule
 from runtime.simulate import simulate
@@ -249,15 +249,6 @@ def add_pipeline_to_plan(plan: Plan, stages: list[StageGraph], schedule: Schedul
     shared = shared_parameters(stages, schedule)
     for name, ranks in shared.items():
         plan.pipeline.append(f"{name} is used on pp ranks {ranks}: gradients all-reduced among them")
-
-
-def shared_parameters(stages: list[StageGraph], schedule: Schedule) -> dict[str, list[int]]:
-    """Parameters used by stages on several pp ranks, with those ranks (their copies are kept in sync)."""
-    holders: dict[str, set[int]] = {}
-    for st in stages:
-        for name in st.params:
-            holders.setdefault(name, set()).add(schedule.stage_to_rank[st.index])
-    return {name: sorted(r) for name, r in holders.items() if len(r) > 1}
 
 
 def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:

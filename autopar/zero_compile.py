@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.mesh import Mesh
 from autopar.options import Options
+from passes.pipeline import shared_parameters
 from passes.zero import ZeroLayout, insert_gathers, zero_collectives, zero_layout, zero_placements, memory_estimate
 
 
@@ -52,16 +53,11 @@ def rank_parameters(program: Any, model: torch.nn.Module, rank: int) -> list[tup
 
 def shared_across_pp(program: Any) -> set[str]:
     """Parameters that stages on several pipeline ranks use."""
-    if program.stages is None:
-        return set()
-    holders: dict[str, set[int]] = {}
-    for st in program.stages:
-        for name in st.params:
-            holders.setdefault(name, set()).add(program.schedule.stage_to_rank[st.index])
-    return {name for name, ranks in holders.items() if len(ranks) > 1}
+    return set(shared_parameters(program.stages, program.schedule)) if program.stages is not None else set()
 
 
 def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
+    """The ZeRO layout of the parameters ``rank`` holds (what its runtime computes from its tensors)."""
     return zero_layout(rank_parameters(program, model, rank), stage=options.zero, n=program.plan.mesh.dp,
                        bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -232,3 +233,12 @@ def _move_recv_last(graph: fx.Graph, n_recv: int) -> None:
 def _boundary(node: fx.Node, rg: dict[fx.Node, bool]) -> Boundary:
     val = node.meta["val"]
     return Boundary(node.name, tuple(val.shape), val.dtype, bool(rg.get(node, False)))
+
+
+def shared_parameters(stages: list[StageGraph], schedule: Any) -> dict[str, list[int]]:
+    """Parameters used by stages on several pp ranks, with those ranks (their copies are kept in sync)."""
+    holders: dict[str, set[int]] = {}
+    for st in stages:
+        for name in st.params:
+            holders.setdefault(name, set()).add(schedule.stage_to_rank[st.index])
+    return {name: sorted(r) for name, r in holders.items() if len(r) > 1}
