@@ -3,9 +3,7 @@
 Shapes and dtypes of everything that crosses a cut are known from the graph,
 so receive buffers are allocated up front and no shape handshake happens at
 run time. Sends are non-blocking (``isend``; completed at the end of the step)
-and receives block, the semantics ``runtime.simulate`` checks schedules under;
-the next ``LOOKAHEAD`` receives of the schedule are posted before the current
-action runs, so a message can land while the rank computes.
+and receives block, the semantics ``runtime.simulate`` checks schedules under.
 Every message has its own tag, so no ordering between messages is assumed.
 Microbatch losses are scaled by ``1/m`` so the accumulated gradients are those
 of the mean loss over the rank's batch.
@@ -20,9 +18,7 @@ import torch
 import torch.distributed as dist
 
 from passes.pipeline import Boundary, StageGraph
-from runtime.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, add_communication
-
-LOOKAHEAD = 2  # receives posted ahead of the schedule (each holds one message's buffers)
+from runtime.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication
 
 
 def _tag(stage: int, microbatch: int, backward: bool, n_stages: int) -> int:
@@ -36,25 +32,13 @@ def _send(tensors: list[torch.Tensor], dst: int, tag: int, works: list) -> None:
         works.append((dist.isend(t, dst, tag=tag * 64 + i), t))
 
 
-def _post(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> list:
-    """Posts the receives of one message (a tensor each); ``_take`` waits for them."""
-    posted = []
+def _recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> list[torch.Tensor]:
+    out = []
     for i, (shape, dtype) in enumerate(metas):
         wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
-        posted.append((dist.irecv(wire, src, tag=tag * 64 + i), wire, dtype))
-    return posted
-
-
-def _take(posted: list) -> list[torch.Tensor]:
-    out = []
-    for work, wire, dtype in posted:
-        work.wait()
+        dist.irecv(wire, src, tag=tag * 64 + i).wait()
         out.append(wire.to(torch.bool) if dtype == torch.bool else wire)
     return out
-
-
-def _recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> list[torch.Tensor]:
-    return _take(_post(metas, src, tag, device))
 
 
 @dataclass
@@ -88,19 +72,10 @@ class PipelineRunner:
             for s in stage.slots
         ]
 
-    def _receive_forward(self, s: int, mb: int, posted: list | None = None) -> list[torch.Tensor]:
-        if posted is None:
-            posted = self._post_receive(Action(s, RECV_F, mb))
-        return [t.requires_grad_(b.requires_grad) for t, b in zip(_take(posted), self.stages[s].recv)]
-
-    def _post_receive(self, a: Action) -> list:
-        """Posts the receives of ``a`` (RECV_F or RECV_B) into fresh buffers."""
-        n = len(self.stages)
-        if a.kind == RECV_F:
-            metas = [(b.shape, b.dtype) for b in self.stages[a.stage].recv]
-            return _post(metas, self.rank_of_stage(a.stage - 1), _tag(a.stage, a.microbatch, False, n), self.device)
-        metas = [(b.shape, b.dtype) for b in self.stages[a.stage].send if b.requires_grad]
-        return _post(metas, self.rank_of_stage(a.stage + 1), _tag(a.stage, a.microbatch, True, n), self.device)
+    def _receive_forward(self, s: int, mb: int) -> list[torch.Tensor]:
+        metas = [(b.shape, b.dtype) for b in self.stages[s].recv]
+        got = _recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, len(self.stages)), self.device)
+        return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[s].recv)]
 
     def step(self, stages: list[StageGraph], microbatches: list[list[Any]], state: dict, constants: dict,
              before_backward: Callable[[int], None] = lambda mb: None) -> torch.Tensor | None:
@@ -110,19 +85,12 @@ class PipelineRunner:
         n = len(self.stages)
         ctx = _Ctx({}, {}, {}, {}, [])
         self.timeline, self.peak_in_flight = [], {s: 0 for s in self.mine}
-        receives = [i for i, a in enumerate(self.actions) if a.kind in (RECV_F, RECV_B)]
-        posted: dict[int, list] = {}
-        for index, a in enumerate(self.actions):
-            for j in receives[:LOOKAHEAD]:  # the next receives are posted before this action computes
-                if j not in posted:
-                    posted[j] = self._post_receive(self.actions[j])
-            if receives and receives[0] == index:
-                receives.pop(0)
+        for a in self.actions:
             start = time.perf_counter()
             s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
             key = (s, mb)
             if a.kind == RECV_F:
-                ctx.inputs[key] = self._receive_forward(s, mb, posted.pop(index))
+                ctx.inputs[key] = self._receive_forward(s, mb)
             elif a.kind == F:
                 outs = stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, [])))
                 ctx.outputs[key] = list(outs)
@@ -131,7 +99,8 @@ class PipelineRunner:
             elif a.kind == SEND_F:
                 _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
             elif a.kind == RECV_B:
-                ctx.grads[key] = _take(posted.pop(index))
+                metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
+                ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
             elif a.kind == B:
                 before_backward(mb)
                 if stage.is_last:
