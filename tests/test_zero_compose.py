@@ -148,3 +148,19 @@ def test_a_full_state_moves_between_composed_meshes_and_the_single_device_model(
             assert run["losses"] == pytest.approx(want.losses, rel=1e-10)
             for k, v in want.state.items():
                 torch.testing.assert_close(run["state"][k], v, rtol=1e-10, atol=1e-12)
+
+
+def _forward_then_state(zero: int) -> list:
+    pm = parallelize(models.gpt2(layers=4), Mesh(dp=2, pp=2, tp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                     zero=zero, microbatches=2)
+    return [pm(IDS).logits, pm.state_dict()]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_forward_and_state_dict_before_any_step_on_a_3d_mesh(launcher, zero: int) -> None:
+    model = models.gpt2(layers=4)
+    want = model(IDS).logits.detach()
+    for logits, state in launcher(_forward_then_state, 8, zero):
+        torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-12)
+        for key, value in model.state_dict().items():
+            assert torch.equal(state[key], value), key
