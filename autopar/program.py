@@ -107,11 +107,11 @@ class Program:
     param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
     trainable: set[str] = field(default_factory=set)
     zero_layouts: dict[int, Any] = field(default_factory=dict)  # rank -> its ZeroLayout (zero > 0)
-    rank_stages: dict[int, list[StageGraph]] = field(default_factory=dict)  # rank -> its stages, when they differ
+    rank_stages: Any = None  # rank -> its stages, when they differ by dp group (zero=3: a PerDpGroup)
 
     def stages_for(self, rank: int) -> list[StageGraph] | None:
         """The pipeline stages ``rank`` runs (those of its pp coordinate are its own), None without pp."""
-        if rank in self.rank_stages:
+        if self.rank_stages is not None:
             return self.rank_stages[rank]
         return self.stage_sets[self.plan.mesh.coords(rank)["tp"]] if self.stage_sets else self.stages
 

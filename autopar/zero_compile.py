@@ -14,7 +14,7 @@ parameters and get the same layout; only the shard each one owns differs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import Shard
@@ -92,23 +92,45 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
     return zero_collectives(layouts[worst], microbatches=options.microbatches)
 
 
+class PerDpGroup(dict):
+    """``rank -> value``, made on first access for the rank's whole dp group, which shares it.
+
+    Each rank's runtime then rewrites only its own graphs; inspecting a rank rewrites that rank's group.
+    """
+
+    def __init__(self, mesh: Mesh, make: Callable[[list[int]], Any]) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.make = make
+
+    def __missing__(self, rank: int) -> Any:
+        self.mesh.coords(rank)  # a rank outside the mesh is refused by name
+        ranks = self.mesh.group_of(rank, "dp")
+        value = self.make(ranks)
+        self.update(dict.fromkeys(ranks, value))
+        return value
+
+
 def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
     """Each dp group's graphs (its pipeline stages) with all-gathers of its layers, named by its ranks."""
-    for ranks in mesh.groups("dp"):
-        layout = program.zero_layouts[ranks[0]]
-        if program.stages is None:
-            captured = program.graphs[ranks[0]]
-            slots = program.captured.slots
-            rewritten = insert_gathers(captured, slots, layout, axis="dp", ranks=ranks, prefetch=options.zero_prefetch)
-            program.graphs.update(dict.fromkeys(ranks, rewritten))
-            continue
-        c = mesh.coords(ranks[0])
-        stages = list(program.stages_for(ranks[0]))
-        for i, st in enumerate(stages):
-            if program.schedule.stage_to_rank[st.index] == c["pp"]:
-                gm = insert_gathers(st.gm, st.slots, layout, axis="dp", ranks=ranks, prefetch=options.zero_prefetch)
-                stages[i] = dataclasses.replace(st, gm=gm)
-        for r in ranks:
-            program.rank_stages[r] = stages
-            program.graphs[r] = stages[c["pp"]].gm
+    prefetch = options.zero_prefetch
+    if program.stages is None:
+        lowered = dict(program.graphs)
+        program.graphs = PerDpGroup(mesh, lambda ranks: insert_gathers(
+            lowered[ranks[0]], program.captured.slots, program.zero_layouts[ranks[0]], axis="dp", ranks=ranks,
+            prefetch=prefetch))
+        return
 
+    lowered_stages = {r: program.stages_for(r) for r in range(mesh.size)}  # before the rewrite
+
+    def stages_of(ranks: list[int]) -> list:
+        pp, stages = mesh.coords(ranks[0])["pp"], list(lowered_stages[ranks[0]])
+        for i, st in enumerate(stages):
+            if program.schedule.stage_to_rank[st.index] == pp:
+                gm = insert_gathers(st.gm, st.slots, program.zero_layouts[ranks[0]], axis="dp", ranks=ranks,
+                                    prefetch=prefetch)
+                stages[i] = dataclasses.replace(st, gm=gm)
+        return stages
+
+    program.rank_stages = PerDpGroup(mesh, stages_of)
+    program.graphs = PerDpGroup(mesh, lambda ranks: program.rank_stages[ranks[0]][mesh.coords(ranks[0])["pp"]].gm)

@@ -37,10 +37,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (3: every rank's gathers)")
     args = p.parse_args()
     mesh = autopar.Mesh(dp=8, pp=8, tp=8)
     m = 8
-    print(f"mesh {mesh}, {m} microbatches, GPT width {args.width}, vocab {args.vocab}, seq {args.seq}, meta device")
+    print(f"mesh {mesh}, zero={args.zero}, {m} microbatches, GPT width {args.width}, vocab {args.vocab}, "
+          f"seq {args.seq}, meta device")
     warm = torch.zeros(1, 8, dtype=torch.long, device="meta")  # first-use costs out of the measurements
     autopar.parallelize(gpt(2, 64, 128), mesh, example_inputs=(warm.expand(64, 8),), example_target=warm.expand(64, 8),
                         loss_fn=loss_fn, microbatches=m)
@@ -53,7 +55,7 @@ def main() -> None:
         export_s = time.perf_counter() - t
         t = time.perf_counter()
         autopar.parallelize(gpt(layers, args.width, args.vocab), mesh, example_inputs=(ids,), example_target=ids,
-                            loss_fn=loss_fn, microbatches=m)
+                            loss_fn=loss_fn, microbatches=m, zero=args.zero)
         total = time.perf_counter() - t
         print(f"{layers:>6} {export_s:>9.2f} {total:>14.2f} {total / export_s:>6.2f} {1e3 * total / layers:>9.1f}")
 
