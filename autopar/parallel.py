@@ -41,6 +41,7 @@ class _Runtime:
     shared: list[tuple[torch.Tensor, dist.ProcessGroup]] = field(default_factory=list)  # params on several pp ranks
     pipeline: PipelineRunner | None = None
     shared_on_rank: bool = False  # a parameter used by two stages of this rank: reduce after backward, not in it
+    holders: dict[str, int] = field(default_factory=dict)  # parameter -> pp ranks holding it, when several
     zero: ZeroRuntime | None = None  # ZeRO over dp (zero=1|2|3): also the optimizer's owner and the grad sync
     memory: MemoryAccount | None = None
 
@@ -140,6 +141,7 @@ class ParallelModel:
                     if n not in mine:
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             rt.shared = self._shared_groups(program, groups, state.__getitem__ if zero is None else zero.shard_of)
+            rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
             rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), self._pp_rank_fn(groups),
                                          groups.device)
         return rt
@@ -243,9 +245,7 @@ class ParallelModel:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
         if self.options.max_grad_norm is not None:
-            holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()} \
-                if program.stages is not None else {}
-            self.grad_norm = global_grad_norm(rt, self.model, program.placements, holders)
+            self.grad_norm = global_grad_norm(rt, self.model, program.placements, rt.holders)
             clip(rt, self.grad_norm, self.options.max_grad_norm)
         rt.optimizer.step()
         rt.optimizer.zero_grad(set_to_none=True)
