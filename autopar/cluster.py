@@ -29,14 +29,22 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    """One device's connection to its peers: bytes per second in one direction, and the latency of one message."""
+    """One device's connection to its peers: bytes per second in one direction, and the latency of one message.
+
+    ``gather`` and ``scatter``: how many times the ring's time an all-gather
+    and a reduce-scatter take (1 for NCCL's rings; gloo's reduce-scatter
+    measures about 3 on CPU ranks).
+    """
 
     bandwidth: float
     latency: float
+    gather: float = 1.0
+    scatter: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth} B/s, {self.latency} s")
+        if self.bandwidth <= 0 or self.latency < 0 or self.gather <= 0 or self.scatter <= 0:
+            raise ValueError(f"a link needs bandwidth > 0, latency >= 0 and gather, scatter > 0; got "
+                             f"{self.bandwidth} B/s, {self.latency} s, {self.gather}, {self.scatter}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,9 @@ class Cluster:
     ``op_overhead``: seconds each operator costs beyond its FLOPs (kernel
     launch, dispatch);
     ``fused_attention``: attention kernels keep O(sequence) per head for
-    backward (flash-style) rather than the attention matrix; ``cores``: for
+    backward (flash-style) rather than the attention matrix;
+    ``memory_bandwidth``: bytes per second the optimizer step streams through
+    a device's memory; ``cores``: for
     CPU ranks, the cores a node's ranks share (``peak_flops`` and
     ``op_overhead`` are then one rank's when it runs alone; a step takes at
     least the node's total work over its cores), 0 when every device
@@ -73,6 +83,7 @@ class Cluster:
     overlap: float = 1.0
     op_overhead: float = 2e-6
     fused_attention: bool = True
+    memory_bandwidth: float = 2e12
     cores: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +93,8 @@ class Cluster:
             raise ValueError(f"cluster {self.name!r}: memory and peak FLOP/s must be > 0")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency={self.efficiency} must be in (0, 1]: the fraction of peak matmuls reach")
+        if self.memory_bandwidth <= 0:
+            raise ValueError(f"cluster {self.name!r}: memory_bandwidth={self.memory_bandwidth} must be > 0 (bytes/s)")
         if not 0 <= self.overlap <= 1 or self.narrow < 0 or self.cores < 0 or self.op_overhead < 0:
             raise ValueError(f"cluster {self.name!r}: overlap={self.overlap} must be in [0, 1]; narrow={self.narrow}, "
                              f"cores={self.cores} and op_overhead={self.op_overhead} must be >= 0")
@@ -112,23 +125,27 @@ class Cluster:
         """This machine as ``ranks`` local processes: one node whose ranks share its cores.
 
         Measures, on one rank running alone with the threads a rank of such a
-        job gets, a float32 matmul's FLOP/s and the time of a small operator
-        (about ``2 * seconds``); on all ranks, a gloo all-reduce's latency (alone, and
-        between bursts of compute, as training runs it; the larger counts) and
-        bandwidth (100 calls of 4 B, 30 after compute, 8 of 4 MiB).
+        job gets, a float32 matmul's FLOP/s, the time of a small operator and
+        the bytes per second of an AdamW step on 2M elements (28 bytes each;
+        about ``3 * seconds``); on all ranks, the latency of a message step and
+        the bandwidth of gloo between bursts of compute, as training meets
+        them (``_measure_link``).
         ``launcher(fn, nprocs, *args)`` defaults to ``autopar.launch``.
         """
         if launcher is None:
             from runtime.launch import launch as launcher
         results = launcher(_measure_rank, ranks, seconds)
-        flops, overhead = results[0]["flops"], results[0]["op_overhead"]
+        flops, overhead, stream = results[0]["flops"], results[0]["op_overhead"], results[0]["memory_bandwidth"]
         latency = max(r["latency"] for r in results) if ranks > 1 else 50e-6
         bandwidth = min(r["bandwidth"] for r in results) if ranks > 1 else 1 * GB
+        gather = max(r["gather"] for r in results) if ranks > 1 else 1.0
+        scatter = max(r["scatter"] for r in results) if ranks > 1 else 1.0
         memory = _physical_memory() / max(ranks, 1)
-        link = Link(bandwidth, latency)
+        link = Link(bandwidth, latency, gather=gather, scatter=scatter)
         return cls(name=f"local cpu ({ranks} ranks, measured)", devices_per_node=ranks, memory=memory,
                    peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
-                   overlap=0.0, op_overhead=overhead, fused_attention=False, cores=os.cpu_count() or 1)
+                   overlap=0.0, op_overhead=overhead, fused_attention=False, memory_bandwidth=stream,
+                   cores=os.cpu_count() or 1)
 
 
 def _physical_memory() -> float:
@@ -164,6 +181,58 @@ def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def _measure_link(dist: Any) -> dict[str, float]:
+    """Seconds per message step, bytes per second and the gather / scatter factors of this job's gloo links.
+
+    As training meets them:
+
+    An all-reduce of an activation's size (32 KiB, ``2(n-1)`` steps), not of
+    single elements (gloo takes a shorter path for those), between bursts of
+    compute, so that the peers must first be scheduled when ranks share
+    cores, gives the latency per step. The bandwidth comes from the extra time of a 4 MiB all-reduce; a 4 MiB
+    all-gather and reduce-scatter, against the ring's time, give the factors.
+    """
+    import torch
+
+    n_ranks = dist.get_world_size()
+    small, big = torch.zeros(8192), torch.zeros(2**20)
+    c = torch.randn(128, 128)
+
+    def compute() -> None:
+        for _ in range(4):
+            c @ c
+
+    def loaded(fn: Callable[[], Any], calls: int) -> float:  # every rank runs the same number of collectives
+        dist.barrier()
+        return _timed_calls(lambda: (compute(), fn()), calls)
+
+    dist.barrier()
+    t_compute = _timed_calls(compute, 30)
+    steps = 2 * (n_ranks - 1)
+    t_small = loaded(lambda: dist.all_reduce(small), 20) - t_compute
+    t_big = loaded(lambda: dist.all_reduce(big), 8) - t_compute
+    extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
+    latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
+    shard = torch.zeros(big.numel() // n_ranks)
+    t_gather = loaded(lambda: _all_gather(big, shard), 8) - t_compute
+    t_scatter = loaded(lambda: _reduce_scatter(shard, big), 8) - t_compute
+    ring = (n_ranks - 1) * (latency + big.numel() * 4 / n_ranks / bandwidth)
+    return {"latency": latency, "bandwidth": bandwidth, "gather": max(t_gather / ring, 0.5),
+            "scatter": max(t_scatter / ring, 0.5)}
+
+
+def _all_gather(out: Any, shard: Any) -> None:
+    import torch.distributed as dist
+
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
+
+
+def _reduce_scatter(shard: Any, full: Any) -> None:
+    import torch.distributed as dist
+
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
+
+
 def _measure_rank(seconds: float) -> dict[str, float]:
     """What ``Cluster.measure_local`` measures on one rank (runs inside a launched job)."""
     import torch
@@ -177,62 +246,49 @@ def _measure_rank(seconds: float) -> dict[str, float]:
     def small_ops() -> None:  # forward + backward of a tiny op: what every graph node costs at least
         (x * 2).sum().backward()
 
-    flops = overhead = 0.0
+    flops = overhead = stream = 0.0
     if not together or dist.get_rank() == 0:  # one rank alone, with the threads a rank of this job gets
         flops = 2 * n**3 / _timed(lambda: a @ b, seconds)
         overhead = _timed(small_ops, seconds) / 4  # mul, sum and their backwards
+        w = torch.nn.Parameter(torch.zeros(2**21))
+        w.grad = torch.ones_like(w)
+        adam = torch.optim.AdamW([w])  # per element: weight read and written, gradient read, 2 states r/w
+        stream = 28 * w.numel() / _timed(adam.step, seconds)
     if together:
         dist.barrier()
-    out = {"flops": flops, "op_overhead": overhead, "latency": 0.0, "bandwidth": 1.0}
+    out = {"flops": flops, "op_overhead": overhead, "memory_bandwidth": stream, "latency": 0.0, "bandwidth": 1.0}
     if together:
-        tiny, big = torch.zeros(1), torch.zeros(2**20)  # 4 B and 4 MiB
-        n_ranks = dist.get_world_size()
-        t_tiny = _timed_calls(lambda: dist.all_reduce(tiny), 100)  # every rank runs the same number of collectives
-        t_big = _timed_calls(lambda: dist.all_reduce(big), 8)
-        c = torch.randn(128, 128)
-
-        def compute() -> None:
-            for _ in range(4):
-                c @ c
-
-        def compute_then_reduce() -> None:  # ranks out of step, as in training: peers must be scheduled first
-            compute()
-            dist.all_reduce(tiny)
-
-        dist.barrier()
-        t_compute = _timed_calls(compute, 30)
-        dist.barrier()
-        t_loaded = _timed_calls(compute_then_reduce, 30) - t_compute
-        steps = 2 * (n_ranks - 1)
-        out["latency"] = max(t_tiny, t_loaded) / steps
-        out["bandwidth"] = (steps / n_ranks) * big.numel() * 4 / max(t_big - t_tiny, 1e-9)
+        out.update(_measure_link(dist))
     return out
 
 
 # Data-sheet numbers. A100 SXM 80GB: 312 TFLOP/s dense bf16, 19.5 fp32; NVLink 3 600 GB/s both
 # directions; one 200 Gb/s HDR InfiniBand link per GPU. H100 SXM: 989 TFLOP/s dense bf16, 67 fp32;
-# NVLink 4 900 GB/s; one 400 Gb/s NDR link per GPU. The usable memory leaves about 6 GB of each
-# 80 GiB (86 GB) card to the CUDA context, NCCL and allocator fragmentation. Efficiency and
-# narrow: fitted on the ten GPT runs of Narayanan et al. 2021 ("Efficient Large-Scale Language
-# Model Training on GPU Clusters Using Megatron-LM"), Table 1; see docs/planner.md. The H100
-# preset reuses the A100 fit (no comparable public table was used to fit it).
-A100_EFFICIENCY = 0.70
-A100_NARROW = 1000.0
+# NVLink 4 900 GB/s; one 400 Gb/s NDR link per GPU. HBM: A100 80GB 2,039 GB/s, H100 SXM 3.35 TB/s. The
+# usable memory leaves about 6 GB of each 80 GiB (86 GB) card to the CUDA context, NCCL and allocator
+# fragmentation. Efficiency and narrow: fitted on the ten GPT runs of Narayanan et al. 2021 ("Efficient
+# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1; see docs/planner.md.
+# The H100 preset reuses the A100 fit (no comparable public table was used to fit it).
+A100_EFFICIENCY = 0.71
+A100_NARROW = 250.0
+
+# gloo between 4 ranks on 2 cores, as measured: ~1 ms per step under load, its reduce-scatter not a ring
+_CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5)
 
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
         name="DGX-A100 (8 x A100 80GB per node)", devices_per_node=8, memory=80 * GB,
         peak_flops=312e12, peak_flops_fp32=19.5e12, intra=Link(300 * GB, 5e-6), inter=Link(25 * GB, 10e-6),
-        efficiency=A100_EFFICIENCY, narrow=A100_NARROW),
+        efficiency=A100_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=2039 * GB),
     "dgx-h100": Cluster(
         name="DGX-H100 (8 x H100 80GB per node)", devices_per_node=8, memory=80 * GB,
         peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
-        efficiency=A100_EFFICIENCY, narrow=A100_NARROW),
+        efficiency=A100_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=3350 * GB),
     # this machine's CPU ranks (2 cores, gloo over loopback), as Cluster.measure_local(4) measured them
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,
-        peak_flops=80e9, peak_flops_fp32=80e9, intra=Link(0.8 * GB, 300e-6), inter=Link(0.8 * GB, 300e-6),
-        efficiency=1.0, overlap=0.0, op_overhead=6e-6, fused_attention=False, cores=2),
+        peak_flops=100e9, peak_flops_fp32=100e9, intra=_CPU_LINK, inter=_CPU_LINK, efficiency=1.0, overlap=0.0,
+        op_overhead=4.5e-6, fused_attention=False, memory_bandwidth=5.5 * GB, cores=2),
 }
 
 

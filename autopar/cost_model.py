@@ -33,6 +33,16 @@ class Precision:
     state: int  # one optimizer-state element (Adam keeps two per parameter)
     activation: int
 
+    def step_bytes(self, optimizer_states: int) -> int:
+        """Bytes the optimizer step reads and writes per trainable element.
+
+        The stepped copy (master or parameter) read and written, the gradient
+        read, each state element read and written, and with a master copy the
+        low-precision parameter written back: Adam 28 in fp32 and in mixed precision.
+        """
+        stepped = self.master or self.param
+        return 2 * stepped + self.grad + 2 * optimizer_states * self.state + (self.param if self.master else 0)
+
 
 PRECISIONS = {
     "fp32": Precision("fp32", 4, 4, 0, 4, 4),
@@ -99,7 +109,7 @@ class Estimate:
 
     config: Config
     memory: dict[str, Any]  # parameters, gradients, optimizer, activations, buffers
-    time: dict[str, Any]  # compute, tensor_parallel, pipeline_p2p, bubble, data_parallel
+    time: dict[str, Any]  # compute, tensor_parallel, pipeline_p2p, bubble, shared_cores, data_parallel, optimizer
     worst_rank: int  # the pp index whose memory is largest
     per_rank: list[dict[str, Any]]  # memory of every pp index (dp and tp ranks of one pp index are alike)
     stages: list[list[str]]  # segment names of each pipeline stage
@@ -129,6 +139,7 @@ class _Values:
     """A segment's numbers at one (tp, b, s): floats, or sympy expressions in ``b``."""
 
     flops: Any  # forward, counting a matmul of narrower weight dim w as (1 + cluster.narrow / w) times its FLOPs
+    traffic: Any  # forward bytes read and written by memory-bound operators
     activations: Any  # bytes saved for backward per microbatch
     entering: Any  # bytes received per microbatch
     collectives: tuple[tuple[str, str, Any], ...]  # (op, direction, bytes)
@@ -164,6 +175,7 @@ class CostModel:
             ev = (lambda e: float(e.xreplace(at))) if not isinstance(b, sympy.Basic) else (lambda e: e.xreplace(at))
             self._values[key] = _Values(
                 flops=ev(part.flops + self.cluster.narrow * part.narrow),
+                traffic=ev(part.traffic * act_bytes),
                 activations=ev((part.saved + attention) * act_bytes + part.saved_other),
                 entering=ev(seg.entering * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
@@ -246,6 +258,9 @@ class CostModel:
 
     def _time(self, c: Config, ranks: list[list[list[_Values]]]) -> dict[str, Any]:
         cl = self.cluster
+        step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
+        optimizer = [_state_elements([u for st in stages for u in st])[1] * step_bytes / (c.dp if c.zero else 1)
+                     for stages in ranks]
         rate = cl.peak(self.precision.name) * cl.efficiency
         tp_link = cl.link(c.tp)
         pp_link = cl.link(c.tp * c.pp)
@@ -254,7 +269,8 @@ class CostModel:
         for stages in ranks:
             compute = tp = p2p_t = backward = forward = 0
             for st in stages:
-                f = sum(u.flops for u in st) / rate + sum(u.ops for u in st) * cl.op_overhead
+                f = (sum(u.flops for u in st) / rate + sum(u.traffic for u in st) / cl.memory_bandwidth
+                     + sum(u.ops for u in st) * cl.op_overhead)
                 comm_f = sum(_collective(op, nbytes, c.tp, tp_link) for u in st for op, d, nbytes in u.collectives
                              if d == "forward")
                 comm_b = sum(_collective(op, nbytes, c.tp, tp_link) for u in st for op, d, nbytes in u.collectives
@@ -278,11 +294,13 @@ class CostModel:
             "bubble": (c.pp - 1) / v * per_microbatch,
             "shared_cores": 0,
             "data_parallel": self._data_parallel(c, ranks, forward, backward, dp_link),
+            "optimizer": max(optimizer),
         }
         if cl.cores:  # ranks share a node's cores: the node's total work bounds the step from below
             nodes = math.ceil(c.devices / cl.devices_per_node)
-            work = m * sum(t[0] for t in per_rank) * c.dp * c.tp / (cl.cores * nodes)
-            pipeline = out["compute"] + out["tensor_parallel"] + out["pipeline_p2p"] + out["bubble"]
+            work = sum(m * t[0] + o for t, o in zip(per_rank, optimizer)) * c.dp * c.tp / (cl.cores * nodes)
+            pipeline = (out["compute"] + out["tensor_parallel"] + out["pipeline_p2p"] + out["bubble"]
+                        + out["optimizer"])
             out["shared_cores"] = _max([work - pipeline, 0])
         return out
 
@@ -311,13 +329,13 @@ class CostModel:
 
         if c.zero == 0:
             return exposed(_ring_all_reduce(grads, n, link, buckets), backward, _ring_all_reduce(last, n, link))
-        reduce = exposed(_ring_gather(grads, n, link, buckets), backward, _ring_gather(last, n, link))
+        reduce = exposed(_ring_scatter(grads, n, link, buckets), backward, _ring_scatter(last, n, link))
         gather_params = _ring_gather(params, n, link, buckets)  # updated shards after the optimizer step
         if c.zero == 1:
             return reduce + gather_params
         if c.zero == 2:
             return m * reduce + gather_params
-        gather, scatter = _ring_gather(params, n, link, groups), _ring_gather(grads, n, link, groups)
+        gather, scatter = _ring_gather(params, n, link, groups), _ring_scatter(grads, n, link, groups)
         first = _ring_gather(params / groups, n, link)  # the first layer's gather has nothing to hide behind
         return m * (exposed(gather, forward, first) + exposed(gather + scatter, backward, first))
 
@@ -419,9 +437,17 @@ def _ring_all_reduce(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
     return 0 if n <= 1 else 2 * (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
 
 
-def _ring_gather(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    """Seconds of ``count`` ring all-gathers (or reduce-scatters) of ``nbytes`` whole tensors: n-1 steps each."""
+def _ring_steps(nbytes: Any, n: int, link: Any, count: int) -> Any:
+    """Seconds of ``count`` rings of n-1 steps over ``nbytes`` whole tensors: an all-gather's or a reduce-scatter's."""
     return 0 if n <= 1 else (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
+
+
+def _ring_gather(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
+    return link.gather * _ring_steps(nbytes, n, link, count)
+
+
+def _ring_scatter(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
+    return link.scatter * _ring_steps(nbytes, n, link, count)
 
 
 def _p2p(nbytes: Any, link: Any) -> Any:
@@ -433,4 +459,4 @@ def _collective(op: str, nbytes: Any, n: int, link: Any) -> Any:
         return _ring_all_reduce(nbytes, n, link)
     if op == "all_to_all":  # n-1 pairwise exchanges of 1/n^2 of the whole tensor each
         return 0 if n <= 1 else (n - 1) * (link.latency + nbytes / n / n / link.bandwidth)
-    return _ring_gather(nbytes, n, link)
+    return _ring_scatter(nbytes, n, link) if op == "reduce_scatter" else _ring_gather(nbytes, n, link)

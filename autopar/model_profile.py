@@ -47,8 +47,8 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture, tied_aliases
-from autopar.profile_formulas import (b_sym, entering_elements, export_symbols, numel_of, output_elements, s_sym,
-                                      saved_elements, saved_tensors, to_sympy, weight_width)
+from autopar.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
+                                      output_elements, s_sym, saved_elements, saved_tensors, to_sympy, weight_width)
 from autopar.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, dynamic_export, family, match_nodes,
                                    param_names, repeated_lists, representatives, segment_of_nodes, segment_params,
                                    shortened)
@@ -73,6 +73,7 @@ class Part:
     trainable: set[str]
     flops: sympy.Expr  # forward
     narrow: sympy.Expr  # sum over matmuls with a parameter of FLOPs / (narrower local weight dim): small-GEMM cost
+    traffic: sympy.Expr  # elements read and written by the forward's memory-bound operators (not matmuls)
     saved: sympy.Expr  # elements of floating tensors saved for backward (per-token part)
     saved_other: sympy.Expr  # bytes of other saved tensors (indices, masks)
     attention: sympy.Expr  # elements of attention internals saved (the attention matrix on the math path)
@@ -210,12 +211,14 @@ class _Analysis:
         flops = {nd: to_sympy(node_cost(nd).flops, self.names) * flops_factor.get(nd.name, 1) for nd in nodes}
         zero = sympy.Integer(0)
         narrow = sum((f / widths[nd.name] for nd, f in flops.items() if nd.name in widths), zero)
+        traffic = sum((moved_elements(nd, self.names) * act_factor.get(nd.name, 1) for nd in nodes), zero)
         saved, saved_other, attention, attention_fused = saved_elements(self.saved, set(nodes), self.names,
                                                                         act_factor)
         if key == "tail":
             saved += output_elements(self.gm, self.names)  # a loss keeps the outputs (log-softmax of logits)
         return Part(params=params, trainable={n for n in params if self.requires.get(n, True)},
-                    flops=sum(flops.values(), zero), narrow=narrow, saved=saved, saved_other=saved_other,
+                    flops=sum(flops.values(), zero), narrow=narrow, traffic=sympy.expand(traffic), saved=saved,
+                    saved_other=saved_other,
                     attention=attention, attention_fused=attention_fused, collectives=[], ops=ops)
 
     def add_tensor_parallel(self, args: tuple, kwargs: dict, n: int) -> None:

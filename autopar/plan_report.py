@@ -20,7 +20,7 @@ from autopar.cost_model import b_sym
 if TYPE_CHECKING:
     from autopar.plan_search import Candidate, PlanResult
 
-TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel")
+TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "optimizer")
 
 
 # ---------------------------------------------------------------------------

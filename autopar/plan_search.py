@@ -194,7 +194,7 @@ def plan(
         raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
                          f"{evaluated[0].config.describe()}: {evaluated[0].not_runnable}); plan with "
                          "runnable_only=False to see them all")
-    # fitting first, fastest first; within 0.1% of the same time the lower ZeRO stage, then less memory
+    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less memory
     candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
                                    c.config.zero, c.total_memory))
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,

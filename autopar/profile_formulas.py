@@ -5,7 +5,8 @@ symbols renamed to ``b`` and ``s`` (``export_symbols``, ``to_sympy``); the
 tensors autograd saves for backward (``saved_tensors``, found by running the
 graph on fake tensors under ``saved_tensors_hooks``) and their elements per
 segment (``saved_elements``); the elements that enter a segment and that leave
-the model; the width of each matmul's weight (small-GEMM cost).
+the model; the width of each matmul's weight (small-GEMM cost); the elements
+that memory-bound operators read and write.
 
 Invariant: every quantity is a sympy expression in ``b_sym`` and ``s_sym`` (or
 an integer), taken from the shapes in ``node.meta["val"]``, never guessed from
@@ -24,6 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.profile_graph import placeholders
+from passes.cost import matmul_flops as _matmul_flops
 
 b_sym, s_sym = sympy.symbols("b s", positive=True, integer=True)
 
@@ -221,3 +223,33 @@ def weight_width(node: fx.Node, params: set[fx.Node]) -> int | None:
     if source not in params or not isinstance(val, torch.Tensor) or val.dim() < 2:
         return None
     return int(min(val.shape[-2:]))
+
+
+# ---------------------------------------------------------------------------
+# memory traffic of the operators that are not matmuls
+# ---------------------------------------------------------------------------
+
+_INDEXING = ("aten.embedding.default", "aten.index.Tensor", "aten.index_select.default", "aten.gather.default")
+
+
+def moved_elements(node: fx.Node, names: dict) -> sympy.Expr:
+    """Elements a memory-bound operator reads and writes: its tensor inputs and outputs.
+
+    Matmuls and attention are charged by their FLOPs instead; views, in-place
+    aliases and tuple indexing move nothing. An indexing operator reads only
+    the rows it returns, not its whole table.
+    """
+    zero = sympy.Integer(0)
+    schema = getattr(node.target, "_schema", None)
+    if (node.op != "call_function" or node.target is operator.getitem or _matmul_flops(node) is not None
+            or schema is None or any(r.alias_info is not None for r in schema.returns)):
+        return zero
+    out = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    written = sum((to_sympy(v.numel(), names) for v in out), zero)
+    read = zero
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            elements = to_sympy(val.numel(), names)
+            read += written if str(node.target) in _INDEXING and arg is node.args[0] else elements
+    return sympy.expand(read + written)

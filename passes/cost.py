@@ -35,7 +35,8 @@ def _shape(node: object) -> tuple[int, ...]:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-def _matmul_flops(node: fx.Node) -> int | None:
+def matmul_flops(node: fx.Node) -> int | None:
+    """2*M*N*K of a matmul, attention or convolution node; None for any other operator."""
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor):
         return None
@@ -58,7 +59,7 @@ def _matmul_flops(node: fx.Node) -> int | None:
 def node_cost(node: fx.Node) -> Cost:
     val = node.meta.get("val")
     out_bytes = tensor_bytes(val)
-    flops = _matmul_flops(node) if node.op == "call_function" else 0
+    flops = matmul_flops(node) if node.op == "call_function" else 0
     if flops is None:
         flops = val.numel() if isinstance(val, torch.Tensor) else 0
     return Cost(flops=flops, bytes=out_bytes)

@@ -1,0 +1,113 @@
+"""The planner's predicted step times against measured ones on local gloo CPU ranks.
+
+Plans a small GPT-2 (random weights) for ``--ranks`` local ranks with this
+machine measured (``Cluster.measure_local``), takes the planner's best
+runnable configuration of every mesh, runs each for real and prints, per
+mesh, the predicted and the measured step time (median over rounds; in each
+round every configuration is compiled and stepped in turn, the order
+reversed every other round), the rank correlation of the two orders, and
+whether the planner's top mesh is the measured fastest.
+Run: python benchmarks/planner_ranking.py [--layers 4] [--width 64] [--vocab 128] [--batch 16] [--seq 32]
+                                          [--inner 0] [--untied] [--rounds 3] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar import Cluster, Mesh, parallelize
+
+
+def make_model(layers: int, width: int, vocab: int, seq: int, inner: int, tied: bool = True) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq, use_cache=False,
+                     n_inner=inner or None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, tie_word_embeddings=tied)
+    return GPT2LMHeadModel(cfg).train()
+
+
+def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def optimizer(params: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def run_configs(model_args: tuple, batch: int, configs: list[tuple[dict, dict]], rounds: int,
+                steps: int) -> list[list[float]]:
+    """Per configuration, this rank's step times: every round compiles each one and times ``steps`` steps."""
+    vocab, seq = model_args[2], model_args[3]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    times: list[list[float]] = [[] for _ in configs]
+    for r in range(rounds):
+        order = range(len(configs)) if r % 2 == 0 else reversed(range(len(configs)))
+        for i in order:
+            mesh, options = configs[i]
+            pm = parallelize(make_model(*model_args), Mesh(**mesh), loss_fn=loss_fn, optimizer=optimizer, **options)
+            pm.step(ids, target=ids)
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                pm.step(ids, target=ids)
+                times[i].append(time.perf_counter() - start)
+            del pm
+    return times
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    rank = lambda xs: {i: r for r, i in enumerate(sorted(range(len(xs)), key=lambda i: xs[i]))}  # noqa: E731
+    ra, rb, n = rank(a), rank(b), len(a)
+    return 1 - 6 * sum((ra[i] - rb[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--inner", type=int, default=0, help="MLP width (0: 4 x width)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--untied", action="store_true", help="separate input embedding and output projection")
+    p.add_argument("--preset", action="store_true", help="plan with the 'cpu' preset instead of measuring")
+    a = p.parse_args()
+    model_args = (a.layers, a.width, a.vocab, a.seq, a.inner, not a.untied)
+    cluster = Cluster.preset("cpu") if a.preset else Cluster.measure_local(a.ranks, seconds=0.2)
+    result = autopar.plan(make_model(*model_args), a.ranks, cluster=cluster, global_batch=a.batch, seq_len=a.seq,
+                          precision="fp32", optimizer="adam", recompute=(False,), runnable_only=True)
+    best: dict = {}
+    for c in result.candidates:  # ranked: the first of each mesh is its best configuration
+        best.setdefault((c.config.dp, c.config.pp, c.config.tp), c)
+    chosen = list(best.values())
+    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    runs = autopar.launch(run_configs, a.ranks, model_args, a.batch, configs, a.rounds, a.steps)
+    # a step ends when its slowest rank ends: per step, the max over ranks; then the median over steps
+    measured = [statistics.median(max(ts) for ts in zip(*(runs[r][i] for r in range(a.ranks))))
+                for i in range(len(chosen))]
+    print(f"GPT-2 {a.layers} layers, d={a.width}, vocab {a.vocab}, batch {a.batch} x {a.seq}; {a.ranks} ranks; "
+          f"{cluster.name}")
+    print(f"{'configuration':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for c, t in zip(chosen, measured):
+        print(f"{c.config.describe():<44} {c.step_time * 1e3:>8.1f}ms {t * 1e3:>8.1f}ms {t / c.step_time:>6.2f}")
+    print("predicted parts (ms): " + "; ".join(
+        f"{c.config.dp}x{c.config.pp}x{c.config.tp}: " + " ".join(f"{k}={float(v) * 1e3:.1f}" for k, v in
+                                                          c.estimate.time.items() if float(v)) for c in chosen))
+    fastest = min(range(len(chosen)), key=lambda i: measured[i])
+    print(f"rank correlation {spearman([c.step_time for c in chosen], measured):.2f}; planner's top is "
+          f"{'the measured fastest' if fastest == 0 else f'{measured[0] / measured[fastest]:.2f}x the fastest'}")
+
+
+if __name__ == "__main__":
+    main()
