@@ -213,24 +213,14 @@ def _measure_link(dist: Any) -> dict[str, float]:
     t_big = loaded(lambda: dist.all_reduce(big), 8) - t_compute
     extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
     latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
+    from runtime.zero_group import all_gather_flat, reduce_scatter_flat
+
     shard = torch.zeros(big.numel() // n_ranks)
-    t_gather = loaded(lambda: _all_gather(big, shard), 8) - t_compute
-    t_scatter = loaded(lambda: _reduce_scatter(shard, big), 8) - t_compute
+    t_gather = loaded(lambda: all_gather_flat(big, shard), 8) - t_compute
+    t_scatter = loaded(lambda: reduce_scatter_flat(shard, big), 8) - t_compute
     ring = (n_ranks - 1) * (latency + big.numel() * 4 / n_ranks / bandwidth)
     return {"latency": latency, "bandwidth": bandwidth, "gather": max(t_gather / ring, 0.5),
             "scatter": max(t_scatter / ring, 0.5)}
-
-
-def _all_gather(out: Any, shard: Any) -> None:
-    import torch.distributed as dist
-
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
-
-
-def _reduce_scatter(shard: Any, full: Any) -> None:
-    import torch.distributed as dist
-
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full)
 
 
 def _measure_rank(seconds: float) -> dict[str, float]:

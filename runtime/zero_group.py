@@ -23,8 +23,8 @@ import torch.distributed as dist
 from passes.zero import FlatGroup
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the first names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class GatheredBytes:
@@ -99,7 +99,7 @@ class FlatShard:
         """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""
         if self.group is None:
             return None
-        return _all_gather(self.full, self.shard.detach(), group=self.group, async_op=True)
+        return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
 
     # stage 3 ------------------------------------------------------------------
     def _start_gather(self) -> _Prefetch:
@@ -108,7 +108,7 @@ class FlatShard:
         if self.group is None:
             full.copy_(self.shard.detach())
             return _Prefetch(None, full, self.shard._version)
-        work = _all_gather(full, self.shard.detach(), group=self.group, async_op=True)
+        work = all_gather_flat(full, self.shard.detach(), group=self.group, async_op=True)
         return _Prefetch(work, full, self.shard._version)
 
     def prefetch(self) -> None:
@@ -168,7 +168,7 @@ class ReduceQueue:
             shard.accumulate(flat[lo : lo + shard.spec.shard].clone(), in_place=False)
             return
         out = torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
-        work = _reduce_scatter(out, flat, group=shard.group, async_op=True)
+        work = reduce_scatter_flat(out, flat, group=shard.group, async_op=True)
         self._push(shard, work, out, flat, False)
         if wait:
             self.limit()
@@ -178,7 +178,7 @@ class ReduceQueue:
         if shard.group is None:
             shard.accumulate(shard.grad, in_place=True)
             return
-        work = _reduce_scatter(shard.grad, shard.grad_full, group=shard.group, async_op=True)
+        work = reduce_scatter_flat(shard.grad, shard.grad_full, group=shard.group, async_op=True)
         self._push(shard, work, shard.grad, shard.grad_full, True)
         self.limit()
 
