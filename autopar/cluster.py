@@ -33,18 +33,30 @@ class Link:
 
     ``gather`` and ``scatter``: how many times the ring's time an all-gather
     and a reduce-scatter take (1 for NCCL's rings; gloo's reduce-scatter
-    measures about 3 on CPU ranks).
+    measures about 3 on CPU ranks). ``p2p_latency``: for ranks that share
+    cores, the latency of a point-to-point message whose receiver has a core
+    free (a pipeline hop) and of a step of a one-element collective (the
+    loss): gloo's take a tenth of a tensor collective's step; a hop sent
+    while every core is taken waits as long as a collective's step. None:
+    ``latency``.
     """
 
     bandwidth: float
     latency: float
     gather: float = 1.0
     scatter: float = 1.0
+    p2p_latency: float | None = None
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0 or self.gather <= 0 or self.scatter <= 0:
-            raise ValueError(f"a link needs bandwidth > 0, latency >= 0 and gather, scatter > 0; got "
-                             f"{self.bandwidth} B/s, {self.latency} s, {self.gather}, {self.scatter}")
+        if self.bandwidth <= 0 or self.latency < 0 or self.gather <= 0 or self.scatter <= 0 or (
+                self.p2p_latency is not None and self.p2p_latency < 0):
+            raise ValueError(f"a link needs bandwidth > 0, latency and p2p_latency >= 0 and gather, scatter > 0; "
+                             f"got {self.bandwidth} B/s, {self.latency} s, {self.p2p_latency} s, {self.gather}, "
+                             f"{self.scatter}")
+
+    def p2p(self) -> Link:
+        """This link for a point-to-point message whose receiver has a core free."""
+        return self if self.p2p_latency is None else dataclasses.replace(self, latency=self.p2p_latency)
 
 
 @dataclass(frozen=True)
@@ -126,8 +138,8 @@ class Cluster:
 
         Measures, on one rank running alone with the threads a rank of such a
         job gets, a float32 matmul's FLOP/s, the time of a small operator and
-        the bytes per second of an AdamW step on 2M elements (28 bytes each;
-        about ``3 * seconds``); on all ranks, the latency of a message step and
+        the bytes per second of an AdamW step on 8M elements (28 bytes each,
+        224 MB: beyond the caches; about ``3 * seconds``); on all ranks, the latency of a message step and
         the bandwidth of gloo between bursts of compute, as training meets
         them (``_measure_link``).
         ``launcher(fn, nprocs, *args)`` defaults to ``autopar.launch``.
@@ -140,8 +152,9 @@ class Cluster:
         bandwidth = min(r["bandwidth"] for r in results) if ranks > 1 else 1 * GB
         gather = max(r["gather"] for r in results) if ranks > 1 else 1.0
         scatter = max(r["scatter"] for r in results) if ranks > 1 else 1.0
+        p2p = results[0]["p2p_latency"] if ranks > 1 else latency
         memory = _physical_memory() / max(ranks, 1)
-        link = Link(bandwidth, latency, gather=gather, scatter=scatter)
+        link = Link(bandwidth, latency, gather=gather, scatter=scatter, p2p_latency=p2p)
         return cls(name=f"local cpu ({ranks} ranks, measured)", devices_per_node=ranks, memory=memory,
                    peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
                    overlap=0.0, op_overhead=overhead, fused_attention=False, memory_bandwidth=stream,
@@ -189,13 +202,14 @@ def _measure_link(dist: Any) -> dict[str, float]:
     An all-reduce of an activation's size (32 KiB, ``2(n-1)`` steps), not of
     single elements (gloo takes a shorter path for those), between bursts of
     compute, so that the peers must first be scheduled when ranks share
-    cores, gives the latency per step. The bandwidth comes from the extra time of a 4 MiB all-reduce; a 4 MiB
-    all-gather and reduce-scatter, against the ring's time, give the factors.
+    cores, gives the latency per step. The bandwidth comes from the extra time of a 16 MiB all-reduce
+    (gradients' size: smaller ones stay in the caches and measure up to 3x faster); a 16 MiB all-gather
+    and reduce-scatter, against the ring's time, give the factors.
     """
     import torch
 
     n_ranks = dist.get_world_size()
-    small, big = torch.zeros(8192), torch.zeros(2**20)
+    small, big = torch.zeros(8192), torch.zeros(2**22)
     c = torch.randn(128, 128)
 
     def compute() -> None:
@@ -210,17 +224,35 @@ def _measure_link(dist: Any) -> dict[str, float]:
     t_compute = _timed_calls(compute, 30)
     steps = 2 * (n_ranks - 1)
     t_small = loaded(lambda: dist.all_reduce(small), 20) - t_compute
-    t_big = loaded(lambda: dist.all_reduce(big), 8) - t_compute
+    t_big = loaded(lambda: dist.all_reduce(big), 4) - t_compute
     extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
     latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
-    from runtime.zero_group import all_gather_flat, reduce_scatter_flat
+    from runtime.zero_group import all_gather_flat, reduce_scatter_async
 
     shard = torch.zeros(big.numel() // n_ranks)
-    t_gather = loaded(lambda: all_gather_flat(big, shard), 8) - t_compute
-    t_scatter = loaded(lambda: reduce_scatter_flat(shard, big), 8) - t_compute
+    t_gather = loaded(lambda: all_gather_flat(big, shard), 4) - t_compute
+    t_scatter = loaded(lambda: reduce_scatter_async(shard, big, dist.get_rank()).wait(), 4) - t_compute
     ring = (n_ranks - 1) * (latency + big.numel() * 4 / n_ranks / bandwidth)
+    hop = _ping_pong(dist, small) - small.numel() * 4 / bandwidth
     return {"latency": latency, "bandwidth": bandwidth, "gather": max(t_gather / ring, 0.5),
-            "scatter": max(t_scatter / ring, 0.5)}
+            "scatter": max(t_scatter / ring, 0.5), "p2p_latency": min(max(hop, 1e-6), latency)}
+
+
+def _ping_pong(dist: Any, message: Any, calls: int = 50) -> float:
+    """Seconds of one message between ranks 0 and 1 while the other ranks wait (the node has cores free)."""
+    rank = dist.get_rank()
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(calls if rank < 2 else 0):
+        if rank == 0:
+            dist.send(message, 1)
+            dist.recv(message, 1)
+        else:
+            dist.recv(message, 0)
+            dist.send(message, 0)
+    elapsed = (time.perf_counter() - t) / (2 * calls)
+    dist.barrier()
+    return elapsed
 
 
 def _measure_rank(seconds: float) -> dict[str, float]:
@@ -240,13 +272,14 @@ def _measure_rank(seconds: float) -> dict[str, float]:
     if not together or dist.get_rank() == 0:  # one rank alone, with the threads a rank of this job gets
         flops = 2 * n**3 / _timed(lambda: a @ b, seconds)
         overhead = _timed(small_ops, seconds) / 4  # mul, sum and their backwards
-        w = torch.nn.Parameter(torch.zeros(2**21))
+        w = torch.nn.Parameter(torch.zeros(2**23))
         w.grad = torch.ones_like(w)
         adam = torch.optim.AdamW([w])  # per element: weight read and written, gradient read, 2 states r/w
         stream = 28 * w.numel() / _timed(adam.step, seconds)
     if together:
         dist.barrier()
-    out = {"flops": flops, "op_overhead": overhead, "memory_bandwidth": stream, "latency": 0.0, "bandwidth": 1.0}
+    out = {"flops": flops, "op_overhead": overhead, "memory_bandwidth": stream, "latency": 0.0, "bandwidth": 1.0,
+           "p2p_latency": 0.0}
     if together:
         out.update(_measure_link(dist))
     return out
@@ -262,8 +295,9 @@ def _measure_rank(seconds: float) -> dict[str, float]:
 A100_EFFICIENCY = 0.71
 A100_NARROW = 250.0
 
-# gloo between 4 ranks on 2 cores, as measured: ~1 ms per step under load, its reduce-scatter not a ring
-_CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5)
+# gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
+# has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
+_CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5, p2p_latency=6e-5)
 
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(

@@ -16,7 +16,10 @@ from typing import Any
 import sympy
 import torch
 
+from autopar.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
+from autopar.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.model_profile import ModelProfile, Segment, b_sym, s_sym
+from runtime.schedule import make_schedule
 
 # ---------------------------------------------------------------------------
 # memory and time of one configuration
@@ -259,50 +262,87 @@ class CostModel:
     def _time(self, c: Config, ranks: list[list[list[_Values]]]) -> dict[str, Any]:
         cl = self.cluster
         step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
-        optimizer = [_state_elements([u for st in stages for u in st])[1] * step_bytes / (c.dp if c.zero else 1)
-                     for stages in ranks]
-        rate = cl.peak(self.precision.name) * cl.efficiency
-        tp_link = cl.link(c.tp)
-        pp_link = cl.link(c.tp * c.pp)
-        dp_link = cl.link(c.devices)
-        per_rank = []
-        for stages in ranks:
-            compute = tp = p2p_t = backward = forward = 0
-            for st in stages:
-                f = (sum(u.flops for u in st) / rate + sum(u.traffic for u in st) / cl.memory_bandwidth
-                     + sum(u.ops for u in st) * cl.op_overhead)
-                comm_f = sum(_collective(op, nbytes, c.tp, tp_link) for u in st for op, d, nbytes in u.collectives
-                             if d == "forward")
-                comm_b = sum(_collective(op, nbytes, c.tp, tp_link) for u in st for op, d, nbytes in u.collectives
-                             if d == "backward")
-                extra = f + comm_f if c.recompute else 0
-                compute += 3 * f + (f if c.recompute else 0)
-                tp += comm_f + comm_b + (comm_f if c.recompute else 0)
-                forward += f + comm_f
-                backward += 2 * f + comm_b + extra
-                if c.pp > 1:  # Megatron's scatter/gather: each tp rank sends 1/tp, then all-gathers in its node
-                    p2p_t += 2 * (_p2p(st[0].entering / c.tp, pp_link) + _ring_gather(st[0].entering, c.tp, tp_link))
-            per_rank.append((compute, tp, p2p_t, forward, backward))
-        slowest = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
-        compute, tp, p2p_t, forward, backward = slowest
+        trainable = [_state_elements([u for st in stages for u in st])[1] for stages in ranks]
+        optimizer = [t * step_bytes / (c.dp if c.zero else 1) for t in trainable]
+        # a gradient added into an existing one reads two and writes one: every microbatch after the first
+        # (stages 0-1); stage 1's first too, since its gradients are views of the flat buffer it reduces
+        adds = c.microbatches - 1 + (c.zero == 1) if c.zero < 2 else 0
+        accumulate = [3 * adds * t * self.precision.grad / cl.memory_bandwidth for t in trainable]
+        numeric = not any(isinstance(u.flops, sympy.Basic) for stages in ranks for st in stages for u in st)
+        shared = bool(cl.cores) and numeric
+        links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
+        per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
+        compute, tp, p2p_t, forward, backward = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
         per_microbatch = compute + tp + p2p_t
         m, v = c.microbatches, c.stages_per_rank
+        sync = self._pipeline_sync(c, ranks, links[1])
         out = {
-            "compute": m * compute,
+            "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
-            "pipeline_p2p": m * p2p_t,
+            "pipeline_p2p": m * p2p_t + sync,
             "bubble": (c.pp - 1) / v * per_microbatch,
             "shared_cores": 0,
-            "data_parallel": self._data_parallel(c, ranks, forward, backward, dp_link),
+            "data_parallel": self._data_parallel(c, ranks, forward, backward, links[2]),
             "optimizer": max(optimizer),
         }
-        if cl.cores:  # ranks share a node's cores: the node's total work bounds the step from below
+        if shared:
+            self._simulate_shared_cores(c, ranks, optimizer, accumulate, sync, out)
+        elif cl.cores:  # symbolic in b: the node's total work over its cores bounds the step from below
             nodes = math.ceil(c.devices / cl.devices_per_node)
-            work = sum(m * t[0] + o for t, o in zip(per_rank, optimizer)) * c.dp * c.tp / (cl.cores * nodes)
-            pipeline = (out["compute"] + out["tensor_parallel"] + out["pipeline_p2p"] + out["bubble"]
-                        + out["optimizer"])
-            out["shared_cores"] = _max([work - pipeline, 0])
+            work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
+                cl.cores * nodes)
+            out["shared_cores"] = _max([work - sum(out.values()) + out["data_parallel"], 0])
         return out
+
+    def _stage(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
+        """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds."""
+        cl = self.cluster
+        f = (sum(u.flops for u in st) / (cl.peak(self.precision.name) * cl.efficiency)
+             + sum(u.traffic for u in st) / cl.memory_bandwidth + sum(u.ops for u in st) * cl.op_overhead)
+        comm = {d: sum(collective(op, nbytes, c.tp, tp_link) for u in st for op, dd, nbytes in u.collectives
+                       if dd == d) for d in ("forward", "backward")}
+        again = (f + comm["forward"]) if c.recompute else 0
+        hops = 2 * self._hop(c, st, tp_link, pp_link.p2p()) if c.pp > 1 else 0
+        return (3 * f + (f if c.recompute else 0), comm["forward"] + comm["backward"] + (comm["forward"] if c.recompute
+                else 0), hops, f + comm["forward"], 2 * f + comm["backward"] + again)
+
+    @staticmethod
+    def _hop(c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> Any:
+        """A stage's input arriving (Megatron's scatter/gather: each tp rank sends 1/tp, then all-gathers)."""
+        return p2p(st[0].entering / c.tp, pp_link) + ring_gather(st[0].entering, c.tp, tp_link)
+
+    def _simulate_shared_cores(self, c: Config, ranks: list[list[list[_Values]]], optimizer: list[float],
+                               accumulate: list[float], sync: float, out: dict[str, Any]) -> None:
+        """Ranks sharing a node's cores: the step simulated (``core_sharing``), once with a core per rank.
+
+        The run with a core per rank gives the bubble (what is left after the
+        slowest rank's own parts); the run on the node's cores adds
+        ``shared_cores``: ranks computing at ``cores / busy`` of their speed,
+        and pipeline messages sent while every core is taken waiting as long
+        as a collective's step instead of ``p2p_latency``.
+        """
+        cl = self.cluster
+        tp_link, pp_link = cl.link(c.tp), cl.link(c.tp * c.pp)
+        stages = [st for k in range(c.stages_per_rank) for rank_stages in ranks for st in rank_stages[k:k + 1]]
+        hops = [Comm(self._hop(c, st, tp_link, pp_link), self._hop(c, st, tp_link, pp_link.p2p())) for st in stages]
+        forward, backward = [], []
+        for st in stages:
+            work, _, _, f_time, b_time = self._stage(c, st, tp_link, pp_link)
+            f = work / (4 if c.recompute else 3)  # a forward's work
+            b = f * (3 if c.recompute else 2)
+            forward.append(Phase(f, Comm(f_time - f, f_time - f)))
+            backward.append(Phase(b, Comm(b_time - b, b_time - b)))
+        after = out["data_parallel"] + sync
+        tails = [[Phase(a, Comm(after, after)), Phase(o)] for a, o in zip(accumulate, optimizer)]
+        schedule = make_schedule(c.schedule, c.pp, c.microbatches, c.stages_per_rank) if c.pp > 1 else None
+        programs = step_programs(schedule, forward, backward, hops, hops[1:] + [Comm()], tails, c.microbatches)
+        nodes = math.ceil(c.devices / cl.devices_per_node)
+        alone = makespan(programs, replicas=c.dp * c.tp)
+        on_cores = makespan(programs, replicas=c.dp * c.tp, cores=cl.cores * nodes)
+        own = out["compute"] + out["tensor_parallel"] + out["data_parallel"] + out["optimizer"] + sync
+        out["pipeline_p2p"] = min(out["pipeline_p2p"] - sync, max(alone - own, 0.0)) + sync
+        out["bubble"] = alone - own - out["pipeline_p2p"] + sync
+        out["shared_cores"] = on_cores - alone
 
     def _data_parallel(self, c: Config, ranks: list[list[list[_Values]]], forward: Any, backward: Any,
                        link: Any) -> Any:
@@ -327,17 +367,39 @@ class CostModel:
         def exposed(t: Any, window: Any, tail: Any) -> Any:
             return _max([t - hide * window, tail, (1 - hide) * t])
 
+        loss = ring_all_reduce(8, n, link.p2p())  # the step's loss averaged over dp: one element, no payload
         if c.zero == 0:
-            return exposed(_ring_all_reduce(grads, n, link, buckets), backward, _ring_all_reduce(last, n, link))
-        reduce = exposed(_ring_scatter(grads, n, link, buckets), backward, _ring_scatter(last, n, link))
-        gather_params = _ring_gather(params, n, link, buckets)  # updated shards after the optimizer step
+            return loss + exposed(ring_all_reduce(grads, n, link, buckets), backward, ring_all_reduce(last, n, link))
+        reduce = exposed(ring_scatter(grads, n, link, buckets), backward, ring_scatter(last, n, link))
+        gather_params = ring_gather(params, n, link, buckets)  # updated shards after the optimizer step
         if c.zero == 1:
-            return reduce + gather_params
+            return loss + reduce + gather_params
         if c.zero == 2:
-            return m * reduce + gather_params
-        gather, scatter = _ring_gather(params, n, link, groups), _ring_scatter(grads, n, link, groups)
-        first = _ring_gather(params / groups, n, link)  # the first layer's gather has nothing to hide behind
-        return m * (exposed(gather, forward, first) + exposed(gather + scatter, backward, first))
+            return loss + m * reduce + gather_params
+        gather, scatter = ring_gather(params, n, link, groups), ring_scatter(grads, n, link, groups)
+        first = ring_gather(params / groups, n, link)  # the first layer's gather has nothing to hide behind
+        return loss + m * (exposed(gather, forward, first) + exposed(gather + scatter, backward, first))
+
+    def _pipeline_sync(self, c: Config, ranks: list[list[list[_Values]]], link: Any) -> Any:
+        """Seconds of a pipeline's once-per-step collectives.
+
+        The loss broadcast from the last stage's rank, and the all-reduce of
+        the gradient of each parameter that stages on several ranks use (tied
+        embeddings) among its holders.
+        """
+        if c.pp == 1:
+            return 0
+        holders: dict[str, set[int]] = {}
+        sizes: dict[str, int] = {}
+        for r, stages in enumerate(ranks):
+            for u in (u for st in stages for u in st if u.kind != "layer"):  # layers own their parameters
+                for name, numel in u.params.items():
+                    if name in u.trainable:
+                        holders.setdefault(name, set()).add(r)
+                        sizes[name] = numel
+        shared = sum(ring_all_reduce(sizes[k] * self.precision.grad, len(h), link) for k, h in holders.items()
+                     if len(h) > 1)
+        return (c.pp - 1) * link.p2p().latency + shared
 
     def max_microbatch_size(self, config: Config, memory: float) -> int:
         """The largest microbatch size whose estimate fits ``memory`` bytes per device (0 when none does).
@@ -430,33 +492,3 @@ def _min(xs: list[Any]) -> Any:
     if any(isinstance(x, sympy.Basic) for x in xs):
         return sympy.Min(*xs)
     return min(xs)
-
-
-def _ring_all_reduce(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    """Seconds of ``count`` ring all-reduces moving ``nbytes`` in all over ``n`` ranks: 2(n-1) steps each."""
-    return 0 if n <= 1 else 2 * (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
-
-
-def _ring_steps(nbytes: Any, n: int, link: Any, count: int) -> Any:
-    """Seconds of ``count`` rings of n-1 steps over ``nbytes`` whole tensors: an all-gather's or a reduce-scatter's."""
-    return 0 if n <= 1 else (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
-
-
-def _ring_gather(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    return link.gather * _ring_steps(nbytes, n, link, count)
-
-
-def _ring_scatter(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    return link.scatter * _ring_steps(nbytes, n, link, count)
-
-
-def _p2p(nbytes: Any, link: Any) -> Any:
-    return link.latency + nbytes / link.bandwidth
-
-
-def _collective(op: str, nbytes: Any, n: int, link: Any) -> Any:
-    if op in ("all_reduce", "all_reduce_max"):
-        return _ring_all_reduce(nbytes, n, link)
-    if op == "all_to_all":  # n-1 pairwise exchanges of 1/n^2 of the whole tensor each
-        return 0 if n <= 1 else (n - 1) * (link.latency + nbytes / n / n / link.bandwidth)
-    return _ring_scatter(nbytes, n, link) if op == "reduce_scatter" else _ring_gather(nbytes, n, link)

@@ -82,11 +82,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--untied", action="store_true", help="separate input embedding and output projection")
     p.add_argument("--preset", action="store_true", help="plan with the 'cpu' preset instead of measuring")
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages the planner may choose")
     a = p.parse_args()
     model_args = (a.layers, a.width, a.vocab, a.seq, a.inner, not a.untied)
     cluster = Cluster.preset("cpu") if a.preset else Cluster.measure_local(a.ranks, seconds=0.2)
     result = autopar.plan(make_model(*model_args), a.ranks, cluster=cluster, global_batch=a.batch, seq_len=a.seq,
-                          precision="fp32", optimizer="adam", recompute=(False,), runnable_only=True)
+                          precision="fp32", optimizer="adam", recompute=(False,), runnable_only=True,
+                          zero=tuple(a.zero))
     best: dict = {}
     for c in result.candidates:  # ranked: the first of each mesh is its best configuration
         best.setdefault((c.config.dp, c.config.pp, c.config.tp), c)
@@ -98,6 +100,11 @@ def main() -> None:
                 for i in range(len(chosen))]
     print(f"GPT-2 {a.layers} layers, d={a.width}, vocab {a.vocab}, batch {a.batch} x {a.seq}; {a.ranks} ranks; "
           f"{cluster.name}")
+    link = cluster.intra
+    print(f"cluster: {cluster.peak_flops / 1e9:.0f} GFLOP/s, memory {cluster.memory_bandwidth / 1e9:.1f} GB/s, "
+          f"operator {cluster.op_overhead * 1e6:.1f} us; gloo {link.bandwidth / 1e9:.2f} GB/s, latency "
+          f"{link.latency * 1e3:.2f} ms per collective step, {(link.p2p_latency or link.latency) * 1e3:.3f} ms a hop, "
+          f"gather {link.gather:.2f}x, scatter {link.scatter:.2f}x")
     print(f"{'configuration':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for c, t in zip(chosen, measured):
         print(f"{c.config.describe():<44} {c.step_time * 1e3:>8.1f}ms {t * 1e3:>8.1f}ms {t / c.step_time:>6.2f}")

@@ -154,7 +154,7 @@ class ZeroRuntime:
         flat = torch.cat(pieces)  # (padded,)
         for p in members:
             p.grad = None  # stage 2 keeps no full gradient
-        fs.reduce_gradient(flat)
+        fs.reduce_gradient(flat, owned=True)
 
     def finish(self) -> None:
         """Reduces what backward left, waits, and hands each shard its averaged gradient (None if it got none)."""
