@@ -6,9 +6,10 @@
   al. 2021, Table 1) within 10%.
 - This machine: predicted parameter, gradient and optimizer bytes of every rank
   of six 4-rank meshes within 10% of ``pm.memory()``; each mesh's predicted
-  step time within 2x of the measured one; the planner's fastest mesh
-  measures within 1.5x of the fastest, and its order of the six meshes
-  correlates with the measured order (see the test for why a tolerance).
+  step time within 2x of the measured one and the order of the six meshes
+  correlated with the measured order; on a parameter-heavy LLaMA, the
+  planner's top mesh is the measured fastest (on a small GPT-2, where three
+  meshes tie within noise, within 1.5x of it).
 - Speed: planning GPT-3 175B for 1,024 devices takes under 30 seconds.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import sympy
@@ -210,6 +212,26 @@ def test_a_slow_reduce_scatter_makes_zero_cost_more(gpt2_profile) -> None:
     assert times[1] > 1.5 * times[0] and plain[0] == plain[1]  # DDP's all-reduce is not a reduce-scatter
 
 
+def test_ranks_sharing_cores_are_simulated(gpt2_profile) -> None:
+    """4 ranks on 2 cores: idle pipeline ranks leave their cores to the busy ones; replicas compete for them."""
+    link = Link(2.5 * GB, 1e-3)  # messages take as long loaded as not: only the sharing of cores differs
+    cpu = Cluster.preset("cpu").replace(intra=link, inter=link)  # 4 ranks per node, 2 cores
+    own = cpu.replace(cores=4)  # the same ranks with a core each
+    cost, alone = (CostModel(gpt2_profile, c, PRECISIONS["fp32"], seq_len=32) for c in (cpu, own))
+    pipeline = Config(dp=1, pp=4, microbatches=2, microbatch_size=4)  # 1F1B: at most 2 ranks compute at once
+    shared, solo = cost.estimate(pipeline), alone.estimate(pipeline)
+    # only the optimizer steps of ranks finishing early overlap others' backward
+    assert solo.time["shared_cores"] == 0 and 0 <= shared.time["shared_cores"] < 0.02 * shared.step_time
+    assert shared.time["bubble"] == pytest.approx(solo.time["bubble"]) and shared.time["bubble"] > 0
+    replicas = Config(dp=4, microbatches=1, microbatch_size=2)  # 4 ranks compute at once on 2 cores
+    est = cost.estimate(replicas)
+    assert est.time["shared_cores"] == pytest.approx(est.time["compute"] + est.time["optimizer"], rel=0.01)
+    assert est.step_time == pytest.approx(sum(est.time.values()))
+    # with b symbolic nothing can be simulated: the node's total work over its cores bounds the step
+    expr = cost.estimate(replicas, symbolic=True).step_time
+    assert expr.free_symbols == {b_sym} and float(expr.subs(b_sym, 2)) <= est.step_time * (1 + 1e-9)
+
+
 def test_errors_name_the_problem_and_the_fix(gpt2_profile) -> None:
     with pytest.raises(ValueError, match="unknown cluster 'dgx-b300'; the presets are dgx-a100, dgx-h100, cpu"):
         Cluster.preset("dgx-b300")
@@ -269,22 +291,30 @@ def _small_gpt2() -> torch.nn.Module:
     return models.gpt2(layers=4, d=64, heads=4, vocab=128, dtype=torch.float32)
 
 
-def _run_meshes(configs: list[tuple[dict, dict]], steps: int) -> list[tuple[float, dict]]:
+def _parameter_heavy_llama() -> torch.nn.Module:
+    """13.6M parameters (16 layers, an untied 8192-word vocabulary) for 64 tokens: the optimizer state dominates."""
+    return models.llama(layers=16, d=256, heads=4, kv_heads=2, vocab=8192, dtype=torch.float32)
+
+
+def _run_meshes(factory: Callable[[], torch.nn.Module], shape: tuple[int, int, int],
+                configs: list[tuple[dict, dict]], steps: int) -> list[tuple[float, dict]]:
     """Every configuration on this rank: fastest step time, memory account after training.
 
-    One compiled model at a time (a process runs one job's collectives); the
-    configurations run in order, then in reverse order, and each time is the
-    fastest of all its steps: other work on the machine only ever adds time.
+    ``shape``: batch, sequence, vocabulary. One compiled model at a time (a
+    process runs one job's collectives); the configurations run in order,
+    then in reverse order, and each time is the fastest of all its steps:
+    other work on the machine only ever adds time.
     """
     import torch.distributed as dist
 
-    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    batch, seq, vocab = shape
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     samples: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     accounts: dict[int, dict] = {}
     for i in [*range(len(configs)), *reversed(range(len(configs)))]:
         mesh, options = configs[i]
         torch.manual_seed(0)
-        pm = parallelize(_small_gpt2(), Mesh(**mesh), loss_fn=models.lm_loss, optimizer=models.adamw, **options)
+        pm = parallelize(factory(), Mesh(**mesh), loss_fn=models.lm_loss, optimizer=models.adamw, **options)
         pm.step(ids, target=ids)
         for _ in range(steps):
             dist.barrier()
@@ -295,17 +325,21 @@ def _run_meshes(configs: list[tuple[dict, dict]], steps: int) -> list[tuple[floa
     return [(min(samples[i]), accounts[i]) for i in range(len(configs))]
 
 
+def _best_of_each_mesh(result: Any) -> list[Any]:
+    best: dict = {}
+    for c in result.candidates:  # ranked: the first of each mesh is its best configuration
+        best.setdefault((c.config.dp, c.config.pp, c.config.tp), c)
+    return list(best.values())
+
+
 def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
     cluster = Cluster.measure_local(4, seconds=0.2, launcher=launcher)
     result = plan(_small_gpt2(), 4, cluster=cluster, global_batch=BATCH, seq_len=SEQ, precision="fp32",
                   optimizer="adam", recompute=(False,), runnable_only=True)
-    best_of_mesh: dict = {}
-    for c in result.candidates:  # ranked: the first of each mesh is its best configuration
-        best_of_mesh.setdefault((c.config.dp, c.config.pp, c.config.tp), c)
-    chosen = list(best_of_mesh.values())
+    chosen = _best_of_each_mesh(result)
     assert len(chosen) >= 4
     configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
-    runs = launcher(_run_meshes, 4, configs, 5)
+    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 5)
     measured = [max(runs[rank][i][0] for rank in range(4)) for i in range(len(chosen))]
     for i, c in enumerate(chosen):
         for rank in range(4):
@@ -313,17 +347,45 @@ def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
             account = runs[rank][i][1]
             for key in ("parameters", "gradients", "optimizer"):
                 assert account[key] == pytest.approx(float(predicted[key]), rel=0.10), (c.config.describe(), rank, key)
-    # Step times. Every mesh's predicted time is within 2x of its measured one (the cost model reads
-    # elementwise memory traffic, the optimizer step and gloo's latency between bursts of compute; it
-    # measured 0.7-1.3x in docs/planner.md). Ranking: 4 ranks share 2 cores (and the machine runs other
-    # work), so the three meshes without tp measure within about 15% of each other and swap places
-    # between runs, while every tp mesh is clearly slower. So the planner's top mesh must measure within
-    # 1.5x of the fastest, and its order of the six meshes must correlate with the measured order
-    # (Spearman's rho >= 0.6; 1 is the same order).
+    # Step times. Every mesh's predicted time is within 2x of its measured one (docs/planner.md: 0.75-1.0x
+    # on this model). Ranking: on this small model the three meshes without tp measure within about 15% of
+    # each other and swap places between runs (4 ranks share 2 cores, and the machine runs other work),
+    # while every tp mesh is clearly slower; the decision that matters is shown on the next model. So the
+    # planner's top mesh must measure within 1.5x of the fastest, and its order of the six meshes must
+    # correlate with the measured order (Spearman's rho >= 0.6; 1 is the same order).
     report = [(c.config.describe(), f"predicted {c.step_time * 1e3:.1f} ms, measured {t * 1e3:.1f} ms")
               for c, t in zip(chosen, measured)]
     assert all(0.5 <= t / c.step_time <= 2.0 for c, t in zip(chosen, measured)), report
     assert measured[0] <= 1.5 * min(measured), report
+    assert _spearman([c.step_time for c in chosen], measured) >= 0.6, report
+
+
+def test_the_planners_top_mesh_is_the_measured_fastest(launcher) -> None:
+    """A model whose parameters outweigh its activations: one mesh is clearly fastest, and the planner picks it.
+
+    Adam's state and the gradients dominate, so where replicas sit decides:
+    pipeline stages each hold a quarter and reduce nothing over dp; dp
+    replicas step 2-4 copies of the optimizer on 2 cores and all-reduce
+    27-54 MB; tp all-reduces activations twice per layer. Measured (fastest
+    step of each, 3 runs): pp=4 97-100 ms, then dp=2 x pp=2 124-154 ms,
+    pp=2 x tp=2 153-170 ms; predicted 105-108, 122-126, 229-246 ms. The
+    planner chooses among the six meshes with DDP (zero=0): ZeRO's step times
+    on gloo spread over 2-3x on these shared cores (docs/planner.md), and
+    point 4 is about the mesh (ZeRO's memory is checked above and below).
+    """
+    cluster = Cluster.measure_local(4, seconds=0.2, launcher=launcher)
+    batch, seq = 4, 16
+    result = plan(_parameter_heavy_llama(), 4, cluster=cluster, global_batch=batch, seq_len=seq, precision="fp32",
+                  optimizer="adam", recompute=(False,), runnable_only=True, zero=(0,))
+    chosen = _best_of_each_mesh(result)
+    assert len(chosen) == 6
+    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    runs = launcher(_run_meshes, 4, _parameter_heavy_llama, (batch, seq, 8192), configs, 3)
+    measured = [max(runs[rank][i][0] for rank in range(4)) for i in range(len(chosen))]
+    report = [(c.config.describe(), f"predicted {c.step_time * 1e3:.1f} ms, measured {t * 1e3:.1f} ms")
+              for c, t in zip(chosen, measured)]
+    assert measured[0] == min(measured), report
+    assert all(0.5 <= t / c.step_time <= 2.0 for c, t in zip(chosen, measured)), report
     assert _spearman([c.step_time for c in chosen], measured) >= 0.6, report
 
 
@@ -338,7 +400,7 @@ def test_zero_on_pp_and_tp_meshes_predicted_memory_matches_the_measured_account(
     assert {(pp, tp) for pp, tp, _ in chosen} == {(2, 1), (1, 2)} and len(chosen) == 6, sorted(chosen)
     cands = list(chosen.values())
     configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in cands]
-    runs = launcher(_run_meshes, 4, configs, 1)
+    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 1)
     for i, c in enumerate(cands):
         for rank in range(4):
             predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
