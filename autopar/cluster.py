@@ -292,8 +292,8 @@ def _measure_rank(seconds: float) -> dict[str, float]:
 # fragmentation. Efficiency and narrow: fitted on the ten GPT runs of Narayanan et al. 2021 ("Efficient
 # Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1; see docs/planner.md.
 # The H100 preset reuses the A100 fit (no comparable public table was used to fit it).
-A100_EFFICIENCY = 0.71
-A100_NARROW = 250.0
+A100_EFFICIENCY = 0.76
+A100_NARROW = 500.0
 
 # gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)

@@ -341,7 +341,7 @@ class CostModel:
         on_cores = makespan(programs, replicas=c.dp * c.tp, cores=cl.cores * nodes)
         own = out["compute"] + out["tensor_parallel"] + out["data_parallel"] + out["optimizer"] + sync
         out["pipeline_p2p"] = min(out["pipeline_p2p"] - sync, max(alone - own, 0.0)) + sync
-        out["bubble"] = alone - own - out["pipeline_p2p"] + sync
+        out["bubble"] = max(alone - own - out["pipeline_p2p"] + sync, 0.0)  # rounding can leave -1e-18
         out["shared_cores"] = on_cores - alone
 
     def _data_parallel(self, c: Config, ranks: list[list[list[_Values]]], forward: Any, backward: Any,

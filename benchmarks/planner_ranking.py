@@ -1,6 +1,6 @@
 """The planner's predicted step times against measured ones on local gloo CPU ranks.
 
-Plans a small GPT-2 (random weights) for ``--ranks`` local ranks with this
+Plans a small GPT-2 or LLaMA (random weights) for ``--ranks`` local ranks with this
 machine measured (``Cluster.measure_local``), takes the planner's best
 runnable configuration of every mesh, runs each for real and prints, per
 mesh, the predicted and the measured step time (median over rounds; in each
@@ -8,7 +8,8 @@ round every configuration is compiled and stepped in turn, the order
 reversed every other round), the rank correlation of the two orders, and
 whether the planner's top mesh is the measured fastest.
 Run: python benchmarks/planner_ranking.py [--layers 4] [--width 64] [--vocab 128] [--batch 16] [--seq 32]
-                                          [--inner 0] [--untied] [--rounds 3] [--steps 4]
+                                          [--inner 0] [--untied] [--llama [--tied]] [--zero 0 1 2 3]
+                                          [--rounds 3] [--steps 4] [--preset]
 """
 from __future__ import annotations
 
@@ -24,10 +25,17 @@ import autopar
 from autopar import Cluster, Mesh, parallelize
 
 
-def make_model(layers: int, width: int, vocab: int, seq: int, inner: int, tied: bool = True) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def make_model(layers: int, width: int, vocab: int, seq: int, inner: int, tied: bool = True,
+               family: str = "gpt2") -> torch.nn.Module:
+    """A GPT-2 or a LLaMA (4 heads, 2 of them key/value) with random weights; ``inner`` 0: the family's MLP width."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if family == "llama":
+        cfg = LlamaConfig(hidden_size=width, intermediate_size=inner or 2 * width, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=seq,
+                          use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied)
+        return LlamaForCausalLM(cfg).train()
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq, use_cache=False,
                      n_inner=inner or None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                      eos_token_id=0, tie_word_embeddings=tied)
@@ -81,10 +89,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--untied", action="store_true", help="separate input embedding and output projection")
+    p.add_argument("--llama", action="store_true", help="a LLaMA (untied unless --tied) instead of a GPT-2")
+    p.add_argument("--tied", action="store_true", help="with --llama: tie the input embedding and the output")
     p.add_argument("--preset", action="store_true", help="plan with the 'cpu' preset instead of measuring")
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages the planner may choose")
     a = p.parse_args()
-    model_args = (a.layers, a.width, a.vocab, a.seq, a.inner, not a.untied)
+    tied = a.tied if a.llama else not a.untied
+    model_args = (a.layers, a.width, a.vocab, a.seq, a.inner, tied, "llama" if a.llama else "gpt2")
     cluster = Cluster.preset("cpu") if a.preset else Cluster.measure_local(a.ranks, seconds=0.2)
     result = autopar.plan(make_model(*model_args), a.ranks, cluster=cluster, global_batch=a.batch, seq_len=a.seq,
                           precision="fp32", optimizer="adam", recompute=(False,), runnable_only=True,
@@ -98,7 +109,8 @@ def main() -> None:
     # a step ends when its slowest rank ends: per step, the max over ranks; then the median over steps
     measured = [statistics.median(max(ts) for ts in zip(*(runs[r][i] for r in range(a.ranks))))
                 for i in range(len(chosen))]
-    print(f"GPT-2 {a.layers} layers, d={a.width}, vocab {a.vocab}, batch {a.batch} x {a.seq}; {a.ranks} ranks; "
+    family = "LLaMA" if a.llama else "GPT-2"
+    print(f"{family} {a.layers} layers, d={a.width}, vocab {a.vocab}, batch {a.batch} x {a.seq}; {a.ranks} ranks; "
           f"{cluster.name}")
     link = cluster.intra
     print(f"cluster: {cluster.peak_flops / 1e9:.0f} GFLOP/s, memory {cluster.memory_bandwidth / 1e9:.1f} GB/s, "
