@@ -156,7 +156,8 @@ class CostModel:
     """Evaluates ``Config``s for one profile, cluster, precision, optimizer and sequence length."""
 
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
-                 optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True) -> None:
+                 optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True,
+                 scatter_gather: bool = False) -> None:
         self.profile = profile
         self.cluster = cluster
         self.precision = precision
@@ -164,6 +165,7 @@ class CostModel:
         self.states = optimizer_states
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap_grad_sync  # dp gradient reduction overlaps backward (DDP, autopar) or follows it
+        self.scatter_gather = scatter_gather  # pipeline hops send 1/tp per rank, then all-gather (Megatron-LM)
         self._values: dict[tuple, _Values] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}
 
@@ -306,9 +308,10 @@ class CostModel:
         return (3 * f + (f if c.recompute else 0), comm["forward"] + comm["backward"] + (comm["forward"] if c.recompute
                 else 0), hops, f + comm["forward"], 2 * f + comm["backward"] + again)
 
-    @staticmethod
-    def _hop(c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> Any:
-        """A stage's input arriving (Megatron's scatter/gather: each tp rank sends 1/tp, then all-gathers)."""
+    def _hop(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> Any:
+        """A stage's input arriving: whole from every tp rank, or Megatron's 1/tp then an all-gather."""
+        if not self.scatter_gather:
+            return p2p(st[0].entering, pp_link)
         return p2p(st[0].entering / c.tp, pp_link) + ring_gather(st[0].entering, c.tp, tp_link)
 
     def _simulate_shared_cores(self, c: Config, ranks: list[list[list[_Values]]], optimizer: list[float],

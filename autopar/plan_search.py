@@ -152,6 +152,7 @@ def plan(
     max_microbatch: int = 16,
     runnable_only: bool = False,
     overlap_grad_sync: bool = True,
+    scatter_gather: bool = False,
     profile: ModelProfile | None = None,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
@@ -163,7 +164,10 @@ def plan(
     elements per parameter), ``"sgd-momentum"`` (1) or ``"sgd"`` (0).
     ``tp`` / ``pp``: restrict the sizes searched. ``overlap_grad_sync``: the
     dp gradient reduction overlaps backward (DDP, autopar) rather than
-    following it (Megatron-LM in 2021). ``profile``: reuse a
+    following it (Megatron-LM in 2021). ``scatter_gather``: a pipeline hop
+    between tp groups sends ``1/tp`` of the activation from each rank and
+    all-gathers it inside the node (Megatron-LM) rather than the whole
+    activation from every tp rank (autopar). ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
     """
     start = time.perf_counter()
@@ -180,7 +184,7 @@ def plan(
         profile = profile_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                 sequence=seq_len is not None, tp_sizes=tuple(tp or tp_sizes))
     cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
-                     overlap_grad_sync=overlap_grad_sync)
+                     overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather)
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
