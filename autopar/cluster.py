@@ -202,9 +202,11 @@ def _measure_link(dist: Any) -> dict[str, float]:
     An all-reduce of an activation's size (32 KiB, ``2(n-1)`` steps), not of
     single elements (gloo takes a shorter path for those), between bursts of
     compute, so that the peers must first be scheduled when ranks share
-    cores, gives the latency per step. The bandwidth comes from the extra time of a 16 MiB all-reduce
-    (gradients' size: smaller ones stay in the caches and measure up to 3x faster); a 16 MiB all-gather
-    and reduce-scatter, against the ring's time, give the factors.
+    cores, gives the latency per step. The bandwidth comes from the extra
+    time of a 16 MiB all-reduce (gradients' size: smaller ones stay in the
+    caches and measure up to 3x faster); a 16 MiB all-gather and
+    reduce-scatter, against the ring's time, give the factors; a ping-pong
+    between ranks 0 and 1 while the others wait gives ``p2p_latency``.
     """
     import torch
 
