@@ -185,13 +185,16 @@ def _timed(fn: Callable[[], Any], seconds: float) -> float:
     return sorted(times)[1]
 
 
-def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call of ``fn`` over a fixed number of calls (collectives: all ranks must agree)."""
+def _timed_calls(fn: Callable[[], Any], calls: int, repeats: int = 1) -> float:
+    """Seconds per call of ``fn``, the median of ``repeats`` batches of ``calls`` (collectives: ranks agree)."""
     fn()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t) / calls
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def _measure_link(dist: Any) -> dict[str, float]:
@@ -218,14 +221,14 @@ def _measure_link(dist: Any) -> dict[str, float]:
         for _ in range(4):
             c @ c
 
-    def loaded(fn: Callable[[], Any], calls: int) -> float:  # every rank runs the same number of collectives
+    def loaded(fn: Callable[[], Any], calls: int, repeats: int = 1) -> float:  # every rank runs as many calls
         dist.barrier()
-        return _timed_calls(lambda: (compute(), fn()), calls)
+        return _timed_calls(lambda: (compute(), fn()), calls, repeats)
 
     dist.barrier()
-    t_compute = _timed_calls(compute, 30)
+    t_compute = _timed_calls(compute, 20, repeats=3)
     steps = 2 * (n_ranks - 1)
-    t_small = loaded(lambda: dist.all_reduce(small), 20) - t_compute
+    t_small = loaded(lambda: dist.all_reduce(small), 15, repeats=3) - t_compute  # medians: the machine is noisy
     t_big = loaded(lambda: dist.all_reduce(big), 4) - t_compute
     extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
     latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
