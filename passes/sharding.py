@@ -17,6 +17,15 @@ Rules the program follows, so the lowering stays correct:
   Replicate (every tp rank sees the full loss and outputs).
 The default budget asks every parameter of two or more dims that some use
 can consume sharded to be sharded; everything else may stay replicated.
+
+Precision: a sum over ranks (a Partial value reduced forward, the partial
+gradient of a Replicate input reduced backward, or the sums inside a
+replacement such as vocab-parallel cross-entropy) reassociates a sum in the
+dtype of the value. Where the model computes a region in a dtype narrower
+than its parameters' (a norm cast to float32 in a float64 model), such a sum
+rounds at that dtype, not the model's, so it is charged ``NARROW_SUM_S`` and
+chosen only where no plan avoids it: the parallel run then rounds only where
+the single-device model itself rounds.
 """
 from __future__ import annotations
 
@@ -36,8 +45,10 @@ from torch.utils import _pytree as pytree
 from passes.blocks import repeated_blocks
 from passes.cost import requires_grad, tensor_bytes
 from passes.sharding_rules import R, Strategy, strategies
+from passes.sharding_rules_nn import SUMS_INSIDE
 
 KEY = "autopar.placement"
+NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the parameters' (see above)
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,11 @@ def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost)
     if isinstance(src, Shard) and isinstance(dst, Partial):
         return gather
     return math.inf
+
+
+def sums_over_ranks(src: Any, dst: Any) -> bool:
+    """Whether turning ``src`` into ``dst`` adds the ranks' summands (forward; the backward adds nothing)."""
+    return isinstance(src, Partial) and dst is not None and not isinstance(dst, Partial)
 
 
 def needs_grad_sync(strategy: Strategy, placement: Any) -> bool:
@@ -170,6 +186,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     choices = candidate_strategies(gm, n, param_names, fixed, same_as)
     rg = requires_grad(gm, set(param_names) if trainable is None else trainable)
     budget = memory_budget if memory_budget is not None else default_budget(gm, n, param_names, choices)
+    wide = max((v.meta["val"].dtype.itemsize for v in param_names if _floating(v, None)), default=0)
     nodes = list(choices)
     offset, n_vars = {}, 0
     for node in nodes:
@@ -186,6 +203,10 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     for node in nodes:  # exactly one strategy per node
         if node in same_as:
             continue
+        ins = [v for v in choices[node].inputs if v is not None]
+        if ins and _floating(*ins[0]) and _itemsize(*ins[0]) < wide:  # a narrow sum inside a local replacement
+            for i, s in enumerate(choices[node].strategies):
+                c[offset[node] + i] += NARROW_SUM_S * ((node.target, s.note) in SUMS_INSIDE)
         row = len(rhs)
         rows += [(row, offset[node] + i, 1.0) for i in range(len(choices[node].strategies))]
         rhs.append(1.0)
@@ -199,6 +220,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             cu = choices[u]
             nbytes = tensor_bytes(u.meta["val"] if idx is None else u.meta["val"][idx])
             grad = rg.get(u, False) and _floating(u, idx)
+            narrow = NARROW_SUM_S if _floating(u, idx) and _itemsize(u, idx) < wide else 0.0
             m = np.zeros((len(cu.strategies), len(cv.strategies)))
             for i, su in enumerate(cu.strategies):
                 src = out_placement(su, idx)
@@ -207,8 +229,10 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                     t = redistribution_time(src, dst, nbytes, n, cost)
                     if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
+                    if sums_over_ranks(src, dst):
+                        t += narrow
                     if grad and dst is not None and needs_grad_sync(sv, dst):
-                        t += cost.latency_s + 2 * nbytes * (n - 1) / n / cost.bandwidth
+                        t += cost.latency_s + 2 * nbytes * (n - 1) / n / cost.bandwidth + narrow
                     m[i, j] = min(t, 1e6)
             pair_cost.append((u, v, m))
     out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
@@ -217,8 +241,10 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             u, idx = (a.args[0], a.args[1]) if a.target is operator.getitem else (a, None)
             if u in choices:
                 nbytes = tensor_bytes(a.meta["val"])
+                narrow = NARROW_SUM_S if _floating(u, idx) and _itemsize(u, idx) < wide else 0.0
                 for i, su in enumerate(choices[u].strategies):
-                    c[offset[u] + i] += redistribution_time(out_placement(su, idx), R, nbytes, n, cost)
+                    src = out_placement(su, idx)
+                    c[offset[u] + i] += redistribution_time(src, R, nbytes, n, cost) + narrow * sums_over_ranks(src, R)
     merged: dict[tuple[int, int], tuple[fx.Node, fx.Node, np.ndarray]] = {}
     for u, v, m in pair_cost:  # edges between the same shared variables add up
         key = (offset[u], offset[v])
@@ -270,7 +296,15 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     return choices
 
 
-def _floating(node: fx.Node, idx: int | None) -> bool:
+def _value(node: fx.Node, idx: int | None) -> Any:
     val = node.meta.get("val")
-    val = val[idx] if idx is not None and isinstance(val, (tuple, list)) else val
+    return val[idx] if idx is not None and isinstance(val, (tuple, list)) else val
+
+
+def _floating(node: fx.Node, idx: int | None) -> bool:
+    val = _value(node, idx)
     return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _itemsize(node: fx.Node, idx: int | None) -> int:
+    return _value(node, idx).dtype.itemsize

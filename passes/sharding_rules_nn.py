@@ -277,5 +277,12 @@ NN_LOCAL_OPS: dict[tuple[Op, str], Callable[..., Callable[..., Any]]] = {
     (aten.embedding.default, VOCAB_PARALLEL): _vocab_parallel_embedding,
 }
 
+# replacements that add values of several ranks inside (the solver weighs their precision)
+SUMS_INSIDE: frozenset[tuple[Op, str]] = frozenset({
+    (aten.cross_entropy_loss.default, VOCAB_PARALLEL),  # log-sum-exp over the vocabulary's shards
+    (aten.cross_entropy_loss.default, BATCH_MEAN),  # loss sums of the batch's shards
+    (aten.nll_loss.default, BATCH_MEAN),
+})
+
 RULES.update(NN_RULES)
 LOCAL_OPS.update(NN_LOCAL_OPS)

@@ -144,3 +144,113 @@ def skipnet(width: int = 6, depth: int = 6, skips: tuple[tuple[int, int], ...] =
 def mlp_default() -> nn.Module:
     """A model whose inputs cannot be guessed (used by the command-line tests)."""
     return mlp((4, 2))
+
+
+def phi3(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
+         dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    """Fused projections cut by slicing (q|k|v, GQA: blocks of unequal widths) and by chunk (gate|up)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Phi3Config(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
+                     pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attention_dropout=0.0)
+    return Phi3ForCausalLM(cfg).to(dtype).train()
+
+
+def gemma2(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
+           dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    """Logit soft-capping, alternating sliding-window layers, tied embeddings, float32 norms."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=d // heads, vocab_size=vocab,
+                       max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                       sliding_window=4, attn_implementation="eager")
+    return Gemma2ForCausalLM(cfg).to(dtype).train()
+
+
+def t5(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, dtype: torch.dtype = torch.float64,
+       seed: int = 0) -> nn.Module:
+    """An encoder-decoder with relative position buckets; call with ``decoder_input_ids=``."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(d_model=d, d_kv=d // heads, d_ff=2 * d, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=heads, vocab_size=vocab, dropout_rate=0.0, use_cache=False, pad_token_id=0,
+                   eos_token_id=1, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(cfg).to(dtype).train()
+
+
+def bart(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, dtype: torch.dtype = torch.float64,
+         seed: int = 0) -> nn.Module:
+    """An encoder-decoder with learned positions; call with ``decoder_input_ids=``."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = BartConfig(d_model=d, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+                     decoder_attention_heads=heads, encoder_ffn_dim=2 * d, decoder_ffn_dim=2 * d, vocab_size=vocab,
+                     max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                     use_cache=False, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    return BartForConditionalGeneration(cfg).to(dtype).train()
+
+
+def mamba(layers: int = 2, d: int = 32, vocab: int = 96, dtype: torch.dtype = torch.float64,
+          seed: int = 0) -> nn.Module:
+    """A selective state-space model (the sequential scan), computed partly in float32 by the model itself."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MambaConfig(hidden_size=d, state_size=8, num_hidden_layers=layers, vocab_size=vocab, use_cache=False,
+                      expand=2, conv_kernel=4)
+    return MambaForCausalLM(cfg).to(dtype).train()
+
+
+class FusedSliceBlock(nn.Module):
+    """Attention reading q, k and v by slicing one projection (GQA widths), an MLP chunking gate|up."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, (heads + 2 * kv_heads) * self.hd)
+        self.out = nn.Linear(d, d)
+        self.gate_up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm(x))  # (B, S, (H + 2 KV) D)
+        q_end, k_end = self.heads * self.hd, (self.heads + self.kv_heads) * self.hd
+        q = qkv[..., :q_end].view(b, s, self.heads, self.hd).transpose(1, 2)  # (B, H, S, D)
+        k = qkv[..., q_end:k_end].view(b, s, self.kv_heads, self.hd).transpose(1, 2)  # (B, KV, S, D)
+        v = qkv[..., k_end:].view(b, s, self.kv_heads, self.hd).transpose(1, 2)
+        rep = self.heads // self.kv_heads  # each kv head serves rep query heads
+        k = k[:, :, None].expand(b, self.kv_heads, rep, s, self.hd).reshape(b, self.heads, s, self.hd)
+        v = v[:, :, None].expand(b, self.kv_heads, rep, s, self.hd).reshape(b, self.heads, s, self.hd)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.out(att)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class FusedSliceLM(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, kv_heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(FusedSliceBlock(d, heads, kv_heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, S, vocab)
+
+
+def fused_slice(vocab: int = 96, d: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return FusedSliceLM(vocab, d, heads, kv_heads, layers).to(dtype)
