@@ -254,3 +254,30 @@ def fused_slice(vocab: int = 96, d: int = 32, heads: int = 4, kv_heads: int = 2,
                 dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return FusedSliceLM(vocab, d, heads, kv_heads, layers).to(dtype)
+
+
+def mixtral(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96, experts: int = 4,
+            dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """Mixture of experts (top-2 of 4). Float32: Hugging Face's grouped expert matmul has no float64 kernel."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
+                        pad_token_id=0, bos_token_id=0, eos_token_id=0, num_local_experts=experts,
+                        num_experts_per_tok=2)
+    return MixtralForCausalLM(cfg).to(dtype).train()
+
+
+def qwen3_moe(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96, experts: int = 4,
+              dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """Mixture of experts with q/k norms; float32 for the same reason as ``mixtral``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=d, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d // heads,
+                         vocab_size=vocab, max_position_embeddings=64, use_cache=False, pad_token_id=0,
+                         bos_token_id=0, eos_token_id=0, num_experts=experts, num_experts_per_tok=2,
+                         decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen3MoeForCausalLM(cfg).to(dtype).train()
