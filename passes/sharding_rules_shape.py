@@ -1,6 +1,6 @@
 """Sharding rules for the shape ops: view / reshape / flatten, expand, permute /
 transpose, unsqueeze / squeeze, slice / narrow, select, split / chunk / unbind,
-getitem on a tuple, cat / stack, index, gather, pad and diff.
+getitem on a tuple, cat / stack, index, gather, pad, diff and repeat_interleave.
 
 The entries are added to ``RULES`` and ``LOCAL_ARGS`` of ``passes.sharding_rules``
 (import that module, not this one), and keep its invariant: every strategy is
@@ -283,6 +283,20 @@ def _diff(call: Call) -> list[Strategy]:
     return found
 
 
+def _repeat_interleave(call: Call) -> list[Strategy] | None:
+    """Any dim: the repeats of an element stay next to it, so rank r's chunk becomes rank r's chunk
+    (the repeated dim too, unless ``output_size`` would need a local value)."""
+    x, dim = call["self"], call["dim"]
+    if dim is None or not isinstance(call["repeats"], int):
+        return None
+    dim = norm_dim(dim, x.ndim)
+    found = [call.strategy(Shard(d), "", self=Shard(d)) for d in range(x.ndim)
+             if divisible(x.shape[d], call.n) and (d != dim or call["output_size"] is None)]
+    if summable(x):
+        found.append(call.strategy(P, PARTIAL, self=P))
+    return found
+
+
 # ---------------------------------------------------------------------------
 # The tables.
 
@@ -317,6 +331,8 @@ SHAPE_RULES: dict[Op, Rule] = {
     aten.pad.default: _pad,
     # diff: any dim but `dim` (prepend / append sharded alike)
     aten.diff.default: _diff,
+    # repeat_interleave along a dim (grouped-query attention's kv heads): any dim keeps its shard
+    aten.repeat_interleave.self_int: _repeat_interleave,
 }
 
 SHAPE_LOCAL_ARGS: dict[Op, Callable[[Call, Strategy, int], tuple[tuple, dict]]] = {

@@ -1,6 +1,6 @@
 """Ground truth for the shape rules (``passes.sharding_rules_shape``): the cases of
 view / reshape / flatten, expand, permute / transpose, unsqueeze / squeeze, slice /
-narrow, select, split, getitem, cat / stack, index, gather, pad and diff, and the
+narrow, select, split, getitem, cat / stack, index, gather, pad, diff and repeat_interleave, and the
 pinned tests of the view and getitem strategies.
 
 The harness comes from ``test_sharding_rules``, whose property tests run these cases
@@ -165,6 +165,12 @@ def _pad(d: Draw, op: Any) -> tuple[tuple, dict]:
     pads = [d(st.integers(0, 2)) for _ in range(2 * pairs)]
     value = d.pick(None, 0.0, 1.5) if mode == "constant" else None
     return (x, pads, mode, value), {}
+
+
+@case(aten.repeat_interleave.self_int)
+def _repeat_interleave(d: Draw, op: Any) -> tuple[tuple, dict]:
+    shape = d.shape()
+    return (d.floats(shape), d(st.integers(1, 3)), d.dim(len(shape))), {}
 
 
 @case(aten.diff.default)
