@@ -107,8 +107,9 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any,
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
         writes = writer.get(name, 0) == coords["pp"]
-        if name not in params:
-            entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(), writes=writes and coords["tp"] == 0))
+        if name not in params:  # a buffer: whole on every rank that has it
+            entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
+                                            writes=writes and coords["tp"] == 0))
         else:
             entries.append(_param_entry(name, shape, t, program, mesh, coords, zero_of.get(name), writes))
     return checkpoint.RankState(tuple(entries), expected, frozenset(trainable),
@@ -132,12 +133,12 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, progr
     fs, k = zero
     lo, hi = fs.index * fs.spec.shard, (fs.index + 1) * fs.spec.shard
     offset = fs.spec.offsets[k]
-    a, b = max(offset, lo), min(offset + fs.spec.numels[k], hi)  # this parameter's elements in the shard
-    a, b = (a, b) if a < b else (lo, lo)
+    a = max(offset, lo)
+    b = max(a, min(offset + fs.spec.numels[k], hi))  # [a, b): its elements in the shard (empty: none)
     if tuple(fs.spec.shapes[k]) != local:
         raise RuntimeError(f"internal error: {name!r} is laid out as {fs.spec.shapes[k]}, expected {local}")
-    return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset) if a < b else (0, 0)),
-                            fs.shard, window=(a - lo, b - lo), writes=writes, trainable=True)
+    return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), fs.shard,
+                            window=(a - lo, b - lo), writes=writes, trainable=True)
 
 
 def _pp_writers(program: Any) -> dict[str, int]:

@@ -110,7 +110,9 @@ def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[int, Box]
 
 
 def _in_row(row: int, inner: int, lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[int, Box]]:
-    return [(row * inner + at, ((row, *offsets), (1, *sizes))) for at, (offsets, sizes) in flat_boxes(lo, hi, shape[1:])]
+    """The boxes of elements ``[lo, hi)`` of row ``row`` (``inner`` elements each)."""
+    return [(row * inner + at, ((row, *offsets), (1, *sizes)))
+            for at, (offsets, sizes) in flat_boxes(lo, hi, shape[1:])]
 
 
 class Pieces:

@@ -77,9 +77,9 @@ def test_3d_zero3_resumes_on_dp4_tp2_zero1(launcher, tmp_path) -> None:
 
 
 def test_a_mesh_moves_to_one_device_and_back(launcher, tmp_path) -> None:
-    """LLaMA (GQA: 2 kv heads): dp2 x tp2 zero=2 -> Mesh() -> dp2 x pp2 zero=3."""
+    """LLaMA (GQA: 2 kv heads): dp2 x tp2 zero=2 -> one device (dp=1) -> dp2 x pp2 zero=3."""
     _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.llama),
-                                    [(dict(dp=2, tp=2), 2, 2), ({}, 0, 1), (dict(dp=2, pp=2), 3, 1)])
+                                    [(dict(dp=2, tp=2), 2, 2), (dict(dp=1), 0, 1), (dict(dp=2, pp=2), 3, 1)])
 
 
 def test_dp_zero2_then_pp_then_tp(launcher, tmp_path) -> None:
@@ -90,7 +90,7 @@ def test_dp_zero2_then_pp_then_tp(launcher, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,legs", [
     ("llama", [(dict(dp=4, tp=2), 1, 2), (dict(dp=2, pp=2, tp=2), 3, 2)]),
-    ("gpt2", [(dict(tp=2, dp=2), 3, 2), (dict(pp=2, dp=2), 1, 1), (dict(dp=4), 3, 1), ({}, 0, 1)]),
+    ("gpt2", [(dict(tp=2, dp=2), 3, 2), (dict(pp=2, dp=2), 1, 1), (dict(dp=4), 3, 1), (dict(dp=1), 0, 1)]),
     ("llama", [(dict(pp=2, tp=2), 0, 2), (dict(dp=2, tp=2), 3, 1), (dict(tp=2), 2, 1)]),
 ])
 def test_more_chains_with_adamw_and_sgd(launcher, tmp_path, name: str, legs: list[Leg]) -> None:
