@@ -9,9 +9,13 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 import models
 from autopar import Mesh, parallelize
+from passes.fused_projections import Interleave, to_storage
+from runtime.reshard import Geometry
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -97,6 +101,44 @@ def test_more_chains_with_adamw_and_sgd(launcher, tmp_path, name: str, legs: lis
     for opt in (models.adamw, models.sgd):
         _assert_chain_equals_one_device(launcher, str(tmp_path / opt.__name__), models.factory(getattr(models, name)),
                                         legs, opt)
+
+
+# the boxes of one rank's copy ---------------------------------------------------------------------------------
+
+@st.composite
+def _copies(draw: st.DrawFn) -> tuple:
+    """A logical shape, a tp size and dim, maybe a fused layout (on any dim), and a dp size."""
+    shape = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    dim = draw(st.integers(0, len(shape) - 1))
+    shape[dim] = max(shape[dim], tp)
+    fused = None
+    if draw(st.booleans()):
+        d, blocks = draw(st.integers(0, len(shape) - 1)), draw(st.sampled_from([2, 3]))
+        shape[d] = blocks * tp * draw(st.integers(1, 2))
+        fused = (d, blocks, tp)
+    return tuple(shape), tp, dim, fused, draw(st.integers(1, 4))
+
+
+@given(_copies())
+def test_the_boxes_of_every_rank_tile_the_logical_tensor_once(copy: tuple) -> None:
+    """Cut as the runtime stores it (fused order, tp chunk, flat dp range), each element lands once, in place."""
+    shape, tp, dim, fused, dp = copy
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
+    stored = to_storage(full, Interleave(*fused)) if fused else full
+    seen, count = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape)
+    for i, local in enumerate(stored.chunk(tp, dim)):
+        flat = local.reshape(-1)
+        shard = -(-flat.numel() // dp)
+        for j in range(dp):
+            lo, hi = min(j * shard, flat.numel()), min((j + 1) * shard, flat.numel())
+            geometry = Geometry(shape, tuple(local.shape), dim if tp > 1 else None, i * -(-shape[dim] // tp), fused,
+                                (lo, hi))
+            for offsets, view in geometry.pieces(flat[lo:hi]):
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                seen[box] = view
+                count[box] += 1
+    assert torch.equal(seen, full) and bool((count == 1).all())
 
 
 # a checkpoint of another model ------------------------------------------------------------------------------
