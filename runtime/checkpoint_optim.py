@@ -31,6 +31,8 @@ def optimizer_items(opt: Any, entries: list[Entry]) -> dict[str, Any]:
     settings = {id(p): _settings(g) for g in opt.param_groups for p in g["params"]}
     out: dict[str, Any] = {}
     for e in entries:
+        if id(e.tensor) not in settings:
+            continue  # a parameter the optimizer factory left out
         scalars = {}
         for key, value in opt.state.get(e.tensor, {}).items():
             if _per_element(key, value, e.tensor):
@@ -65,7 +67,7 @@ def optimizer_targets(opt: Any, entries: list[Entry], stored: dict[str, Any],
 
 def restore_optimizer(opt: Any, entries: list[Entry], items: dict[str, Any],
                       tensors: dict[int, dict[str, torch.Tensor]]) -> str | None:
-    """Hands the loaded state to ``opt``; a problem (parameters of one group saved with different settings) or None."""
+    """Hands the loaded state to ``opt``; returns a problem (its groups do not fit the saved settings) or None."""
     by_owner: dict[int, list[Entry]] = {}
     for e in entries:
         by_owner.setdefault(id(e.tensor), []).append(e)
@@ -73,25 +75,37 @@ def restore_optimizer(opt: Any, entries: list[Entry], items: dict[str, Any],
     groups = []
     index = 0
     for group in opt.param_groups:
-        chosen: tuple[str, dict] | None = None
-        ids = []
-        for p in group["params"]:
-            saved = [(e.name, items[f"optim/{e.name}"]) for e in by_owner.get(id(p), []) if f"optim/{e.name}" in items]
-            for name, obj in saved:
-                if chosen is not None and pickle.dumps(obj["group"]) != pickle.dumps(chosen[1]):
-                    return (f"{chosen[0]!r} and {name!r} were saved in optimizer groups with different settings "
-                            f"({chosen[1]} and {obj['group']}), but share one group here; build the optimizer "
-                            "with the same groups as the job that saved it")
-                chosen = chosen or (name, obj["group"])
-            owner_state = _owner_state([obj for _, obj in saved], tensors.get(id(p), {}))
+        saved = [[(e.name, items[f"optim/{e.name}"]) for e in by_owner.get(id(p), []) if f"optim/{e.name}" in items]
+                 for p in group["params"]]
+        settings = _group_settings(opt, group, [named for per_owner in saved for named in per_owner])
+        if isinstance(settings, str):
+            return settings
+        for p, per_owner in zip(group["params"], saved):
+            owner_state = _owner_state([obj for _, obj in per_owner], tensors.get(id(p), {}))
             if owner_state:
                 state[index] = owner_state
-            ids.append(index)
             index += 1
-        groups.append({**(chosen[1] if chosen is not None else _settings(group)), "params": ids})
+        groups.append({**settings, "params": list(range(index - len(group["params"]), index))})
     if state or any(f"optim/{e.name}" in items for e in entries):
         opt.load_state_dict({"state": state, "param_groups": groups})
     return None
+
+
+def _group_settings(opt: Any, group: dict, saved: list[tuple[str, dict]]) -> dict | str:
+    """The settings saved for the parameters of ``group`` (its own when none are), or why they do not fit."""
+    if not saved:
+        return _settings(group)
+    first, settings = saved[0][0], saved[0][1]["group"]
+    for name, obj in saved[1:]:
+        if pickle.dumps(obj["group"]) != pickle.dumps(settings):
+            return (f"{first!r} and {name!r} were saved in optimizer groups with different settings "
+                    f"({settings} and {obj['group']}), but share one group here; build the optimizer "
+                    "with the same groups as the job that saved it")
+    missing = sorted(set(_settings(group)) - set(settings))
+    if missing:
+        return (f"the checkpoint's optimizer settings for {first!r} lack {missing}, which this "
+                f"{type(opt).__name__} has; build the optimizer as the job that saved it did")
+    return settings
 
 
 def _owner_state(saved: list[dict], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -147,8 +147,9 @@ X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_se
 Y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
-def _mlp_job(widths: tuple[int, ...], sizes: dict, zero: int, path: str, *, save: bool) -> Any:
-    pm = parallelize(models.mlp(widths), Mesh(**sizes), loss_fn=models.mse, optimizer=models.adamw, zero=zero,
+def _mlp_job(widths: tuple[int, ...], sizes: dict, zero: int, path: str, *, save: bool,
+             opt: Callable = models.adamw) -> Any:
+    pm = parallelize(models.mlp(widths), Mesh(**sizes), loss_fn=models.mse, optimizer=opt, zero=zero,
                      example_inputs=(X,), example_target=Y)
     pm.step(X, target=Y)
     if save:
@@ -178,3 +179,12 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(launcher, tmp_pa
     assert len(set(errors)) == 1, errors  # every rank refused it, with the same words, and none hangs
     assert errors[0].startswith("the checkpoint ") and "does not match this model" in errors[0]
     assert re.search(message, errors[0]), errors[0]
+
+
+def test_an_optimizer_built_another_way_is_refused_on_every_rank(launcher, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    launcher(functools.partial(_mlp_job, (6, 7, 5, 3), dict(dp=2), 2, path, save=True), 2)
+    errors = launcher(functools.partial(_mlp_job, (6, 7, 5, 3), dict(dp=2), 1, path, save=False, opt=models.sgd), 2)
+    assert len(set(errors)) == 1, errors
+    assert re.search(r"optimizer settings for '.*' lack \['dampening', 'momentum', 'nesterov'\], which this SGD has",
+                     errors[0]), errors[0]
