@@ -103,6 +103,25 @@ def test_more_chains_with_adamw_and_sgd(launcher, tmp_path, name: str, legs: lis
                                         legs, opt)
 
 
+def test_a_checkpoint_converts_to_the_single_device_state_with_dcp_tools(launcher, tmp_path) -> None:
+    """The saved tensors are the model's own: DCP's ``dcp_to_torch_save`` gives a state the plain model loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from runtime import checkpoint
+
+    path = str(tmp_path / "ckpt")
+    make = models.factory(models.gpt2)
+    state = launcher(functools.partial(_leg, make, dict(dp=2, tp=2), 3, 1, path, models.adamw, load=False,
+                                       save=True), 4)[0]["state"]
+    dcp_to_torch_save(checkpoint.latest(path), str(tmp_path / "full.pt"))
+    saved = torch.load(tmp_path / "full.pt", weights_only=False)
+    model = make(seed=3)
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in saved.items() if k.startswith("model/")},
+                          strict=False)  # the tied lm_head is saved once, as transformer.wte.weight
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
 # the boxes of one rank's copy ---------------------------------------------------------------------------------
 
 @st.composite
