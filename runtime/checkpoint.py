@@ -64,6 +64,7 @@ class Entry:
         return like[self.window[0]: self.window[1]] if self.window is not None else like
 
     def pieces(self, like: torch.Tensor) -> Pieces:
+        """``like``'s part of the logical tensor, as the boxes DCP writes from or reads into (views, no copies)."""
         return Pieces(self.geometry.shape, like.dtype, self.geometry.pieces(self.data(like)))
 
 
