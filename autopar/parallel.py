@@ -15,7 +15,7 @@ from autopar.capture import tied_aliases
 from autopar.mesh import Mesh
 from autopar.options import Options
 from autopar.program import Program, check_supported, compile_program, shared_parameters
-from autopar.rank_state import checkpoint_scope, full_state, local_state
+from autopar.rank_state import checkpoint_state, full_state, local_state
 from autopar.zero_compile import shared_across_pp
 from passes.fused_projections import to_storage
 from runtime.batch import signature, split_batch
@@ -363,16 +363,21 @@ class ParallelModel:
             self.model.load_state_dict(local)
 
     def save(self, path: str, extra: Any = None) -> None:
-        """Writes the sharded model and optimizer state to the checkpoint folder ``path`` (every rank calls it)."""
+        """Writes a new checkpoint version to the folder ``path``, each rank its own shards (every rank calls it).
+
+        The checkpoint keeps the model's keys and full shapes, so ``load`` reads it on any mesh and ZeRO stage.
+        """
         program = self._require_program()
         rt = self._runtime(program)
-        checkpoint.save(path, rt, self.model, extra, checkpoint_scope(self.model, self.mesh, program, rt.groups.rank))
+        checkpoint.save(path, rt, checkpoint_state(self.model, self.mesh, program, rt, self._full_shapes), extra)
 
     def load(self, path: str) -> Any:
-        """Reads the latest complete checkpoint in ``path`` (saved on this mesh); returns its ``extra``."""
+        """Reads the latest complete checkpoint in ``path``, written on any mesh, resharded to this one; returns
+        its ``extra``. Every rank calls it; a checkpoint of another model is refused on every rank, naming the
+        first key that differs."""
         program = self._require_program()
         rt = self._runtime(program)
-        return checkpoint.load(path, rt, self.model, checkpoint_scope(self.model, self.mesh, program, rt.groups.rank))
+        return checkpoint.load(path, rt, checkpoint_state(self.model, self.mesh, program, rt, self._full_shapes))
 
 
 def _shared_within_rank(program: Program, pp: int) -> bool:

@@ -4,13 +4,15 @@ A rank stores each parameter as its tp shard (re-ordered where a fused layout
 says so), only for its pipeline stages, and under ZeRO as flat dp shards.
 ``full_state`` undoes all three with collectives (every rank calls it);
 ``local_state`` cuts a full state the way this rank stores it (no
-communication); ``checkpoint_scope`` says which of its tensors a rank writes to
-a checkpoint and which keys need its coordinates.
+communication); ``checkpoint_state`` says where each tensor a rank stores lies in
+the logical tensor (the boxes it reads from and writes to a checkpoint) and which
+copies it writes.
 
 Invariant: ``local_state(full_state())`` on every rank gives back what each rank stores.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from autopar.mesh import Mesh
 from autopar.zero_compile import held_names, local_shape
 from passes.fused_projections import from_storage, to_storage
 from runtime import checkpoint
+from runtime.reshard import Geometry
 
 
 def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dict[str, torch.Tensor]:
@@ -82,15 +85,66 @@ def local_state(model: torch.nn.Module, mesh: Mesh, program: Any, rank: int,
     return out
 
 
-def checkpoint_scope(model: torch.nn.Module, mesh: Mesh, program: Any, rank: int) -> checkpoint.Scope:
-    """What ``rank`` saves: its stages' tensors; keys of tp shards and per-rank layouts carry its coordinates."""
-    if mesh.pp == 1 and mesh.tp == 1:
-        return checkpoint.Scope()
-    c = mesh.coords(rank)
-    held = held_names(program, rank)
-    if held is not None and c["pp"] == 0:  # tensors no stage uses are saved by the first pp rank
-        used = {s.name for st in program.stages for s in st.slots}
-        held |= {n for n, _ in [*model.named_parameters(), *model.named_buffers()]} - used
-    tp_local = {n for n, p in program.placements.items() if isinstance(p, Shard)} | set(program.layouts)
-    return checkpoint.Scope(where=f"@pp{c['pp']}.tp{c['tp']}", held=frozenset(held) if held is not None else None,
-                            tp_local=frozenset(tp_local))
+def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any,
+                     full_shapes: dict[str, tuple[int, ...]]) -> checkpoint.RankState:
+    """What ``rt``'s rank stores of every parameter and buffer, where it lies in the logical tensor, and which
+    copies it writes to a checkpoint; ``full_shapes``: every parameter's logical shape."""
+    aliases = tied_aliases(model)
+    params = dict(model.named_parameters())
+    held = held_names(program, rt.groups.rank)
+    used = {s.name for st in program.stages for s in st.slots} if program.stages is not None else None
+    writer = _pp_writers(program)
+    coords = mesh.coords(rt.groups.rank)
+    zero_of = {n: (fs, k) for fs in rt.zero.shards for k, n in enumerate(fs.spec.params)} if rt.zero else {}
+    entries, expected, trainable = [], {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in aliases or (name in params and used is not None and name not in used):
+            continue  # a tied alias is saved once; a parameter no stage uses is not kept by any rank
+        shape = full_shapes[name] if name in params else tuple(t.shape)
+        expected[name] = (shape, t.dtype)
+        if name in params and t.requires_grad:
+            trainable.add(name)
+        if name in params and held is not None and name not in held:
+            continue  # another pipeline rank stores it
+        writes = writer.get(name, 0) == coords["pp"]
+        if name not in params:  # a buffer: whole on every rank that has it
+            entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
+                                            writes=writes and coords["tp"] == 0))
+        else:
+            entries.append(_param_entry(name, shape, t, program, mesh, coords, zero_of.get(name), writes))
+    return checkpoint.RankState(tuple(entries), expected, frozenset(trainable),
+                                f"zero={rt.zero.stage if rt.zero else 0} on {mesh!r}")
+
+
+def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, program: Any, mesh: Mesh,
+                 coords: dict[str, int], zero: tuple[Any, int] | None, writes: bool) -> checkpoint.Entry:
+    """A parameter's entry: its tp chunk (in storage order), and under ZeRO the part of it in this rank's shard."""
+    placement = program.placements.get(name)
+    local = local_shape(shape, placement, mesh.tp, coords["tp"])
+    dim = placement.dim if isinstance(placement, Shard) and mesh.tp > 1 else None
+    start = coords["tp"] * -(-shape[dim] // mesh.tp) if dim is not None else 0  # as torch.chunk cuts
+    lay = program.layouts.get(name)
+    geometry = Geometry(shape, local, dim, start, (lay.dim, lay.sizes, lay.n) if lay is not None else None)
+    writes = writes and (dim is not None or coords["tp"] == 0)  # a tp-replicated parameter: tp rank 0 writes it
+    if zero is None:
+        if tuple(p.shape) != local:
+            raise RuntimeError(f"internal error: {name!r} is stored as {tuple(p.shape)}, expected {local}")
+        return checkpoint.Entry(name, geometry, p, writes=writes, trainable=p.requires_grad)
+    fs, k = zero
+    lo, hi = fs.index * fs.spec.shard, (fs.index + 1) * fs.spec.shard
+    offset = fs.spec.offsets[k]
+    a = max(offset, lo)
+    b = max(a, min(offset + fs.spec.numels[k], hi))  # [a, b): its elements in the shard (empty: none)
+    if tuple(fs.spec.shapes[k]) != local:
+        raise RuntimeError(f"internal error: {name!r} is laid out as {fs.spec.shapes[k]}, expected {local}")
+    return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), fs.shard,
+                            window=(a - lo, b - lo), writes=writes, trainable=True)
+
+
+def _pp_writers(program: Any) -> dict[str, int]:
+    """The pp rank that writes each tensor: the rank of the first stage using it (others: pp rank 0)."""
+    out: dict[str, int] = {}
+    for st in program.stages or []:
+        for slot in st.slots:
+            out.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
+    return out

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), committed atomically.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): written sharded, committed atomically, loaded on any mesh.
 
 A checkpoint folder holds complete versions (``ckpt-<time>-<id>/``, each a DCP
 checkpoint) and a ``LATEST`` file naming the newest complete one. ``save``
@@ -7,23 +7,26 @@ atomically (write, fsync, ``os.replace``) and only then deletes older versions.
 Invariant: ``LATEST`` always names a version every rank finished writing, so a
 save killed at any point leaves the previous checkpoint loadable.
 
-What is saved: buffers (and frozen parameters) as replicated tensors; under
-ZeRO each flat group's shard as a ``DTensor`` sharded over the dp ranks
-(``zero/<group>``), with the optimizer state of that shard beside it
-(``optim/<group>/<key>``); without ZeRO the parameters and per-parameter
-optimizer state, replicated. The optimizer's param groups (LR after a
-scheduler included), the layout and the caller's ``extra`` are saved as
-objects. ``load`` refuses a checkpoint written for another mesh or stage and
-names the fix (load a full state with ``pm.load_state_dict``).
+What is saved does not depend on the mesh: every parameter and buffer under
+``model/<name>`` (the model's own key, tied aliases once) at its full logical
+shape and in the model's element order; every per-element optimizer state of
+a parameter (Adam's ``exp_avg``, SGD's ``momentum_buffer``) the same way under
+``optim/<name>/<key>``; per parameter, an object ``optim/<name>`` with its
+optimizer group's settings (the LR after a scheduler included) and its scalar
+state (Adam's ``step``); ``meta/format`` and the caller's ``extra``. Each rank
+writes only the boxes of those tensors that it stores and is the writer of
+(``runtime/reshard.py``: tp shards, ZeRO flat shards, fused layouts), so no rank
+ever gathers a full tensor; replicas (dp without ZeRO) write identical boxes
+that DCP's planner writes once.
 
-With pipeline or tensor parallelism (a ``Scope``), each rank saves only the
-tensors its stages hold, and every key whose value differs between pp or tp
-ranks (tp shards, ZeRO groups, optimizer groups, the layout) carries the
-rank's coordinates (``@pp1.tp0``); replicated keys are written once.
+``load`` checks, on every rank and before any data moves, that the checkpoint
+holds this model (the same keys, shapes and dtypes) and names the first key
+that differs; then each rank reads exactly the boxes its own layout needs,
+whatever mesh and ZeRO stage wrote them. A rank's ``RankState`` (built by
+``autopar/rank_state.py``) says what it stores.
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -37,31 +40,57 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from runtime.checkpoint_optim import optimizer_items, optimizer_targets, restore_optimizer
+from runtime.reshard import Geometry, LoadPlanner, Pieces, SavePlanner
+
 LATEST = "LATEST"
 PREFIX = "ckpt-"
+FORMAT = 2  # 1: per-mesh keys (before checkpoints resharded); 2: logical keys, resharded at load
 
 
 @dataclass(frozen=True)
-class Scope:
-    """What one rank saves: the tensors it holds (None: all), and the keys that differ across pp/tp ranks."""
+class Entry:
+    """One parameter or buffer as this rank stores it."""
 
-    where: str = ""  # "@pp<i>.tp<j>" on a mesh with pp or tp, else ""
-    held: frozenset[str] | None = None  # names of the parameters and buffers this rank saves
-    tp_local: frozenset[str] = frozenset()  # names stored as tp shards: their keys carry ``where``
+    name: str  # the model's (canonical) key
+    geometry: Geometry  # where this rank's copy lies in the logical tensor
+    tensor: torch.Tensor  # what the rank stores: the parameter or buffer, or under ZeRO its group's flat shard
+    window: tuple[int, int] | None = None  # ZeRO: the part of ``tensor`` that holds this parameter's elements
+    writes: bool = True  # False on a replica whose elements another rank writes (tp or pp copies)
+    trainable: bool = False  # ``tensor`` is a parameter of the optimizer
 
-    def key(self, name: str) -> str:
-        return name + self.where if name in self.tp_local else name
+    def data(self, like: torch.Tensor) -> torch.Tensor:
+        """This entry's elements of ``like``, a tensor shaped as ``tensor`` (it, or one of its optimizer states)."""
+        return like[self.window[0]: self.window[1]] if self.window is not None else like
+
+    def pieces(self, like: torch.Tensor) -> Pieces:
+        """``like``'s part of the logical tensor, as the boxes DCP writes from or reads into (views, no copies)."""
+        return Pieces(self.geometry.shape, like.dtype, self.geometry.pieces(self.data(like)))
 
 
-def save(root: str, rt: Any, model: torch.nn.Module, extra: Any = None, scope: Scope = Scope()) -> str:
-    """Writes a new version of ``rt``'s state under ``root`` and commits it; returns the version's folder."""
+@dataclass(frozen=True)
+class RankState:
+    """What one rank stores, and what every checkpoint of this model holds (the same on every rank)."""
+
+    entries: tuple[Entry, ...]  # the tensors this rank holds
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]]  # every saved key: logical shape and dtype, model order
+    trainable: frozenset[str]  # the keys that have optimizer state
+    describe: str  # e.g. "zero=3 on Mesh(dp=2, pp=2)", for messages
+
+
+def save(root: str, rt: Any, state: RankState, extra: Any = None) -> str:
+    """Writes a new version of this rank's part of the state under ``root`` and commits it; returns its folder."""
     rank = dist.get_rank()
     names = [f"{PREFIX}{int(time.time())}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     version = os.path.join(root, names[0])
-    state = _state(rt, model, scope)
-    state["meta/extra"] = pickle.dumps(extra)
-    dcp.save(state, checkpoint_id=version)
+    items: dict[str, Any] = {f"model/{e.name}": e.pieces(e.tensor.detach()) for e in state.entries if e.writes}
+    if rt.optimizer is not None:
+        items.update(optimizer_items(rt.optimizer, [e for e in state.entries if e.writes and e.trainable]))
+    if rank == 0:
+        items["meta/format"] = {"format": FORMAT, "written on": state.describe}
+        items["meta/extra"] = pickle.dumps(extra)
+    dcp.save(items, checkpoint_id=version, planner=SavePlanner())
     dist.barrier()  # every rank has written its part
     if rank == 0:
         _commit(root, names[0])
@@ -69,33 +98,25 @@ def save(root: str, rt: Any, model: torch.nn.Module, extra: Any = None, scope: S
     return version
 
 
-def load(root: str, rt: Any, model: torch.nn.Module, scope: Scope = Scope()) -> Any:
-    """Loads the version ``root/LATEST`` names into ``rt`` (same mesh and stage); returns the saved ``extra``."""
+def load(root: str, rt: Any, state: RankState) -> Any:
+    """Loads the version ``root/LATEST`` names into this rank's tensors and optimizer; returns the saved ``extra``."""
     version = latest(root)
     stored = dcp.FileSystemReader(version).read_metadata().state_dict_metadata
-    layout_key = "meta/layout" + scope.where
-    if layout_key not in stored:  # written on another mesh: report what it was written for
-        layout_key = min(key for key in stored if key.startswith("meta/layout"))
-    meta = {layout_key: b""}
-    dcp.load(meta, checkpoint_id=version)
-    found = meta[layout_key]
-    want = _layout(rt)
-    if found != want:
-        raise ValueError(
-            f"the checkpoint {version} was written for {_summary(found)}, but this model runs "
-            f"{_summary(want)}; resume on the same mesh and zero stage, or load a full state with "
-            "pm.load_state_dict(state) (pm.state_dict() of the old job, saved with torch.save)"
-        )
-    state = _state(rt, model, scope)
-    opt_state = _optimizer_template(rt, model, stored, state, scope)
-    state["meta/extra"] = b""
-    dcp.load(state, checkpoint_id=version)
-    _restore_optimizer(rt, model, state, opt_state, scope)
-    if rt.zero is not None and rt.zero.stage < 3:
+    _agree(_mismatch(version, stored, state, with_optimizer=rt.optimizer is not None))
+    items: dict[str, Any] = {f"model/{e.name}": e.pieces(e.tensor.detach()) for e in state.entries}
+    trainable = [e for e in state.entries if e.trainable]
+    tensors = optimizer_targets(rt.optimizer, trainable, stored, items) if rt.optimizer is not None else {}
+    items["meta/extra"] = b""
+    dcp.load(items, checkpoint_id=version, planner=LoadPlanner())
+    problem = None
+    if rt.optimizer is not None:
+        problem = restore_optimizer(rt.optimizer, trainable, items, tensors)
+    _agree(problem)
+    if rt.zero is not None and rt.zero.stage < 3:  # stages 1-2 keep full parameters: gather the loaded shards
         for work in [fs.all_gather_in_place() for fs in rt.zero.shards]:
             if work is not None:
                 work.wait()
-    return pickle.loads(state["meta/extra"])
+    return pickle.loads(items["meta/extra"])
 
 
 def latest(root: str) -> str:
@@ -125,147 +146,54 @@ def _commit(root: str, name: str) -> None:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
 
 
-def _layout(rt: Any) -> bytes:
-    desc = {"mesh": repr(rt.groups.mesh), "zero": rt.zero.stage if rt.zero is not None else 0,
-            "layout": rt.zero.layout.describe() if rt.zero is not None else None}
-    return json.dumps(desc, sort_keys=True).encode()
+def _agree(problem: str | None) -> None:
+    """Raises the same error on every rank when any rank found a problem (so no rank waits in a collective)."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    for rank, text in enumerate(found):
+        if text is not None:
+            raise ValueError(text if text == problem else f"rank {rank}: {text}")
 
 
-def _summary(layout: bytes) -> str:
-    try:
-        desc = json.loads(layout.decode())
-    except ValueError:
-        return layout.decode()
-    names = [g["name"] for g in (desc.get("layout") or {}).get("groups", [])]
-    text = f"zero={desc.get('zero')} on {desc.get('mesh')}"
-    if names:
-        text += f" in {len(names)} flat groups ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-    return text
+def _mismatch(version: str, stored: dict[str, Any], state: RankState, *, with_optimizer: bool) -> str | None:
+    """Why the checkpoint does not fit this model (the first differing key, with its shapes), or None."""
+    if "meta/format" not in stored:
+        return (f"the checkpoint {version} was written in an older format (tensors keyed per mesh) that "
+                "cannot be resharded; resume it on the mesh that wrote it with the autopar version that wrote "
+                "it, or move the state with pm.state_dict() / pm.load_state_dict()")
+    problems = _model_problems(stored, state)
+    if not problems and with_optimizer and any(k.startswith("optim/") for k in stored):
+        problems = _optimizer_problems(stored, state)
+    if not problems:
+        return None
+    n = len(problems) - 1
+    more = f" ({n} more {'key differs' if n == 1 else 'keys differ'})" if n else ""
+    return (f"the checkpoint {version} does not match this model: {problems[0]}{more}; load a checkpoint "
+            "written by this model (same architecture, sizes and dtypes)")
 
 
-def _owners(rt: Any, model: torch.nn.Module, scope: Scope) -> list[tuple[str, torch.Tensor]]:
-    """The optimizer's parameters in its own order, each with a stable name (its flat group, or its parameter)."""
-    if rt.zero is not None:
-        by_id = {id(fs.shard): fs.spec.name + scope.where for fs in rt.zero.shards}
-    else:
-        by_id = {id(p): scope.key(n) for n, p in model.named_parameters()}
-    return [(by_id[id(p)], p) for g in rt.optimizer.param_groups for p in g["params"]]
+def _model_problems(stored: dict[str, Any], state: RankState) -> list[str]:
+    problems = []
+    for name, (shape, dtype) in state.expected.items():
+        md = stored.get(f"model/{name}")
+        if not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{name!r} (shape {tuple(shape)}) is not in the checkpoint")
+        elif tuple(md.size) != tuple(shape):
+            problems.append(f"{name!r} has shape {tuple(md.size)} in the checkpoint and {tuple(shape)} in this model")
+        elif md.properties.dtype != dtype:
+            problems.append(f"{name!r} is {md.properties.dtype} in the checkpoint and {dtype} in this model")
+    for key, md in stored.items():
+        name = key.removeprefix("model/")
+        if key.startswith("model/") and name not in state.expected:
+            problems.append(f"the checkpoint holds {name!r} (shape {tuple(md.size)}), which this model does not have")
+    return problems
 
 
-def _padded(rt: Any, p: torch.Tensor) -> int | None:
-    """The global length of a flat group whose shard is ``p`` (None without ZeRO)."""
-    return p._zero.spec.padded if rt.zero is not None else None
-
-
-def _dp_mesh(rt: Any) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(rt.groups["dp"], rt.groups.device.type, mesh_dim_names=("dp",))
-
-
-def _sharded(local: torch.Tensor, padded: int, mesh: Any) -> Any:
-    """``local`` (this rank's slice) as a DTensor of global shape ``(padded,)`` sharded over dp."""
-    if mesh is None:
-        return local
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(padded,), stride=(1,))
-
-
-def _state(rt: Any, model: torch.nn.Module, scope: Scope) -> dict[str, Any]:
-    """The model's part of the checkpoint, aliasing the live tensors (so DCP loads in place)."""
-    state: dict[str, Any] = {"meta/layout" + scope.where: _layout(rt)}
-    zero = rt.zero
-    sharded = {n for fs in zero.shards for n in fs.spec.params} if zero is not None else set()
-    aliases = _aliases(model)
-    for name, t in model.state_dict(keep_vars=True).items():
-        canonical = aliases.get(name, name)
-        if canonical in sharded or (scope.held is not None and canonical not in scope.held):
-            continue  # a tied alias of a sharded parameter is saved once, in its flat group
-        state[f"model/{scope.key(canonical)}"] = t.detach()
-    if zero is not None:
-        mesh = _dp_mesh(rt) if rt.groups["dp"] is not None else None
-        for fs in zero.shards:
-            state[f"zero/{fs.spec.name}{scope.where}"] = _sharded(fs.shard.detach(), fs.spec.padded, mesh)
-    if rt.optimizer is not None:
-        owners = _owners(rt, model, scope)
-        name_of = {id(p): owner for owner, p in owners}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
-                  for g in rt.optimizer.param_groups]
-        state["optim/param_groups" + scope.where] = pickle.dumps(groups)
-        state.update(_optimizer_entries(rt, owners))
-    return state
-
-
-def _aliases(model: torch.nn.Module) -> dict[str, str]:
-    from autopar.capture import tied_aliases
-
-    return tied_aliases(model)
-
-
-def _optimizer_entries(rt: Any, owners: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """``optim/<owner>/<key>`` for every value of the optimizer state (shard-shaped tensors as DTensors)."""
-    out: dict[str, Any] = {}
-    mesh = _dp_mesh(rt) if rt.zero is not None and rt.groups["dp"] is not None else None
-    for owner, p in owners:
-        for key, value in rt.optimizer.state.get(p, {}).items():
-            if not isinstance(value, torch.Tensor):
-                out[f"optim/{owner}/{key}"] = pickle.dumps(value)
-            elif rt.zero is not None and value.dim() == 1 and value.shape == p.shape:
-                out[f"optim/{owner}/{key}"] = _sharded(value, _padded(rt, p), mesh)
-            else:
-                out[f"optim/{owner}/{key}"] = value
-    return out
-
-
-def _optimizer_template(rt: Any, model: torch.nn.Module, stored: dict, state: dict,
-                        scope: Scope) -> dict[str, dict[str, Any]]:
-    """Fresh tensors, in ``state``, for the optimizer state the checkpoint holds (the optimizer may have none yet)."""
-    if rt.optimizer is None:
-        return {}
-    mesh = _dp_mesh(rt) if rt.zero is not None and rt.groups["dp"] is not None else None
-    out: dict[str, dict[str, Any]] = {}
-    for owner, p in _owners(rt, model, scope):
-        prefix = f"optim/{owner}/"
-        for key, md in stored.items():
-            if not key.startswith(prefix):
-                continue
-            name = key[len(prefix):]
-            if not isinstance(md, TensorStorageMetadata):
-                state[key] = b""
-                out.setdefault(owner, {})[name] = key  # unpickled after loading
-                continue
-            size, dtype = tuple(md.size), md.properties.dtype
-            if rt.zero is not None and len(size) == 1 and size[0] == _padded(rt, p):
-                local = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                state[key] = _sharded(local, size[0], mesh)
-            else:
-                local = torch.zeros(size, dtype=dtype, device=p.device if size else "cpu")
-                state[key] = local
-            out.setdefault(owner, {})[name] = local
-    return out
-
-
-def _restore_optimizer(rt: Any, model: torch.nn.Module, state: dict, template: dict[str, dict[str, Any]],
-                       scope: Scope) -> None:
-    """Hands the loaded optimizer state to the optimizer, matching parameters by name."""
-    key = "optim/param_groups" + scope.where
-    if rt.optimizer is None or key not in state:
-        return
-    owners = _owners(rt, model, scope)
-    index = {owner: i for i, (owner, _) in enumerate(owners)}
-    groups = pickle.loads(state[key])
-    current = [sorted(name for name, p in owners if any(p is q for q in g["params"]))
-               for g in rt.optimizer.param_groups]
-    if sorted(sorted(g["params"]) for g in groups) != sorted(current):
-        raise ValueError(f"the checkpoint's optimizer groups {[g['params'] for g in groups]} do not match this "
-                         f"optimizer's {current}; build the optimizer the same way as the job that saved it")
-    per_param = {index[owner]: {k: pickle.loads(state[v]) if isinstance(v, str) else v for k, v in entries.items()}
-                 for owner, entries in template.items()}
-    saved = {tuple(sorted(g["params"])): g for g in groups}
-    ordered = []
-    for names, g in zip(current, rt.optimizer.param_groups):  # torch matches groups by position
-        hyper = dict(saved[tuple(names)])
-        hyper["params"] = [index[name_of] for name_of, p in owners if any(p is q for q in g["params"])]
-        ordered.append(hyper)
-    rt.optimizer.load_state_dict({"state": per_param, "param_groups": ordered})
+def _optimizer_problems(stored: dict[str, Any], state: RankState) -> list[str]:
+    problems = [f"the checkpoint has no optimizer state for {name!r}, which this model trains"
+                for name in state.expected if name in state.trainable and f"optim/{name}" not in stored]
+    for key in stored:
+        name = key.removeprefix("optim/")
+        if key.startswith("optim/") and "/" not in name and name not in state.trainable:
+            problems.append(f"the checkpoint has optimizer state for {name!r}, which this model does not train")
+    return problems

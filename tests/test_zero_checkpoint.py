@@ -1,4 +1,4 @@
-"""Checkpoints: resume on the same mesh step for step, survive a killed save, move full states across meshes."""
+"""Checkpoints: resume on the same mesh step for step, survive a killed save, resume on another dp size and\nZeRO stage, move full states across meshes."""
 from __future__ import annotations
 
 import functools
@@ -108,17 +108,16 @@ def test_a_full_state_loads_into_the_single_device_model_and_into_another_mesh(l
                 torch.testing.assert_close(run["state"][k], v, rtol=1e-10, atol=1e-12)
 
 
-def _load_elsewhere(path: str) -> None:
-    pm = parallelize(models.mlp(WIDTHS), Mesh(dp=4), loss_fn=models.mse, optimizer=models.adamw, zero=3,
-                     example_inputs=(X,), example_target=Y)
-    pm.load(path)
-
-
-def test_a_checkpoint_from_another_mesh_is_refused_with_the_fix(launcher, tmp_path) -> None:
+@pytest.mark.parametrize("zero,dp,zero_after,dp_after", [(3, 2, 3, 4), (0, 2, 2, 1), (1, 4, 0, 2)])
+def test_a_checkpoint_resumes_on_another_dp_size_and_zero_stage(launcher, tmp_path, zero: int, dp: int,
+                                                                zero_after: int, dp_after: int) -> None:
     path = str(tmp_path / "ckpt")
-    launcher(_job(load=False, save=True), 2, 3, path, 1)
-    with pytest.raises(RankError, match="zero=3 on Mesh\\(dp=2\\).*zero=3 on Mesh\\(dp=4\\).*pm.load_state_dict"):
-        launcher(_load_elsewhere, 4, path)
+    straight = launcher(_job(load=False, save=False, dp=1), 1, 0, path, 4)[0]
+    first = launcher(_job(load=False, save=True, dp=dp), dp, zero, path, 2)[0]
+    for run in launcher(_job(load=True, save=False, seed=7, dp=dp_after), dp_after, zero_after, path, 2):
+        assert first["losses"] + run["losses"] == pytest.approx(straight["losses"], rel=1e-12)
+        for k, v in straight["state"].items():
+            torch.testing.assert_close(run["state"][k], v, rtol=1e-12, atol=1e-14)
 
 
 def test_a_folder_without_a_committed_checkpoint_is_named(tmp_path) -> None:
