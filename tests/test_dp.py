@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import models
 from autopar import Mesh, parallelize
-from autopar.testing import assert_equivalent
+from autopar.testing import Run, assert_equivalent, reference_run, relative_errors
 from runtime.grad_sync import BucketedAllReduce
 
 
@@ -118,15 +118,22 @@ def test_gradient_buckets_are_all_reduced_from_hooks_during_backward(launcher) -
         assert equal
 
 
-def _from_device_mesh() -> float:
+X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+Y = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+
+def _from_device_mesh() -> Run:
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    torch.manual_seed(0)
-    pm = parallelize(models.mlp((4, 2)), device_mesh, loss_fn=models.mse, optimizer=models.sgd)
-    return pm.step(torch.ones(4, 4, dtype=torch.float64), target=torch.zeros(4, 2, dtype=torch.float64))
+    pm = parallelize(models.mlp((4, 3, 2)), device_mesh, loss_fn=models.mse, optimizer=models.adamw)
+    losses = [pm.step(X, target=Y) for _ in range(3)]
+    return Run(losses, pm(X), pm.state_dict())
 
 
 def test_a_device_mesh_is_accepted(launcher) -> None:
-    a, b = launcher(_from_device_mesh, 2)
-    assert a == b
+    """A named DeviceMesh trains like Mesh(dp=2): equal to single-device training."""
+    ref = reference_run(models.factory(models.mlp, widths=(4, 3, 2)), (X,), Y, models.mse, models.adamw, steps=3)
+    for run in launcher(_from_device_mesh, 2):
+        worst, what = relative_errors(ref, run)
+        assert worst <= 1e-12, (worst, what)
