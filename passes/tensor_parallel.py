@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
 from passes.blocks import repeated_blocks
@@ -44,14 +43,6 @@ class TensorParallel:
     layer: list[str] = dataclasses.field(default_factory=list)  # the first repeated layer, Megatron-style
 
 
-def local_shape(shape: tuple[int, ...], placement: object, n: int) -> tuple[int, ...]:
-    if isinstance(placement, Shard):
-        shape = list(shape)
-        shape[placement.dim] //= n
-        return tuple(shape)
-    return tuple(shape)
-
-
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
                     fixed: dict[str, object] | None = None) -> TensorParallel:
     """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before."""
@@ -69,7 +60,8 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
-    counts, nbytes = count_collectives(gm)
+    lowered = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]  # the signature is unchanged by lowering
+    counts, nbytes = count_collectives(gm, requires_grad(gm, {lowered[placeholders.index(nd)] for nd in leaves}))
     summary = layer_summary(gm, repeated_blocks(cap.gm))
     if inside:
         summary.append(f"    plus collectives inside local replacements of: {', '.join(inside)}")
@@ -118,8 +110,12 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[s
     return lines
 
 
-def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:
-    """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes."""
+def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tuple[Counter, Counter]:
+    """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes.
+
+    A collective has a backward only where its input needs a gradient (``needs_grad``, from
+    ``passes.cost.requires_grad``): not on user inputs, integer values or what frozen parameters compute.
+    """
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     for nd in gm.graph.nodes:
@@ -132,7 +128,7 @@ def count_collectives(gm: fx.GraphModule) -> tuple[Counter, Counter]:
             if FORWARD.get(name):
                 counts[("forward", FORWARD[name])] += 1
                 nbytes[("forward", FORWARD[name])] += size
-            if BACKWARD.get(name) and nd.meta.get("autopar.needs_grad", True):
+            if BACKWARD.get(name) and needs_grad.get(nd.args[0], False):
                 counts[("backward", BACKWARD[name])] += 1
                 nbytes[("backward", BACKWARD[name])] += size
     return counts, nbytes

@@ -209,3 +209,26 @@ def test_a_sharded_dim_changes_by_all_to_all_at_a_fraction_of_the_gather_cost() 
     via_replicate = redistribution_time(Shard(0), Replicate(), 2**20, 4, cost) + \
         redistribution_time(Replicate(), Shard(1), 2**20, 4, cost)
     assert direct == pytest.approx(via_replicate / 4)
+
+
+X8 = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+def _planned_and_measured(frozen: tuple[int, ...]) -> tuple[dict, dict]:
+    model = models.mlp((8, 8, 8, 8, 8))
+    for i in frozen:
+        for p in model[2 * i].parameters():
+            p.requires_grad_(False)
+    pm = parallelize(model, Mesh(tp=2), loss_fn=models.mse, optimizer=models.sgd)
+    pm.step(X8, target=X8)
+    planned: dict = {}
+    for c in pm.plan.collectives:
+        planned[f"{c.op}@{c.axis}"] = planned.get(f"{c.op}@{c.axis}", 0) + c.bytes
+    return planned, pm.communication()
+
+
+@pytest.mark.parametrize("frozen", [(), (0,), (0, 1), (0, 1, 2)])
+def test_the_plans_backward_collectives_are_the_ones_that_run(launcher, frozen) -> None:
+    """No backward all-reduce for a user input or for what frozen layers compute: the plan counts what runs."""
+    for planned, measured in launcher(_planned_and_measured, 2, frozen):
+        assert planned == measured
