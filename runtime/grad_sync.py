@@ -97,11 +97,10 @@ class BucketedAllReduce:
         if bucket.placed[i] or p.grad is None:
             return
         bucket.placed[i] = True
-        with torch.no_grad():
-            if p.grad.data_ptr() == view.data_ptr():  # accumulated into last step's slot (gradients not freed)
-                view.div_(self.size)
-            else:
-                torch.div(p.grad, self.size, out=view)
+        if p.grad.data_ptr() == view.data_ptr():  # accumulated into last step's slot (gradients not freed)
+            view.div_(self.size)
+        else:  # neither tensor requires grad: nothing for autograd to record, in backward or after it
+            torch.div(p.grad, self.size, out=view)
         p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
