@@ -9,7 +9,8 @@ short next to the all-reduce of their gradients, so a step is only as fast as
 the overlap of the two. GPT-2 (AdamW) is compute-bound: the optimizer and the
 attention dominate.
 
-Run: python benchmarks/dp_vs_ddp.py [--steps 20] [--rounds 3] [--shapes mlp6x1024,gpt2-4x256]
+Run: PYTHONPATH=. python benchmarks/dp_vs_ddp.py [--steps 20] [--rounds 3] [--shapes mlp6x1024,gpt2-4x256]
+(PYTHONPATH=. makes a second checkout measure its own code, not the installed one.)
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def main() -> None:
     per_rank = autopar.launch(_rank, 2, names, args)
     print(f"2 gloo ranks, {args.threads} thread(s) each, {args.rounds} rounds x {args.steps} interleaved steps, "
           "median step time (ms) over every step of both ranks")
-    print(f"| shape | model | autopar | DDP | autopar / DDP |\n|---|---|---:|---:|---:|")
+    print("| shape | model | autopar | DDP | autopar / DDP |\n|---|---|---:|---:|---:|")
     for name in names:
         a = statistics.median(t for r in per_rank for t in r[name]["autopar"])
         d = statistics.median(t for r in per_rank for t in r[name]["ddp"])
