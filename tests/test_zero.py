@@ -161,7 +161,8 @@ def test_layout_partitions_every_element_once_in_balanced_shards(shapes, n, stag
 def test_default_buckets_start_small_so_the_first_reduce_scatter_overlaps_backward(stage: int) -> None:
     """A model that fits one 25 MiB bucket still gets a first group of one layer (DDP's 1 MiB first cap),
     and the planner counts the buckets the layout makes."""
-    params = [(f"{i}.{k}", s, torch.float32) for i in range(6) for k, s in (("weight", (1024, 1024)), ("bias", (1024,)))]
+    layer = (("weight", (1024, 1024)), ("bias", (1024,)))  # 4 MiB + 4 KiB, float32
+    params = [(f"{i}.{k}", s, torch.float32) for i in range(6) for k, s in layer]
     layout = zero_layout(params, stage=stage, n=2, bucket_bytes=Options().bucket_bytes)
     assert [g.params for g in layout.groups] == [("5.bias", "5.weight"), tuple(p for p, _, _ in reversed(params[:10]))]
     assert len(bucket_sizes(sum(g.nbytes for g in layout.groups), Options().bucket_bytes)) == len(layout.groups)
