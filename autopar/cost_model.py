@@ -19,6 +19,7 @@ import torch
 from autopar.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.model_profile import ModelProfile, Segment, b_sym, s_sym
+from runtime.buckets import bucket_sizes
 from runtime.schedule import make_schedule
 
 # ---------------------------------------------------------------------------
@@ -351,7 +352,8 @@ class CostModel:
                        link: Any) -> Any:
         """Exposed seconds of the dp collectives: DDP's all-reduce (zero=0) or ZeRO's, per step.
 
-        Gradients travel in buckets (stages 0-2) or per layer (stage 3), each
+        Gradients travel in buckets (stages 0-2: ``runtime.buckets``, a small
+        first bucket, then ``bucket_bytes`` each) or per layer (stage 3), each
         collective paying its latency. Up to ``cluster.overlap`` of it hides
         behind backward (stage 3's forward gathers behind forward); the last
         bucket, launched when backward ends, never hides.
@@ -362,8 +364,8 @@ class CostModel:
         elements, groups = max((_state_elements(units)[1], len(units))
                                for units in ([u for st in stages for u in st] for stages in ranks))
         grads, params = elements * p.grad, elements * p.param
-        buckets = max(1, math.ceil(grads / self.bucket_bytes))
-        last = min(self.bucket_bytes, grads)
+        sizes = bucket_sizes(grads, self.bucket_bytes)  # a small first bucket, as the runtime cuts them
+        buckets, last = len(sizes), sizes[-1]
         hide = self.cluster.overlap if self.overlap else 0.0
         n, m = c.dp, c.microbatches
 

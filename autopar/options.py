@@ -15,7 +15,7 @@ class Options:
     zero_prefetch: int = 1  # zero=3: layers gathered ahead of use (0: gather each layer only when it is used)
     schedule: str = "1f1b"
     microbatches: int = 1
-    bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB (DDP's default)
+    bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB, after a 1 MiB first bucket (as DDP)
     split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
     stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
     max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step

@@ -19,6 +19,7 @@ from autopar.options import Options
 from passes.cost import tensor_bytes
 from passes.pipeline import StageGraph, choose_split_points, shared_parameters, split_stages
 from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
+from runtime.buckets import bucket_sizes
 from runtime.schedule import Schedule, add_communication, make_schedule
 from runtime.simulate import simulate
 from runtime.zero import check_optimizer
@@ -211,7 +212,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
     program.plan.memory = {"parameters": params, "gradients": grads, "optimizer": factor * grads}
     program.plan.memory_note = f"largest on rank {worst}"
     program.plan.collectives = [
-        Collective(c.axis, c.op, max(1, -(-grads // options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
+        Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
         for c in program.plan.collectives
     ]
     return program
@@ -258,7 +259,7 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     collectives = []
     if mesh.dp > 1 and trainable:
-        n_buckets = max(1, -(-grad_bytes // options.bucket_bytes))
+        n_buckets = len(bucket_sizes(grad_bytes, options.bucket_bytes))
         collectives.append(Collective("dp", "all_reduce", n_buckets, grad_bytes, "gradient buckets, overlapped with backward"))
     batch = next((tuple(a.shape) for a in args if isinstance(a, torch.Tensor)), ())
     return Plan(

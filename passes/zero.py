@@ -5,7 +5,8 @@ parameters (names, local shapes, dtypes), the stage and the dp size, so the
 compiler and every rank's runtime compute the same one. Each ``FlatGroup`` lays
 its parameters end to end, padded to a multiple of the dp size ``n``; dp rank
 ``i`` owns elements ``[i * shard, (i + 1) * shard)``. Stages 1 and 2 group by
-gradient bucket (reverse parameter order, as backward produces gradients);
+gradient bucket (reverse parameter order, as backward produces gradients; a
+small first bucket, then ``bucket_bytes``, as ``runtime.buckets`` cuts them);
 stage 3 groups by layer (the path up to the first list index,
 ``transformer.h.3``), so one all-gather fetches one layer.
 
@@ -31,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Slot
+from runtime.buckets import assign_buckets
 
 STAGES = (1, 2, 3)
 
@@ -128,7 +130,6 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
         raise ValueError(f"dp size {n} must be >= 1")
     groups = [_group(name, [(name, shape)], dtype, n) for name, shape, dtype in params if name in alone]
     params = [p for p in params if p[0] not in alone]
-    first = len(groups)
     if stage == 3:
         layers: OrderedDict[tuple[str, torch.dtype], list] = OrderedDict()
         for name, shape, dtype in params:
@@ -140,19 +141,11 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
             label = layer if dtypes_of[layer] == 1 else f"{layer}:{str(dtype).removeprefix('torch.')}"
             groups.append(_group(label, members, dtype, n))
         return ZeroLayout(stage, n, tuple(groups))
-    bucket: list = []
-    size = 0
-    for name, shape, dtype in reversed(params):  # backward produces the last parameters' gradients first
-        nbytes = _numel(shape) * dtype.itemsize
-        if bucket and (size + nbytes > bucket_bytes or bucket[0][2] != dtype):
-            groups.append(_group(f"bucket{len(groups) - first}", [(a, b) for a, b, _ in bucket],
-                                 bucket[0][2], n))
-            bucket, size = [], 0
-        bucket.append((name, shape, dtype))
-        size += nbytes
-    if bucket:
-        groups.append(_group(f"bucket{len(groups) - first}", [(a, b) for a, b, _ in bucket],
-                             bucket[0][2], n))
+    order = list(reversed(params))  # backward produces the last parameters' gradients first
+    spans = assign_buckets([_numel(shape) * dtype.itemsize for _, shape, dtype in order],
+                           [dtype for _, _, dtype in order], bucket_bytes)
+    for k, span in enumerate(spans):
+        groups.append(_group(f"bucket{k}", [order[i][:2] for i in span], order[span[0]][2], n))
     return ZeroLayout(stage, n, tuple(groups))
 
 

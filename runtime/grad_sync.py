@@ -1,30 +1,51 @@
 """Data-parallel gradient averaging: bucketed all-reduces launched from gradient hooks.
 
-Parameters are grouped into buckets of about ``bucket_bytes`` in reverse
-graph order (the order backward produces their gradients). When the last
-gradient of a bucket has been accumulated, the bucket is flattened, divided by
-the group size and all-reduced asynchronously, so communication overlaps the
-rest of backward, as DDP does. ``finish`` launches what is left (parameters
-that got no gradient are skipped identically on every rank, since every rank
-runs the same graph), waits, and writes the averages back into ``.grad``.
+Each bucket owns a persistent flat buffer. When a parameter's gradient is
+complete (its post-accumulate-grad hook), it is divided by the group size
+straight into the parameter's slot of that buffer (one pass, no separate
+division), and ``.grad`` becomes a view of the slot, as DDP's
+``gradient_as_bucket_view`` does. When the last gradient of a bucket has
+arrived, the buffer is all-reduced asynchronously, so communication overlaps
+the rest of backward; once it completes the averages are already in
+``.grad``, with nothing to copy back.
+
+Bucket layout (``runtime.buckets``): the first bucket is small (1 MiB), the
+others ``bucket_bytes``. The first step's buckets follow reverse parameter
+order; its ``finish`` rebuilds them in the order the gradients actually
+arrived, as rank 0 of the group saw it (broadcast, so every rank agrees).
+
+Invariant: after ``finish`` each parameter that got a gradient on this step
+holds the average over the group of the ranks' gradients, computed as the sum
+of ``grad / size`` (bitwise what dividing before an all-reduce gives);
+parameters that got none keep ``.grad = None`` on every rank, since every rank
+runs the same graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from runtime.buckets import assign_buckets
+
 
 @dataclass(eq=False)
 class _Bucket:
+    """Parameters whose gradients travel in one all-reduce of ``flat``; ``views`` are their slots in it."""
+
     index: int
     params: list[torch.Tensor]
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    placed: list[bool]
     ready: int = 0
     launched: bool = False
     work: object = None
-    flat: torch.Tensor | None = None
-    grads: list[torch.Tensor] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.placed = [False] * len(self.params)
+        self.ready, self.launched, self.work = 0, False, None
 
 
 class BucketedAllReduce:
@@ -33,61 +54,89 @@ class BucketedAllReduce:
     def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
         self.enabled = True  # off for all but the last microbatch of an accumulation
-        self.buckets = _make_buckets([p for p in reversed(params) if p.requires_grad], bucket_bytes)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self.params = [p for p in params if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets = self._layout(list(reversed(self.params)))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.launch_order: list[int] = []  # bucket indices in launch order of the last step (for tests)
+        self.launched_in_backward = 0  # buckets of the last step launched from a hook (for tests)
+        self.arrival: list[int] | None = []  # indices into ``params`` as gradients arrive; None once rebuilt
+        self._done = False  # the last step finished: the next launch starts a new step's bookkeeping
+
+    def _layout(self, order: list[torch.Tensor]) -> list[_Bucket]:
+        """Buckets over ``order`` (parameters as their gradients arrive), each with a zeroed flat buffer."""
+        spans = assign_buckets([p.numel() * p.element_size() for p in order], [(p.dtype, p.device) for p in order],
+                               self.bucket_bytes)
+        buckets = []
+        for index, span in enumerate(spans):
+            members = [order[i] for i in span]
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+            views = list(torch.split(flat, [p.numel() for p in members]))
+            buckets.append(_Bucket(index, members, flat, [v.view_as(p) for v, p in zip(views, members)],
+                                   [False] * len(members)))
+        self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        return buckets
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
-        bucket = self._bucket_of[id(p)]
+        if self.arrival is not None:
+            self.arrival.append(self._index[id(p)])
+        bucket, i = self._slot[id(p)]
+        self._place(bucket, i)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
+            self.launched_in_backward += 1
+
+    def _place(self, bucket: _Bucket, i: int) -> None:
+        """Puts parameter ``i``'s ``grad / size`` in its slot and makes ``.grad`` that slot (once a step)."""
+        p, view = bucket.params[i], bucket.views[i]
+        if bucket.placed[i] or p.grad is None:
+            return
+        bucket.placed[i] = True
+        if p.grad.data_ptr() == view.data_ptr():  # accumulated into last step's slot (gradients not freed)
+            view.div_(self.size)
+        else:  # neither tensor requires grad: nothing for autograd to record, in backward or after it
+            torch.div(p.grad, self.size, out=view)
+        p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self._done:
+            self.launch_order, self.launched_in_backward, self._done = [], 0, False
         bucket.launched = True
         self.launch_order.append(bucket.index)
-        bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
-        if not bucket.grads:
+        if all(p.grad is None for p in bucket.params):
             return
-        bucket.flat = torch.cat([g.reshape(-1) for g in bucket.grads]).div_(self.size)
+        for i in range(len(bucket.params)):
+            self._place(bucket, i)  # gradients that came without a hook (sync disabled during backward)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
-        """Launches the buckets still waiting, waits for all, and writes the averages back."""
+        """Launches the buckets still waiting, waits for all; the averages are then in ``.grad``."""
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-                offset = 0
-                for g in bucket.grads:
-                    g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-            bucket.ready, bucket.launched, bucket.work, bucket.flat, bucket.grads = 0, False, None, None, []
+            bucket.clear()
+        self._done = True
+        if self.arrival:
+            self._rebuild(self.arrival)
+            self.arrival = None
 
-    def reset(self) -> None:
-        self.launch_order = []
-        for bucket in self.buckets:
-            bucket.ready, bucket.launched, bucket.work, bucket.flat, bucket.grads = 0, False, None, None, []
+    def _rebuild(self, arrival: list[int]) -> None:
+        """Lays the buckets out in rank 0's arrival order (the same on every rank); this step's ``.grad``
+        stay views of the old buffers until the optimizer's ``zero_grad`` drops them."""
+        seen = dict.fromkeys(arrival)
+        order = [*seen, *(i for i in range(len(self.params) - 1, -1, -1) if i not in seen)]
+        t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.buckets = self._layout([self.params[i] for i in t.tolist()])
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-
-
-def _make_buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
-    buckets: list[_Bucket] = []
-    size = bucket_bytes  # forces a new bucket for the first parameter
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if size + nbytes > bucket_bytes and (not buckets or buckets[-1].params):
-            buckets.append(_Bucket(index=len(buckets), params=[]))
-            size = 0
-        buckets[-1].params.append(p)
-        size += nbytes
-    return buckets

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import models
 from autopar import Mesh, parallelize
+from autopar.options import Options
 from autopar.testing import Run, assert_equivalent, reference_run, relative_errors
 from runtime.grad_sync import BucketedAllReduce
 
@@ -97,11 +98,11 @@ def _buckets_launch_during_backward() -> list:
     torch.manual_seed(0)
     model = models.mlp((8, 8, 8, 8, 2))
     params = list(model.parameters())
-    sync = BucketedAllReduce(params, group, bucket_bytes=8 * 8 * 8)  # about one layer per bucket
     x = torch.randn(4, 8, dtype=torch.float64) * (dist.get_rank() + 1)
+    local = torch.autograd.grad(model(x).sum(), params)  # this rank's gradients, before any sync
+    sync = BucketedAllReduce(params, group, bucket_bytes=8 * 8 * 8)  # about one layer per bucket
     model(x).sum().backward()
     launched_in_backward = [b.launched for b in sync.buckets]
-    local = [p.grad.clone() for p in params]
     sync.finish()
     for g in local:
         dist.all_reduce(g)
@@ -116,6 +117,66 @@ def test_gradient_buckets_are_all_reduced_from_hooks_during_backward(launcher) -
         assert all(launched), "every bucket must be launched from a gradient hook before backward returns"
         assert order == list(range(n)), "buckets hold parameters in reverse order, so they complete in order"
         assert equal
+
+
+def _overlap_with_default_buckets() -> dict:
+    """A 6.3M-parameter MLP (one 25 MiB bucket would hold nearly all of it) under the default bucket size."""
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+    params = list(model.parameters())
+    sync = BucketedAllReduce(params, group, bucket_bytes=Options().bucket_bytes)
+    first_layer_backward_started = []
+    model[0].register_full_backward_pre_hook(lambda *_: first_layer_backward_started.append(sync.launch_order[:]))
+    out = {}
+    for step in range(2):
+        model(torch.randn(2, 1024)).sum().backward()
+        sync.finish()
+        out[step] = {"launched_before_first_layer": first_layer_backward_started.pop(),
+                     "bucket_bytes": [b.flat.nbytes for b in sync.buckets],
+                     "grad_is_bucket_view": all(any(p.grad.data_ptr() == v.data_ptr() for b in sync.buckets
+                                                     for v in b.views) for p in params)}
+        for p in params:
+            p.grad = None
+    return out
+
+
+def test_default_buckets_overlap_backward(launcher) -> None:
+    """The first bucket is small (DDP's 1 MiB cap), so it is launched while earlier layers still run backward."""
+    for out in launcher(_overlap_with_default_buckets, 2):
+        for step in (0, 1):
+            assert out[step]["launched_before_first_layer"], f"step {step}: no bucket launched during backward"
+            sizes = out[step]["bucket_bytes"]
+            assert len(sizes) >= 2 and sizes[0] <= 2**20 + 4 * 1024 * 1024, sizes
+        assert out[0]["grad_is_bucket_view"] is False  # the first step's buffers were replaced by the rebuild
+        assert out[1]["grad_is_bucket_view"], "gradients must be views of the reduced buckets (no copy back)"
+
+
+def _arrival_order() -> list:
+    """Parameters registered in an order unlike backward's: buckets are rebuilt as gradients arrived."""
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Linear(512, 512) for _ in range(3))  # 1 MiB weights: one layer per first bucket
+    params = [*c.parameters(), *a.parameters(), *b.parameters()]  # forward runs a, b, c
+    sync = BucketedAllReduce(params, group, bucket_bytes=2**20)
+    index = {id(p): i for i, p in enumerate(params)}
+    steps = []
+    for _ in range(2):
+        layout = [sorted(index[id(p)] for p in bucket.params) for bucket in sync.buckets]
+        c(b(a(torch.randn(2, 512)))).sum().backward()
+        sync.finish()
+        steps.append((layout, sync.launch_order))
+        for p in params:
+            p.grad = None
+    return steps
+
+
+def test_buckets_follow_gradient_arrival_order(launcher) -> None:
+    for (layout0, order0), (layout1, order1) in launcher(_arrival_order, 2):
+        # the first step's buckets follow reverse registration order: b, a, c; c's completes first
+        assert layout0 == [[4, 5], [2, 3], [0, 1]] and order0 == [2, 0, 1]
+        # then they are rebuilt as the gradients arrived (c, b, a) and complete in order
+        assert layout1 == [[0, 1], [4, 5], [2, 3]] and order1 == [0, 1, 2]
 
 
 X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))

@@ -10,7 +10,9 @@ from torch.utils import _pytree as pytree
 import models
 from autopar import Mesh, parallelize
 from autopar.testing import assert_equivalent
+from autopar.options import Options
 from passes.zero import layer_of, zero_layout
+from runtime.buckets import bucket_sizes
 from runtime.zero import check_optimizer
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
@@ -152,6 +154,18 @@ def test_layout_partitions_every_element_once_in_balanced_shards(shapes, n, stag
         assert torch.equal(torch.cat(list(flat.chunk(n))), flat)  # shard i is [i * shard, (i + 1) * shard)
     if stage == 3:
         assert [g.name for g in layout.groups] == list(dict.fromkeys(layer_of(p) for p, _, _ in params))
+
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_default_buckets_start_small_so_the_first_reduce_scatter_overlaps_backward(stage: int) -> None:
+    """A model that fits one 25 MiB bucket still gets a first group of one layer (DDP's 1 MiB first cap),
+    and the planner counts the buckets the layout makes."""
+    layer = (("weight", (1024, 1024)), ("bias", (1024,)))  # 4 MiB + 4 KiB, float32
+    params = [(f"{i}.{k}", s, torch.float32) for i in range(6) for k, s in layer]
+    layout = zero_layout(params, stage=stage, n=2, bucket_bytes=Options().bucket_bytes)
+    assert [g.params for g in layout.groups] == [("5.bias", "5.weight"), tuple(p for p, _, _ in reversed(params[:10]))]
+    assert len(bucket_sizes(sum(g.nbytes for g in layout.groups), Options().bucket_bytes)) == len(layout.groups)
 
 
 def test_layers_are_found_by_list_index() -> None:
