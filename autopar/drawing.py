@@ -12,15 +12,7 @@ from typing import Any
 from torch.distributed.tensor import Shard
 
 from autopar.mesh import Mesh
-
-
-def layer_of(name: str) -> str:
-    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``; other parameters by their first module."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or name
+from passes.zero import layer_of
 
 
 def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int], dict[str, str]]]:
@@ -30,9 +22,8 @@ def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int]
     grid: dict[tuple[int, int], dict[str, str]] = {}
     for pp in range(mesh.pp):
         for tp in range(mesh.tp):
-            stages = program.stages_for(mesh.rank_of(pp=pp, tp=tp))
-            held = names if stages is None else [
-                n for st in stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params]
+            own = program.own_stages(mesh.rank_of(pp=pp, tp=tp))
+            held = names if own is None else [n for st in own for n in st.params]
             cells: dict[str, set[bool]] = {}
             for n in held:
                 cells.setdefault(layer_of(n), set()).add(isinstance(program.placements.get(n), Shard))

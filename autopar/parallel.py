@@ -46,6 +46,31 @@ class _Runtime:
     memory: MemoryAccount | None = None
 
 
+class NoParameters:
+    """The optimizer of a rank whose pipeline stages hold no trainable parameter: nothing to update."""
+
+    def __init__(self) -> None:
+        self.param_groups: list = []
+        self.state: dict = {}
+        self._hooks: list[Callable] = []
+
+    def register_step_post_hook(self, hook: Callable) -> None:
+        self._hooks.append(hook)
+
+    def step(self) -> None:
+        for hook in self._hooks:
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class ParallelModel:
     """An ``nn.Module`` compiled for a mesh. See ``parallelize``."""
 
@@ -118,8 +143,7 @@ class ParallelModel:
         state = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         mine = set(state)
         if program.stages is not None:
-            pp = groups.coord("pp")
-            mine = {n for st in program.stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
+            mine = {n for st in program.own_stages(groups.rank) for n in st.params}
         params = [p for n, p in self.model.named_parameters() if p.requires_grad and n in mine]
         zero = None
         if self.options.zero:
@@ -128,7 +152,9 @@ class ParallelModel:
                 raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                    f"{zero.layout.describe()}, the compiler as "
                                    f"{program.zero_layouts[groups.rank].describe()}; please report it with the model")
-        opt = zero.optimizer if zero else self.options.optimizer(params) if self.options.optimizer is not None else None
+        opt = zero.optimizer if zero else None
+        if zero is None and self.options.optimizer is not None:  # a pp rank whose stages hold no parameters
+            opt = self.options.optimizer(params) if params else NoParameters()  # (a head-less interleaved stage)
         sync = zero
         if groups["dp"] is not None and zero is None:
             sync = BucketedAllReduce(params, groups["dp"], self.options.bucket_bytes)
@@ -192,11 +218,11 @@ class ParallelModel:
 
     def _check_ownership(self, program: Program, rt: _Runtime) -> None:
         """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
-        stages = program.stages_for(rt.groups.rank)
-        if stages is None:
+        own = program.own_stages(rt.groups.rank)
+        if own is None:
             return
         pp = rt.groups.coord("pp")
-        used = {n for st in stages if program.schedule.stage_to_rank[st.index] == pp for n in st.params}
+        used = {n for st in own for n in st.params}
         mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
         held = {n for n, p in self.model.named_parameters() if any(p is q for q in mine)}
         if not used <= held | {n for n, p in self.model.named_parameters() if not p.requires_grad}:
@@ -272,7 +298,7 @@ class ParallelModel:
             if rt.grad_sync is not None:
                 rt.grad_sync.enabled = mb == len(parts) - 1 and not rt.shared_on_rank
 
-        rt.shared_on_rank = _shared_within_rank(program, rt.groups.coord("pp"))
+        rt.shared_on_rank = _shared_within_rank(program, rt.groups.rank)
         flat = [pytree.tree_leaves(p) for p in parts]
         loss = rt.pipeline.step(program.stages_for(rt.groups.rank), flat, rt.state, program.captured.constants, before_backward)
         if loss is None:
@@ -380,14 +406,13 @@ class ParallelModel:
         return checkpoint.load(path, rt, checkpoint_state(self.model, self.mesh, program, rt, self._full_shapes))
 
 
-def _shared_within_rank(program: Program, pp: int) -> bool:
-    """Whether two stages of this pp rank use one parameter (its gradient completes only after both)."""
+def _shared_within_rank(program: Program, rank: int) -> bool:
+    """Whether two stages of this rank use one parameter (its gradient completes only after both)."""
     seen: set[str] = set()
-    for st in program.stages:
-        if program.schedule.stage_to_rank[st.index] == pp:
-            if seen & set(st.params):
-                return True
-            seen |= set(st.params)
+    for st in program.own_stages(rank):
+        if seen & set(st.params):
+            return True
+        seen |= set(st.params)
     return False
 
 

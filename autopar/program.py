@@ -116,6 +116,14 @@ class Program:
             return self.rank_stages[rank]
         return self.stage_sets[self.plan.mesh.coords(rank)["tp"]] if self.stage_sets else self.stages
 
+    def own_stages(self, rank: int) -> list[StageGraph] | None:
+        """The stages ``rank`` holds and computes (those of its pp coordinate), None without pp."""
+        stages = self.stages_for(rank)
+        if stages is None:
+            return None
+        mine = self.schedule.stages_of(self.plan.mesh.coords(rank)["pp"])
+        return [st for st in stages if st.index in mine]
+
 
 def check_supported(mesh: Mesh, options: Options) -> None:
     """Rejects what cannot run, naming it (never a silent wrong answer)."""
@@ -177,10 +185,8 @@ def compile_program(
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
     """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
-    c = mesh.coords(rank)
-    stages = program.stages_for(rank)
-    graphs = ([st.gm for st in stages if program.schedule.stage_to_rank[st.index] == c["pp"]]
-              if stages is not None else [program.graphs[rank]])
+    own = program.own_stages(rank)
+    graphs = [st.gm for st in own] if own is not None else [program.graphs[rank]]
     sizes: dict[str, int] = {}
     for gm in graphs:
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]

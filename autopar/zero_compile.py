@@ -34,11 +34,10 @@ def local_shape(shape: tuple[int, ...], placement: Any, n: int, index: int) -> t
 
 def held_names(program: Any, rank: int) -> set[str] | None:
     """Names of the parameters and buffers ``rank``'s pipeline stages use (None: no pipeline, it holds all)."""
-    if program.stages is None:
+    own = program.own_stages(rank)
+    if own is None:
         return None
-    pp = program.plan.mesh.coords(rank)["pp"]
-    return {s.name for st in program.stages if program.schedule.stage_to_rank[st.index] == pp
-            for s in st.slots if s.kind in ("param", "buffer")}
+    return {s.name for st in own for s in st.slots if s.kind in ("param", "buffer")}
 
 
 def rank_parameters(program: Any, model: torch.nn.Module, rank: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -124,9 +123,9 @@ def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
     lowered_stages = {r: program.stages_for(r) for r in range(mesh.size)}  # before the rewrite
 
     def stages_of(ranks: list[int]) -> list:
-        pp, stages = mesh.coords(ranks[0])["pp"], list(lowered_stages[ranks[0]])
+        mine, stages = program.schedule.stages_of(mesh.coords(ranks[0])["pp"]), list(lowered_stages[ranks[0]])
         for i, st in enumerate(stages):
-            if program.schedule.stage_to_rank[st.index] == pp:
+            if st.index in mine:
                 gm = insert_gathers(st.gm, st.slots, program.zero_layouts[ranks[0]], axis="dp", ranks=ranks,
                                     prefetch=prefetch)
                 stages[i] = dataclasses.replace(st, gm=gm)

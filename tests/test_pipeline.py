@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import models
@@ -60,6 +60,7 @@ def skip_models(draw):
 
 @given(model=skip_models(), pp=st.sampled_from([2, 4]), schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
        m_per=st.sampled_from([1, 2]))
+@example(model=(4, ((0, 2),), 2), pp=4, schedule="interleaved-1f1b", m_per=1)  # a rank whose stages hold no parameter
 def test_random_skip_connections_across_stages(launcher, model, pp, schedule, m_per) -> None:
     depth, skips, width = model
     microbatches = pp * m_per if schedule == "interleaved-1f1b" else m_per * 2
