@@ -52,6 +52,18 @@ def model_inputs(model: torch.nn.Module, args: tuple | None, kwargs: dict | None
     return on_device(tuple(args), device), on_device(kwargs, device)
 
 
+def sequence_of(inputs: tuple | None, model: torch.nn.Module | None = None) -> bool:
+    """Whether a model's inputs have a sequence dim 1: token ids (B, S) or hidden states (B, S, H).
+
+    Images (B, C, H, W) have none. Without inputs: the model's guessed ones
+    (an image model's pixel values have none; anything else has one).
+    """
+    first = next((a for a in inputs or () if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        return inputs is None and getattr(model, "main_input_name", None) != "pixel_values"
+    return first.dim() == 3 or (first.dim() == 2 and not first.is_floating_point())
+
+
 def guess_inputs(model: torch.nn.Module, *, sequence: bool = True, batch: int = BATCH,
                  seq: int = SEQ) -> tuple[tuple, dict]:
     """Example inputs for a Hugging Face model (or a module with input embeddings), on its device.
@@ -65,7 +77,8 @@ def guess_inputs(model: torch.nn.Module, *, sequence: bool = True, batch: int = 
         return (_pixels(model, batch, device, sequence),), _flags(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embeddings is None or main not in (None, "input_ids"):
-        raise ValueError(f"cannot tell the inputs of {type(model).__name__} (main input {main!r}); {_HOW}")
+        what = f"its main input is {main!r}" if main else "it has no input embeddings and no Hugging Face main input"
+        raise ValueError(f"cannot tell the inputs of {type(model).__name__}: {what}; {_HOW}")
     if not sequence:
         raise ValueError(f"{type(model).__name__} takes token ids (batch, sequence); plan it with seq_len=... "
                          f"or {_HOW}")
