@@ -298,8 +298,8 @@ def _measure_rank(seconds: float) -> dict[str, float]:
 # ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1; the other
 # three are held out to check the fit (benchmarks/calibrate_a100.py, docs/planner.md).
 # The H100 preset reuses the A100 fit (no comparable public table was used to fit it).
-A100_EFFICIENCY = 0.75
-A100_NARROW = 375.0
+A100_EFFICIENCY = 0.77
+A100_NARROW = 500.0
 
 # gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
