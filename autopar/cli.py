@@ -112,7 +112,7 @@ def plan(argv: list[str]) -> int:
         built = load_factory(args.factory)()
     model, inputs = (built[0], tuple(built[1])) if isinstance(built, tuple) else (built, None)
     result = make_plan(model, args.devices, cluster=args.cluster, global_batch=args.global_batch or 2 * args.devices,
-                       seq_len=args.seq if sequence_of(inputs) else None, precision=args.precision,
+                       seq_len=args.seq if sequence_of(inputs, model) else None, precision=args.precision,
                        optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable)
     print(result.to_json(top=args.top) if args.json else result.render(top=args.top))
     return 0

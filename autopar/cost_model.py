@@ -151,6 +151,12 @@ class _Values:
     params: dict[str, int]
     trainable: frozenset[str]
     kind: str
+    owner: str  # a layer's module path and a dot: the parameters under it are the layer's own
+
+    def shared(self) -> dict[str, int]:
+        """Parameters stored once per rank: the head's, the tail's, those a layer uses but does not own (T5's)."""
+        return self.params if self.kind != "layer" else {
+            k: e for k, e in self.params.items() if not k.startswith(self.owner)}
 
 
 class CostModel:
@@ -185,7 +191,8 @@ class CostModel:
                 activations=ev((part.saved + attention) * act_bytes + part.saved_other),
                 entering=ev(seg.entering * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
-                ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind)
+                ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind,
+                owner=seg.name.removesuffix(".*") + ".")
         return self._values[key]
 
     def stages(self, config: Config) -> list[list[int]]:
@@ -397,8 +404,8 @@ class CostModel:
         holders: dict[str, set[int]] = {}
         sizes: dict[str, int] = {}
         for r, stages in enumerate(ranks):
-            for u in (u for st in stages for u in st if u.kind != "layer"):  # layers own their parameters
-                for name, numel in u.params.items():
+            for u in (u for st in stages for u in st):
+                for name, numel in u.shared().items():
                     if name in u.trainable:
                         holders.setdefault(name, set()).add(r)
                         sizes[name] = numel
@@ -433,9 +440,8 @@ def state_bytes(params: float, trainable: float, precision: Precision, optimizer
                 dp: int) -> dict[str, float]:
     """Bytes per device of parameters, gradients and optimizer state under ZeRO ``zero`` over ``dp`` ranks.
 
-    The ZeRO paper's accounting (Rajbhandari et al. 2020, section 5): stage 1
-    shards the optimizer state, stage 2 also the gradients, stage 3 also the
-    parameters; frozen parameters are never sharded and have no gradient.
+    The ZeRO paper's accounting (Rajbhandari et al. 2020, section 5): stage 1 shards the optimizer state,
+    stage 2 also the gradients, stage 3 also the parameters; frozen parameters are never sharded, have no gradient.
     """
     frozen = params - trainable
     return {
@@ -446,19 +452,15 @@ def state_bytes(params: float, trainable: float, precision: Precision, optimizer
 
 
 def _state_elements(units: list[_Values]) -> tuple[int, int]:
-    """(parameter, trainable parameter) elements a rank stores for ``units``.
-
-    Every layer instance has its own parameters; the head's and the tail's are
-    counted once (a tied embedding used by both is one tensor).
-    """
+    """(parameter, trainable parameter) elements a rank stores for ``units``: every layer instance's own
+    parameters, and once each the others (``_Values.shared``: a tied embedding is one tensor)."""
     total = trainable = 0
     shared: dict[str, tuple[int, bool]] = {}
     for u in units:
-        if u.kind == "layer":
-            total += sum(u.params.values())
-            trainable += sum(e for k, e in u.params.items() if k in u.trainable)
-        else:
-            shared.update({k: (e, k in u.trainable) for k, e in u.params.items()})
+        common = u.shared()
+        total += sum(e for k, e in u.params.items() if k not in common)
+        trainable += sum(e for k, e in u.params.items() if k not in common and k in u.trainable)
+        shared.update({k: (e, k in u.trainable) for k, e in common.items()})
     return total + sum(e for e, _ in shared.values()), trainable + sum(e for e, t in shared.values() if t)
 
 

@@ -47,11 +47,13 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture, tied_aliases
+from autopar.example_inputs import model_inputs
+from autopar.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
                                       output_elements, s_sym, saved_elements, saved_tensors, to_sympy, weight_width)
-from autopar.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, dynamic_export, family, match_nodes,
-                                   param_names, repeated_lists, representatives, segment_of_nodes, segment_params,
-                                   shortened)
+from autopar.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
+                                   match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
+                                   segment_params, shortened)
 from passes.cost import node_cost
 from passes.tensor_parallel import BACKWARD, FORWARD, tensor_parallel
 
@@ -132,32 +134,30 @@ class ModelProfile:
 # profile
 # ---------------------------------------------------------------------------
 
-def default_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 16) -> tuple:
-    """Token ids ``(batch, seq)`` for a model with input embeddings (Hugging Face models)."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embeddings is None:
-        raise ValueError(f"cannot tell the inputs of {type(model).__name__}; pass example_inputs=(x,) with the batch "
-                         "in dim 0 (and the sequence in dim 1)")
-    device = next(model.parameters()).device
-    return (torch.zeros(batch, seq, dtype=torch.long, device=device),)
-
-
 def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None,
                   example_kwargs: dict | None = None, sequence: bool = True,
                   tp_sizes: tuple[int, ...] = (1, 2, 4, 8), shorten: bool = True) -> ModelProfile:
-    """Captures ``model`` (meta-device models work) and returns its ``ModelProfile``.
+    """Captures ``model`` and returns its ``ModelProfile``.
+
+    A model on the meta device (or an accelerator) is captured as a CPU model
+    of fake tensors (``autopar/fake_cpu.py``): no memory, the CPU's code paths.
 
     ``example_inputs``: a small batch (dim 0 batch, dim 1 sequence when
-    ``sequence``); default: token ids of shape (2, 16). ``tp_sizes``: the
-    tensor-parallel sizes to analyze (sizes the model's shapes do not allow are
-    dropped, with a note).
+    ``sequence``); default: guessed from the
+    model (``autopar/example_inputs.py``: token ids of shape (2, 16), decoder
+    ids for an encoder-decoder, pixel values for an image model).
+    ``tp_sizes``: the tensor-parallel sizes to analyze (sizes the model's
+    shapes do not allow are dropped, with a note).
     """
-    args = tuple(example_inputs) if example_inputs is not None else default_inputs(model)
-    kwargs = example_kwargs or {}
+    args, kwargs = model_inputs(model, example_inputs, example_kwargs, sequence=sequence)
     lists = repeated_lists(model) if shorten else {}
-    notes = [f"{path}: {n} identical entries; {KEEP} captured, the last standing for all" for path, n in lists.items()]
-    with shortened(model, lists):
-        analysis = _Analysis(model, dynamic_export(model, args, kwargs, sequence), sequence, lists)
+    distinct = distinct_first(model, lists)
+    notes = [f"{path}: {n} identical entries; {KEEP} captured, the last standing for all" if path not in distinct else
+             f"{path}: {n} entries, identical after the first; {KEEP} captured, the second standing for the other "
+             f"{n - 1}" for path, n in lists.items()]
+    with as_fake_cpu(model) as mode, shortened(model, lists):  # a meta model is captured as a fake CPU one
+        args, kwargs = fake_inputs((args, kwargs), mode)
+        analysis = _Analysis(model, dynamic_export(model, args, kwargs, sequence), sequence, lists, distinct)
         sizes = [1]
         for n in sorted(set(tp_sizes) - {1}):
             try:
@@ -176,7 +176,7 @@ class _Analysis:
     """The symbolic graph of a (shortened) model, its segments, and what autograd saves in it."""
 
     def __init__(self, model: torch.nn.Module, ep: torch.export.ExportedProgram, sequence: bool,
-                 lists: dict[str, int]) -> None:
+                 lists: dict[str, int], distinct: set[str]) -> None:
         self.model = model
         self.gm = ep.graph_module
         self.sequence = sequence
@@ -189,7 +189,7 @@ class _Analysis:
         trainable = {nd for nd, name in self.param_nodes.items() if self.requires.get(name, True)}
         self.saved = saved_tensors(self.gm, set(self.param_nodes), trainable)
         order = list(dict.fromkeys(self.seg_of[n] for n in compute_nodes(self.gm)))
-        keep, count = representatives(order, lists)
+        keep, count = representatives(order, lists, distinct)
         self.keys = [k for k in order if k in keep]
         self.nodes = {k: [n for n in compute_nodes(self.gm) if self.seg_of[n] == k] for k in self.keys}
         self.segments = [self._segment(k, count[k]) for k in self.keys]
@@ -275,5 +275,5 @@ def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr) -> list[Colle
     return out
 
 
-__all__ = ["Collective", "Part", "Segment", "ModelProfile", "profile_model", "default_inputs", "b_sym", "s_sym",
+__all__ = ["Collective", "Part", "Segment", "ModelProfile", "profile_model", "b_sym", "s_sym",
            "KEEP", "ORIGIN", "repeated_lists", "shortened", "segment_of_nodes", "saved_tensors", "weight_width"]

@@ -15,9 +15,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from autopar.cluster import Cluster
 from autopar.cost_model import precision_of
+from autopar.example_inputs import sequence_of
 from autopar.plan_search import Candidate, evaluate, plan
 
 
@@ -38,13 +40,14 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     if first is None or first.dim() == 0:
         raise ValueError("parallelize(model, 'auto') needs a tensor input with the batch in dim 0")
     seq = first.shape[1] if sequence_of(example_inputs) else None
-    small = tuple(_two_rows(a) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == first.shape[0] else a
-                  for a in example_inputs)  # the profile's capture needs a batch of 2, whatever the global one
+    # the profile's capture needs a batch of 2, whatever the global one: every input with the batch dim is cut
+    small, small_kwargs = pytree.tree_map(lambda a: _two_rows(a, first.shape[0]), (tuple(example_inputs),
+                                                                                   example_kwargs or {}))
     states = _optimizer_states(optimizer)
     cluster = _local_cluster(devices)
     result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
                   precision=precision_of(next(model.parameters()).dtype), optimizer=states,
-                  example_inputs=small, example_kwargs=example_kwargs, runnable_only=True, recompute=(False,))
+                  example_inputs=small, example_kwargs=small_kwargs, runnable_only=True, recompute=(False,))
     chosen = result.best
     if dist.is_available() and dist.is_initialized():
         box = [chosen.config]
@@ -54,16 +57,11 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     return chosen
 
 
-def _two_rows(x: torch.Tensor) -> torch.Tensor:
+def _two_rows(x: object, batch: int) -> object:
+    """The first two rows of a tensor whose dim 0 is the batch; anything else unchanged."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch:
+        return x
     return x[:2] if x.shape[0] >= 2 else torch.cat([x, x])[:2]
-
-
-def sequence_of(inputs: tuple | None) -> bool:
-    """Whether a model's inputs have a sequence dim 1: token ids (B, S), or (B, S, H) and wider; default yes."""
-    first = next((a for a in inputs or () if isinstance(a, torch.Tensor)), None)
-    if first is None:
-        return inputs is None
-    return first.dim() >= 3 or (first.dim() == 2 and not first.is_floating_point())
 
 
 def _world_size() -> int:

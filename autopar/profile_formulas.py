@@ -38,20 +38,31 @@ def to_sympy(x: Any, names: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
 
 
 def export_symbols(ep: torch.export.ExportedProgram, seq: bool) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Export's symbols for the first input's dims 0 and 1 -> ``b`` and ``s``."""
-    user = [n for n, spec in zip(placeholders(ep.graph_module), ep.graph_signature.input_specs)
+    """Export's symbols for the inputs' dims 0 and 1 -> ``b`` and ``s``.
+
+    The first tensor input must keep both free; every other input's free dim
+    0 is the batch and dim 1 the sequence too (an encoder-decoder's decoder
+    ids: the planner's sequences are ``seq_len`` long on both sides).
+    """
+    user = [n.meta["val"] for n, spec in zip(placeholders(ep.graph_module), ep.graph_signature.input_specs)
             if spec.kind.name == "USER_INPUT" and isinstance(n.meta.get("val"), torch.Tensor)]
     if not user:
         raise ValueError("the model has no tensor input; the planner needs one whose dim 0 is the batch")
-    shape = user[0].meta["val"].shape
+    dims = [(0, b_sym), (1, s_sym)][: 2 if seq else 1]
     out = {}
-    for dim, symbol in [(0, b_sym), (1, s_sym)][: 2 if seq else 1]:
+    for dim, symbol in dims:
+        shape = user[0].shape
         if dim >= len(shape) or not isinstance(shape[dim], torch.SymInt):
             what = "batch" if dim == 0 else "sequence"
             raise ValueError(f"export fixed the {what} size of the first input (dim {dim}); the planner needs it free. "
                              f"Pass example_inputs whose dim {dim} can vary (batch and sequence sizes >= 2)"
                              + ("" if dim == 0 else ", or seq_len=None for a model without a sequence"))
         out[shape[dim].node.expr] = symbol
+    for val in user[1:]:
+        for dim, symbol in dims:
+            size = val.shape[dim] if dim < val.dim() else None
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                out.setdefault(size.node.expr, symbol)
     return out
 
 
@@ -75,6 +86,15 @@ class _Saved:
     elements: Any
     floating: bool
     itemsize: int
+
+
+def _run_device(x: Any) -> Any:
+    """The device of the fake run for a device the graph names: a meta-device model runs as fake CPU tensors.
+
+    Every device constant is retargeted, keyword or positional (``aten.to.device(x, device, dtype)``
+    from ``x.to(y.device)``, ``aten.arange(..., device=...)``), so no meta tensor meets a CPU one.
+    """
+    return torch.device("cpu") if isinstance(x, torch.device) and x.type == "meta" else x
 
 
 class SavedTensors(fx.Interpreter):
@@ -102,8 +122,7 @@ class SavedTensors(fx.Interpreter):
         return out
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if kwargs.get("device") == torch.device("meta"):  # a meta-device model runs as fake CPU tensors
-            kwargs = {**kwargs, "device": torch.device("cpu")}
+        args, kwargs = pytree.tree_map(_run_device, (args, kwargs))
         return super().call_function(target, args, kwargs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:

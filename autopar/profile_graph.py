@@ -48,7 +48,11 @@ def _signature(module: torch.nn.Module) -> tuple:
 
 
 def repeated_lists(model: torch.nn.Module) -> dict[str, int]:
-    """``{path: length}`` of module lists of 3+ entries that have the same type and parameter shapes."""
+    """``{path: length}`` of module lists of 3+ entries that have the same type and parameter shapes.
+
+    The first entry may differ in its parameters when the 3+ after it are alike
+    (T5's first block also holds the relative position bias): see ``distinct_first``.
+    """
     found: dict[str, int] = {}
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) <= KEEP:
@@ -56,9 +60,20 @@ def repeated_lists(model: torch.nn.Module) -> dict[str, int]:
         if any(path.startswith(p + ".") for p in found):
             continue
         entries = list(module)
-        if any(True for _ in entries[0].parameters()) and all(_signature(e) == _signature(entries[0]) for e in entries):
+        rest = entries[1:] if _first_differs(entries) else entries
+        if any(True for _ in rest[0].parameters()) and all(_signature(e) == _signature(rest[0]) for e in rest):
             found[path] = len(entries)
     return found
+
+
+def _first_differs(entries: list[torch.nn.Module]) -> bool:
+    return (len(entries) > KEEP + 1 and type(entries[0]) is type(entries[1])
+            and _signature(entries[0]) != _signature(entries[1]))
+
+
+def distinct_first(model: torch.nn.Module, lists: dict[str, int]) -> set[str]:
+    """The lists of ``lists`` whose first entry differs from the others (it is profiled on its own)."""
+    return {path for path in lists if _first_differs(list(model.get_submodule(path)))}
 
 
 @contextlib.contextmanager
@@ -157,8 +172,13 @@ def family(layer: str) -> str:
     return layer.rsplit(".", 1)[0]
 
 
-def representatives(order: list[str], lists: dict[str, int]) -> tuple[set[str], dict[str, int]]:
-    """Which captured segments stand for others, and how many they stand for."""
+def representatives(order: list[str], lists: dict[str, int],
+                    distinct: set[str] = frozenset()) -> tuple[set[str], dict[str, int]]:
+    """Which captured segments stand for others, and how many they stand for.
+
+    A shortened list's last captured entry stands for all its entries, or for
+    all but the first when the first differs (``distinct``): that one counts once.
+    """
     keep, count = set(), {}
     by_family: dict[str, list[str]] = {}
     for key in order:
@@ -168,7 +188,10 @@ def representatives(order: list[str], lists: dict[str, int]) -> tuple[set[str], 
         else:
             by_family.setdefault(family(key), []).append(key)
     for name, keys in by_family.items():
-        if name in lists:  # a shortened list: its last captured entry stands for all of them
+        if name in distinct and len(keys) > 1:
+            keep.update((keys[0], keys[-1]))
+            count[keys[0]], count[keys[-1]] = 1, lists[name] - 1
+        elif name in lists:
             keep.add(keys[-1])
             count[keys[-1]] = lists[name]
         else:

@@ -6,15 +6,23 @@ runnable configuration of every mesh, runs each for real and prints, per
 mesh, the predicted and the measured step time (median over rounds; in each
 round every configuration is compiled and stepped in turn, the order
 reversed every other round), the rank correlation of the two orders, and
-whether the planner's top mesh is the measured fastest.
+whether the planner's top mesh is the measured fastest. ``--check`` exits 1
+unless the checks that were once in the test suite hold (wall-clock, so
+they live here): every prediction within 2x of its measurement, rank
+correlation >= 0.6, the planner's top mesh within ``--top-within`` of the
+measured fastest (1.5 for the small GPT-2, whose meshes without tp tie
+within noise; 1.0 for the parameter-heavy LLaMA, where one mesh wins).
 Run: python benchmarks/planner_ranking.py [--layers 4] [--width 64] [--vocab 128] [--batch 16] [--seq 32]
                                           [--inner 0] [--untied] [--llama [--tied]] [--zero 0 1 2 3]
-                                          [--rounds 3] [--steps 4] [--preset]
+                                          [--rounds 3] [--steps 4] [--preset] [--check [--top-within 1.5]]
+The former test cases: ``--check`` (GPT-2) and
+``--llama --layers 16 --width 256 --vocab 8192 --batch 4 --seq 16 --zero 0 --check --top-within 1.0``.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -93,6 +101,8 @@ def main() -> None:
     p.add_argument("--tied", action="store_true", help="with --llama: tie the input embedding and the output")
     p.add_argument("--preset", action="store_true", help="plan with the 'cpu' preset instead of measuring")
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages the planner may choose")
+    p.add_argument("--check", action="store_true", help="exit 1 unless the predictions pass the checks above")
+    p.add_argument("--top-within", type=float, default=1.5, help="--check: the top mesh's time / the fastest's")
     a = p.parse_args()
     tied = a.tied if a.llama else not a.untied
     model_args = (a.layers, a.width, a.vocab, a.seq, a.inner, tied, "llama" if a.llama else "gpt2")
@@ -124,8 +134,24 @@ def main() -> None:
         f"{c.config.dp}x{c.config.pp}x{c.config.tp}: " + " ".join(f"{k}={float(v) * 1e3:.1f}" for k, v in
                                                           c.estimate.time.items() if float(v)) for c in chosen))
     fastest = min(range(len(chosen)), key=lambda i: measured[i])
-    print(f"rank correlation {spearman([c.step_time for c in chosen], measured):.2f}; planner's top is "
+    rho = spearman([c.step_time for c in chosen], measured)
+    print(f"rank correlation {rho:.2f}; planner's top is "
           f"{'the measured fastest' if fastest == 0 else f'{measured[0] / measured[fastest]:.2f}x the fastest'}")
+    if a.check:
+        sys.exit(check(chosen, measured, rho, a.top_within))
+
+
+def check(chosen: list[Any], measured: list[float], rho: float, top_within: float) -> int:
+    """0 when every prediction is within 2x, the orders correlate (rho >= 0.6) and the top is near the fastest."""
+    failed = [f"{c.config.describe()}: measured / predicted {t / c.step_time:.2f}, outside 0.5-2.0"
+              for c, t in zip(chosen, measured) if not 0.5 <= t / c.step_time <= 2.0]
+    if rho < 0.6:
+        failed.append(f"rank correlation {rho:.2f} < 0.6")
+    if measured[0] > top_within * min(measured):
+        failed.append(f"the planner's top mesh measured {measured[0] / min(measured):.2f}x the fastest "
+                      f"(allowed {top_within}x)")
+    print("check: " + ("passed" if not failed else "FAILED\n  " + "\n  ".join(failed)))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

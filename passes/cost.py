@@ -50,6 +50,9 @@ def matmul_flops(node: fx.Node) -> int | None:
         q, k = _shape(node.args[0]), _shape(node.args[1])
         if len(q) >= 2 and len(k) >= 2:
             return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
+    if "grouped_mm" in str(node.target):  # a mixture of experts' matmul: (M, K) rows, each by its group's (K, N)
+        k = _shape(node.args[0])[-1:] or (1,)
+        return 2 * out.numel() * k[0]
     if node.target == aten.convolution.default:
         w = _shape(node.args[1])
         return 2 * out.numel() * math.prod(w[1:])

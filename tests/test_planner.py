@@ -5,12 +5,13 @@
 - Throughput: model TFLOP/s per GPU of ten GPT runs on DGX-A100 (Narayanan et
   al. 2021, Table 1) within 10%.
 - This machine: predicted parameter, gradient and optimizer bytes of every rank
-  of six 4-rank meshes within 10% of ``pm.memory()``; each mesh's predicted
-  step time within 2x of the measured one and the order of the six meshes
-  correlated with the measured order; on a parameter-heavy LLaMA, the
-  planner's top mesh is the measured fastest (on a small GPT-2, where three
-  meshes tie within noise, within 1.5x of it).
-- Speed: planning GPT-3 175B for 1,024 devices takes under 30 seconds.
+  of six 4-rank meshes within 10% of ``pm.memory()``. Opt-in (``-m slow``;
+  wall-clock, so not in the default run): each mesh's predicted step time
+  within 2x of the measured one and the order of the six meshes correlated
+  with the measured order; on a parameter-heavy LLaMA, the planner's top mesh
+  is the measured fastest (on a small GPT-2, where three meshes tie within
+  noise, within 1.5x of it). ``benchmarks/planner_ranking.py --check`` and
+  ``benchmarks/planner_speed.py --check`` measure the same outside the suite.
 """
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ MEGATRON_TABLE_1 = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-QUICK_ROWS = (0, 3, 6, 9)  # the default run checks four rows; AUTOPAR_SLOW=1 checks all ten
+# The DGX constants (autopar/cluster.py) are fitted to the other seven rows (benchmarks/calibrate_a100.py); these
+# three, one per regime (tp only, tp with a short pipeline, a long pipeline), check runs the fit never saw.
+HELD_OUT_ROWS = (1, 4, 7)
+QUICK_ROWS = (*HELD_OUT_ROWS, 0)  # the default run checks the held-out rows and the smallest; -m slow all ten
 
 
 # ---------------------------------------------------------------------------
@@ -252,11 +256,9 @@ def test_errors_name_the_problem_and_the_fix(gpt2_profile) -> None:
 # speed and the command line
 # ---------------------------------------------------------------------------
 
-def test_planning_gpt3_175b_for_1024_devices_is_fast() -> None:
-    start = time.perf_counter()
+def test_planning_gpt3_175b_for_1024_devices() -> None:
+    """What the plan says (its speed, about 7 s, is measured by ``python benchmarks/planner_speed.py``)."""
     result = plan(gpt3_175b(), 1024, cluster="dgx-a100", global_batch=1536, seq_len=2048)
-    seconds = time.perf_counter() - start
-    assert seconds < 30, seconds
     assert result.profile.total_params == pytest.approx(175e9, rel=0.01)
     best = result.best
     assert best.fits and best.total_memory <= 80 * GB and best.config.tp <= 8  # tp stays inside a node
@@ -333,6 +335,27 @@ def _best_of_each_mesh(result: Any) -> list[Any]:
     return list(best.values())
 
 
+def test_predicted_memory_matches_the_account_on_local_ranks(launcher) -> None:
+    """The planner's best configuration of every mesh, run for a step: every rank's predicted state bytes."""
+    result = plan(_small_gpt2(), 4, cluster="cpu", global_batch=BATCH, seq_len=SEQ, precision="fp32",
+                  optimizer="adam", recompute=(False,), runnable_only=True)
+    chosen = _best_of_each_mesh(result)
+    assert len(chosen) >= 4
+    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 1)
+    for i, c in enumerate(chosen):
+        for rank in range(4):
+            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            account = runs[rank][i][1]
+            for key in ("parameters", "gradients", "optimizer"):
+                assert account[key] == pytest.approx(float(predicted[key]), rel=0.10), (c.config.describe(), rank, key)
+
+
+# Wall-clock checks (opt in: AUTOPAR_SLOW=1 python -m pytest -q -m slow tests/test_planner.py). Four ranks share
+# two cores with whatever else the machine runs, so step times and their order are not stable enough to gate a
+# landing; `python benchmarks/planner_ranking.py --check` measures the same in interleaved rounds (medians).
+
+@pytest.mark.slow
 def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
     cluster = Cluster.measure_local(4, seconds=0.2, launcher=launcher)
     result = plan(_small_gpt2(), 4, cluster=cluster, global_batch=BATCH, seq_len=SEQ, precision="fp32",
@@ -342,18 +365,11 @@ def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
     configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 5)
     measured = [max(runs[rank][i][0] for rank in range(4)) for i in range(len(chosen))]
-    for i, c in enumerate(chosen):
-        for rank in range(4):
-            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
-            account = runs[rank][i][1]
-            for key in ("parameters", "gradients", "optimizer"):
-                assert account[key] == pytest.approx(float(predicted[key]), rel=0.10), (c.config.describe(), rank, key)
-    # Step times. Every mesh's predicted time is within 2x of its measured one (docs/planner.md: 0.75-1.0x
-    # on this model). Ranking: on this small model the three meshes without tp measure within about 15% of
-    # each other and swap places between runs (4 ranks share 2 cores, and the machine runs other work),
-    # while every tp mesh is clearly slower; the decision that matters is shown on the next model. So the
-    # planner's top mesh must measure within 1.5x of the fastest, and its order of the six meshes must
-    # correlate with the measured order (Spearman's rho >= 0.6; 1 is the same order).
+    # Every mesh's predicted time is within 2x of its measured one (docs/planner.md: 0.75-1.0x on this model).
+    # Ranking: on this small model the three meshes without tp measure within about 15% of each other and swap
+    # places between runs, while every tp mesh is clearly slower; so the planner's top mesh must measure within
+    # 1.5x of the fastest, and its order of the six meshes must correlate with the measured order (Spearman's
+    # rho >= 0.6; 1 is the same order).
     report = [(c.config.describe(), f"predicted {c.step_time * 1e3:.1f} ms, measured {t * 1e3:.1f} ms")
               for c, t in zip(chosen, measured)]
     assert all(0.5 <= t / c.step_time <= 2.0 for c, t in zip(chosen, measured)), report
@@ -361,6 +377,7 @@ def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
     assert _spearman([c.step_time for c in chosen], measured) >= 0.6, report
 
 
+@pytest.mark.slow
 def test_the_planners_top_mesh_is_the_measured_fastest(launcher) -> None:
     """A model whose parameters outweigh its activations: one mesh is clearly fastest, and the planner picks it.
 
