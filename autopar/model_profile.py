@@ -54,7 +54,7 @@ from autopar.profile_formulas import (b_sym, entering_elements, export_symbols, 
 from autopar.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
-from passes.cost import node_cost
+from passes.cost import node_cost, requires_grad
 from passes.tensor_parallel import BACKWARD, FORWARD, tensor_parallel
 
 
@@ -251,17 +251,21 @@ class _Analysis:
         static_tokens = first.shape[0] * (first.shape[1] if self.sequence and first.dim() >= 2 else 1)
         tokens = b_sym * (s_sym if self.sequence and first.dim() >= 2 else 1) / sympy.Integer(static_tokens)
         by_key = by_segment(lowered, {nd.name: key for nd, key in static_seg.items()})
+        trainable = {ph for ph, slot in zip([nd for nd in lowered.graph.nodes if nd.op == "placeholder"], cap.slots)
+                     if slot.kind == "param" and self.requires.get(slot.name)}
+        grads = requires_grad(lowered, trainable)
         for key, seg in zip(self.keys, self.segments):
             params = {name: (e // n if isinstance(tp.placements.get(name), Shard) else e)
                       for name, e in seg.parts[1].params.items()}
             widths = {k: local_width[o] for k, o in same.items() if o in local_width}
             part = self._part(key, params, flops_factor, act_factor, len(by_key.get(key, [])), widths)
-            part.collectives = _collectives(by_key.get(key, []), n, tokens)
+            part.collectives = _collectives(by_key.get(key, []), n, tokens, grads)
             seg.parts[n] = part
 
 
-def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr) -> list[Collective]:
-    """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape."""
+def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[fx.Node, bool]) -> list[Collective]:
+    """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape;
+    a backward only where the collective's input needs a gradient (``grads``)."""
     out = []
     for node in nodes:
         if getattr(node.target, "namespace", None) != "autopar":
@@ -270,7 +274,7 @@ def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr) -> list[Colle
         local = numel_of(node.meta.get("val"))
         whole = local * n if name in ("chunk", "reduce_scatter", "all_to_all") else local  # unsharded elements
         for direction, table in (("forward", FORWARD), ("backward", BACKWARD)):
-            if table.get(name) and (direction == "forward" or node.meta.get("autopar.needs_grad", True)):
+            if table.get(name) and (direction == "forward" or grads.get(node.args[0], False)):
                 out.append(Collective(table[name], direction, sympy.expand(whole * tokens)))
     return out
 
