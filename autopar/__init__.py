@@ -18,7 +18,7 @@ _LAZY = {
     "WorkerPool": "runtime.launch",
     "testing": "autopar.testing",
     "plan": "autopar.planner",
-    "Cluster": "autopar.cluster",
+    "Cluster": "autopar.planner.cluster",
 }
 
 __all__ = ["CaptureError", "Mesh", "RankError", *_LAZY]

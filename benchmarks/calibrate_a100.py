@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from autopar.cluster import Cluster  # noqa: E402
-from autopar.model_profile import profile_model  # noqa: E402
+from autopar.planner.cluster import Cluster  # noqa: E402
+from autopar.planner.model_profile import profile_model  # noqa: E402
 from autopar.planner import gpt, plan  # noqa: E402
 from test_planner import HELD_OUT_ROWS, MEGATRON_TABLE_1, _megatron_flops  # noqa: E402
 

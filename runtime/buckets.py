@@ -2,7 +2,7 @@
 
 One rule serves data parallelism's all-reduces (``runtime.grad_sync``), ZeRO's
 reduce-scatters (``passes.zero.zero_layout``) and the planner's cost of both
-(``autopar.cost_model``), so the three agree. As DDP does, a bucket closes once
+(``autopar.planner.cost_model``), so the three agree. As DDP does, a bucket closes once
 it holds at least its cap (the first bucket's cap is ``FIRST_BUCKET_BYTES``,
 the others' ``bucket_bytes``) or when the dtype changes; a tensor is never
 split. The small first bucket is launched early in backward, so its

@@ -106,7 +106,7 @@ def test_compiling_prints_nothing(capsys) -> None:
 
 
 def test_plan_grid_and_picture(tmp_path: Path) -> None:
-    from autopar.drawing import draw_plan, plan_grid
+    from autopar.cli.drawing import draw_plan, plan_grid
 
     ids = torch.zeros(4, 8, dtype=torch.long)
     pm = parallelize(models.gpt2(), Mesh(pp=2, tp=2), example_inputs=(ids,), microbatches=2)

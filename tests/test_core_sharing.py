@@ -1,4 +1,4 @@
-"""The step simulation of ranks that share a node's cores (``autopar.core_sharing``).
+"""The step simulation of ranks that share a node's cores (``autopar.planner.core_sharing``).
 
 - With a core per rank it agrees with the schedule dry run (``runtime.simulate``)
   on every schedule, size and message time hypothesis draws.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.core_sharing import Comm, Phase, Task, makespan, step_programs
+from autopar.planner.core_sharing import Comm, Phase, Task, makespan, step_programs
 from runtime.schedule import make_schedule
 from runtime.simulate import simulate
 

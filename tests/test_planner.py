@@ -28,9 +28,9 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
-from autopar.cluster import GB, Cluster, Link
-from autopar.cost_model import PRECISIONS, Config, CostModel, state_bytes
-from autopar.model_profile import b_sym, profile_model, s_sym
+from autopar.planner.cluster import GB, Cluster, Link
+from autopar.planner.cost_model import PRECISIONS, Config, CostModel, state_bytes
+from autopar.planner.model_profile import b_sym, profile_model, s_sym
 from autopar.planner import gpt, gpt3_175b, plan
 from runtime.schedule import make_schedule
 
@@ -52,7 +52,7 @@ MEGATRON_TABLE_1 = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-# The DGX constants (autopar/cluster.py) are fitted to the other seven rows (benchmarks/calibrate_a100.py); these
+# The DGX constants (autopar/planner/cluster.py) are fitted to the other seven rows (benchmarks/calibrate_a100.py); these
 # three, one per regime (tp only, tp with a short pipeline, a long pipeline), check runs the fit never saw.
 HELD_OUT_ROWS = (1, 4, 7)
 QUICK_ROWS = (*HELD_OUT_ROWS, 0)  # the default run checks the held-out rows and the smallest; -m slow all ten
@@ -178,7 +178,7 @@ def test_activations_held_follow_the_schedule(gpt2_profile, schedule: str, pp: i
 
 def test_memory_traffic_counts_what_memory_bound_operators_read_and_write() -> None:
     """Views move nothing, an embedding reads the rows it returns, matmuls are charged by FLOPs instead."""
-    from autopar.profile_formulas import moved_elements
+    from autopar.planner.profile_formulas import moved_elements
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:

@@ -26,9 +26,9 @@ import torch
 
 import models
 from autopar.cli import main
-from autopar.cluster import GB
-from autopar.model_profile import b_sym, profile_model, s_sym
-from autopar.plan_auto import auto_choice
+from autopar.planner.cluster import GB
+from autopar.planner.model_profile import b_sym, profile_model, s_sym
+from autopar.planner.auto import auto_choice
 from autopar.planner import plan
 
 transformers = pytest.importorskip("transformers")

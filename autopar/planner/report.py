@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from autopar.cluster import gb
-from autopar.cost_model import b_sym
+from autopar.planner.cluster import gb
+from autopar.planner.cost_model import b_sym
 
 if TYPE_CHECKING:
-    from autopar.plan_search import Candidate, PlanResult
+    from autopar.planner.search import Candidate, PlanResult
 
 TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "optimizer")
 

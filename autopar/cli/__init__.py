@@ -70,7 +70,7 @@ def inspect(argv: list[str]) -> int:
                      microbatches=args.microbatches, schedule=args.schedule, zero=args.zero)
     print(pm.plan)
     if args.draw:
-        from autopar.drawing import draw_plan
+        from autopar.cli.drawing import draw_plan
 
         print(f"plan picture: {draw_plan(pm.compile(inputs, {}, target, with_loss=target is not None), mesh, args.draw)}")
     if args.rank is not None:
@@ -87,7 +87,7 @@ def inspect(argv: list[str]) -> int:
 
 
 def demo(argv: list[str]) -> int:
-    from autopar.demo import run
+    from autopar.cli.demo import run
 
     return run(argv)
 
@@ -137,6 +137,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopar {argv[0]}: error: {first}\n  (run with --debug for the traceback)", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.example_inputs import model_device
+from autopar.planner.example_inputs import model_device
 
 
 @contextlib.contextmanager

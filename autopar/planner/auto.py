@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.cluster import Cluster
-from autopar.cost_model import precision_of
-from autopar.example_inputs import sequence_of
-from autopar.plan_search import Candidate, evaluate, plan
+from autopar.planner.cluster import Cluster
+from autopar.planner.cost_model import precision_of
+from autopar.planner.example_inputs import sequence_of
+from autopar.planner.search import Candidate, evaluate, plan
 
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,

@@ -21,11 +21,11 @@ from typing import Any, Iterator
 import sympy
 import torch
 
-from autopar.cluster import Cluster, gb
-from autopar.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
-from autopar.model_profile import ModelProfile, profile_model
+from autopar.planner.cluster import Cluster, gb
+from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
+from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.mesh import Mesh
-from autopar.plan_report import explain, render_plan, render_table
+from autopar.planner.report import explain, render_plan, render_table
 
 
 @dataclass

@@ -30,9 +30,9 @@ autopar itself would run (placements, collectives, local shapes); only the
 dependence on ``b`` and ``s`` is taken from the symbolic graph.
 
 The graph walking (symbolic capture, repeated layers, segments, matching one
-capture against another) is in ``autopar/profile_graph.py``; the quantities in
+capture against another) is in ``autopar/planner/profile_graph.py``; the quantities in
 ``b`` and ``s`` (saved tensors, entering elements, matmul widths) are in
-``autopar/profile_formulas.py``. This module holds the profile's values and
+``autopar/planner/profile_formulas.py``. This module holds the profile's values and
 puts the two together.
 """
 from __future__ import annotations
@@ -47,11 +47,11 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture, tied_aliases
-from autopar.example_inputs import model_inputs
-from autopar.fake_cpu import as_fake_cpu, fake_inputs
-from autopar.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
+from autopar.planner.example_inputs import model_inputs
+from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
+from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
                                       output_elements, s_sym, saved_elements, saved_tensors, to_sympy, weight_width)
-from autopar.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
+from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
 from passes.cost import node_cost, requires_grad
@@ -140,11 +140,11 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
     """Captures ``model`` and returns its ``ModelProfile``.
 
     A model on the meta device (or an accelerator) is captured as a CPU model
-    of fake tensors (``autopar/fake_cpu.py``): no memory, the CPU's code paths.
+    of fake tensors (``autopar/planner/fake_cpu.py``): no memory, the CPU's code paths.
 
     ``example_inputs``: a small batch (dim 0 batch, dim 1 sequence when
     ``sequence``); default: guessed from the
-    model (``autopar/example_inputs.py``: token ids of shape (2, 16), decoder
+    model (``autopar/planner/example_inputs.py``: token ids of shape (2, 16), decoder
     ids for an encoder-decoder, pixel values for an image model).
     ``tp_sizes``: the tensor-parallel sizes to analyze (sizes the model's
     shapes do not allow are dropped, with a note).

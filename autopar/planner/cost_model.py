@@ -1,7 +1,7 @@
 """Memory per device and step time of one configuration, from a model's profile.
 
 ``CostModel(profile, cluster, precision, ...)`` turns a ``ModelProfile``
-(``autopar/model_profile.py``: the model's costs read from its own graph) into
+(``autopar/planner/model_profile.py``: the model's costs read from its own graph) into
 memory per device and step time for one ``Config`` (mesh, ZeRO stage,
 schedule, microbatches, recomputation), as numbers or, with ``symbolic=True``,
 as sympy expressions in the microbatch size ``b``. The formulas are in
@@ -16,9 +16,9 @@ from typing import Any
 import sympy
 import torch
 
-from autopar.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
-from autopar.core_sharing import Comm, Phase, makespan, step_programs
-from autopar.model_profile import ModelProfile, Segment, b_sym, s_sym
+from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
+from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
+from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 from runtime.buckets import bucket_sizes
 from runtime.schedule import make_schedule
 

@@ -1,7 +1,7 @@
 """The planner: choose data, tensor and pipeline parallelism, ZeRO, schedule and microbatches, and say why.
 
 ``plan(model, devices=N, cluster=..., global_batch=..., seq_len=...)`` profiles
-the model once from its graph (``autopar.cost_model``; a meta-device model
+the model once from its graph (``autopar.planner.cost_model``; a meta-device model
 needs no memory), then evaluates every configuration of the search space:
 
 - meshes ``dp x pp x tp = N`` (tp among the sizes the profile analyzed);
@@ -18,19 +18,19 @@ the choice in checkable sentences: what the largest layer needs, why a
 smaller tp or pp does not fit or is slower, what the bubble and the exposed
 communication cost.
 
-The planner's files: ``autopar/plan_search.py`` (the search space, evaluation
+The planner's files: ``autopar/planner/search.py`` (the search space, evaluation
 and ranking: ``plan``, ``Candidate``, ``PlanResult``),
-``autopar/plan_report.py`` (the table and the explanation),
-``autopar/plan_auto.py`` (``parallelize(model, "auto")``). This module is
+``autopar/planner/report.py`` (the table and the explanation),
+``autopar/planner/auto.py`` (``parallelize(model, "auto")``). This module is
 their entry point, with model factories for planning (``gpt``, ``gpt3_175b``).
 """
 from __future__ import annotations
 
 import torch
 
-from autopar.plan_auto import auto_choice, sequence_of
-from autopar.plan_report import explain
-from autopar.plan_search import Candidate, PlanResult, plan, search_space
+from autopar.planner.auto import auto_choice, sequence_of
+from autopar.planner.report import explain
+from autopar.planner.search import Candidate, PlanResult, plan, search_space
 
 
 def gpt(layers: int, hidden: int, heads: int, *, vocab: int = 51200, positions: int = 2048) -> torch.nn.Module:

@@ -9,7 +9,7 @@ graph's nodes by the segment of the captured node they came from.
 
 Invariant: nothing here changes a graph or a module, except ``shortened``,
 whose model is whole again when its ``with`` block ends. No sympy here: the
-symbolic quantities live in ``autopar/profile_formulas.py``.
+symbolic quantities live in ``autopar/planner/profile_formulas.py``.
 """
 from __future__ import annotations
 
