@@ -11,7 +11,10 @@ named collective is inserted (one per value and target placement, shared by all
 consumers). A Replicate value with a gradient consumed by an op whose output is
 sharded or partial goes through ``grad_all_reduce`` (identity forward,
 all-reduce backward). Shape arguments are rewritten to local sizes and ops the
-strategy cannot run on shards by themselves get their local replacement.
+strategy cannot run on shards by themselves get their local replacement, chosen
+here: the graph calls the ``LocalOp`` itself (``vocab_parallel_cross_entropy(op,
+axis, n, *args)``), which reads only the rank's index and the axis's collectives
+when it runs.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
-from passes.sharding_rules import R, local_args, local_op
+from passes.rules import local_args, replacement
+from passes.rules.base import R
 from runtime import collectives as coll
 
 autopar_ops = torch.ops.autopar
@@ -100,14 +104,7 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
             strategy = choices[node].strategy
             ins = tensor_inputs(node)
             vals = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-            rewritten = local_args(node.target, vals[0], vals[1], strategy, n, 0)
-            if n > 1 and rewritten != local_args(node.target, vals[0], vals[1], strategy, n, 1):
-                if ins:
-                    raise NotImplementedError(f"rank-dependent arguments with tensor inputs: {node.format_node()}")
-                env[node] = graph.call_function(coll.rank_local_call, (node.target, strategy, axis, n, *node.args),
-                                                dict(node.kwargs))
-                finish(node, env[node], strategy.output)
-                continue
+            rewritten = local_args(node.target, vals[0], vals[1], strategy, n)
             local = iter([local_input(arg, strategy.inputs[k], _needs_sync(arg, strategy, k, requires_grad))
                           for k, arg in enumerate(ins)])
             # tensors sit where the node's own tensor arguments sit: substitute by position
@@ -118,9 +115,9 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
             leaves = [next(local) if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
                       else o if isinstance(o, fx.Node) else new for o, new in zip(originals, leaves)]
             new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
-            if local_op(node.target, strategy, n, 0, coll.AxisCollectives(axis)) is not None:
-                env[node] = graph.call_function(coll.local_replacement,
-                                                (node.target, strategy.note, axis, n, *new_args), new_kwargs)
+            local_op = replacement(node.target, strategy)
+            if local_op is not None:
+                env[node] = graph.call_function(local_op, (node.target, axis, n, *new_args), new_kwargs)
             else:
                 env[node] = graph.call_function(node.target, tuple(new_args), new_kwargs)
             finish(node, env[node], strategy.output)

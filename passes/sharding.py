@@ -1,7 +1,7 @@
 """Sharding solver: one placement strategy per node for the tensor-parallel axis.
 
 ``solve_sharding(gm, n, ...)`` writes ``node.meta["autopar.placement"]`` (a
-``Strategy`` from ``passes.sharding_rules``) on every node and returns the
+``Strategy`` from ``passes.rules``) on every node and returns the
 choice. It minimizes the time of the collectives the choice implies (latency +
 bytes / bandwidth, forward and backward) under a per-rank parameter-memory
 budget, as an integer linear program (scipy's HiGHS): a binary variable per
@@ -44,8 +44,8 @@ from torch.utils import _pytree as pytree
 
 from passes.blocks import repeated_blocks
 from passes.cost import requires_grad, tensor_bytes
-from passes.sharding_rules import R, Strategy, strategies
-from passes.sharding_rules_nn import SUMS_INSIDE
+from passes.rules import SUMS_INSIDE, Strategy, strategies
+from passes.rules.base import R
 
 KEY = "autopar.placement"
 NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the parameters' (see above)

@@ -22,7 +22,7 @@ from passes.cost import requires_grad, tensor_bytes
 from passes.fused_projections import Interleave, interleave_fused_projections
 from passes.lower import lower_tp
 from passes.sharding import solve_sharding
-from passes.sharding_rules import has_rule, local_op
+from passes.rules import has_rule, replacement
 
 # backward of each forward collective (runtime/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
@@ -56,7 +56,7 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"
                      and ch.strategy.note in ("vocab-parallel", "batch-mean")
                      and nd.target is not torch.ops.aten.embedding.default  # masks ids; no communication
-                     and local_op(nd.target, ch.strategy, n, 0, None) is not None})
+                     and replacement(nd.target, ch.strategy) is not None})
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time

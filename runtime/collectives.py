@@ -186,7 +186,7 @@ def _tp_size(axis: str) -> int:
     return dist.get_world_size(current().group(axis))
 
 
-# -- local replacements of ops that cannot run on shards by themselves ---------------------------
+# -- what local replacements of ops (passes.rules.base.LocalOp) read at run time ---------------------
 class AxisCollectives:
     """The collectives a local replacement (vocab-parallel cross-entropy, ...) may call, on one axis."""
 
@@ -205,22 +205,6 @@ def axis_index(axis: str) -> int:
     if axis in _FAKE_SIZES.get():
         return 0
     return dist.get_rank(current().group(axis))
-
-
-def local_replacement(op: object, note: str, axis: str, n: int, *args: object, **kwargs: object) -> object:
-    """Runs the local replacement ``passes.sharding_rules.local_op`` gives for ``op`` under ``note``."""
-    from passes.sharding_rules import R, Strategy, local_op
-
-    fn = local_op(op, Strategy((), R, note), n, axis_index(axis), AxisCollectives(axis))
-    return fn(*args, **kwargs)
-
-
-def rank_local_call(op: object, strategy: object, axis: str, n: int, *args: object, **kwargs: object) -> object:
-    """Runs ``op`` with arguments that depend on this rank's index (e.g. its share of an ``arange``)."""
-    from passes.sharding_rules import local_args
-
-    local, local_kwargs = local_args(op, args, kwargs, strategy, n, axis_index(axis))
-    return op(*local, **local_kwargs)
 
 
 @all_reduce.register_fake

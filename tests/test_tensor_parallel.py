@@ -85,7 +85,7 @@ def test_llama_plan_is_megatron() -> None:
     assert placements["model.embed_tokens.weight"] == Shard(0)  # vocab-parallel
     assert placements["lm_head.weight"] == Shard(0)
     code = pm.graph(1).code
-    assert "torch.ops.autopar.all_reduce.default" in code and "vocab-parallel" in code
+    assert "torch.ops.autopar.all_reduce.default" in code and "vocab_parallel_cross_entropy(" in code
     text = str(pm.plan)
     assert "tp: S(0)" in text and "all_reduce" in text
 

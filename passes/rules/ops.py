@@ -1,39 +1,21 @@
 """Sharding rules for the general ops: pointwise ops (with dropout, dtype
 conversions and the metadata assertion) and creation ops (*_like, new_*,
-factories, arange), with the building blocks they are written with: ``_mapped``,
-``_except`` and ``_first`` serve the rules of ``passes.sharding_rules_shape`` and
-``passes.sharding_rules_nn`` too, and ``_local_size`` the shape rules' sizes.
+factories, arange).
 
-The entries are added to ``RULES``, ``LOCAL_ARGS`` and ``LOCAL_OPS`` of
-``passes.sharding_rules`` (import that module, not this one), and keep its
-invariant: every strategy is sound on real tensors, as
-``tests/test_sharding_rules.py`` checks for each entry.
+Every strategy is sound on real tensors, as ``tests/test_sharding_rules.py``
+checks for each entry.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.sharding_rules import (
-    LOCAL_ARGS,
-    LOCAL_OPS,
-    PARTIAL,
-    RULES,
-    Call,
-    Collectives,
-    Op,
-    Output,
-    P,
-    R,
-    Rule,
-    Strategy,
-    broadcast_placement,
-    divisible,
-    shard_choices,
-    summable,
+from passes.rules.base import (
+    PARTIAL, Call, Collectives, LocalArgs, LocalOp, Op, Output, P, R, Rule, Strategy, broadcast_placement,
+    dims_except, divide_at, divisible, first_tensor, local_size, mapped, shard_choices, summable,
 )
 
 aten = torch.ops.aten
@@ -57,40 +39,13 @@ def _broadcast(call: Call, note: str = "") -> list[Strategy]:
     ]
 
 
-def _mapped(call: Call, dims: dict[int, int], *, linear: bool, outputs: int | None = None) -> list[Strategy]:
-    """Ops with one main tensor (the first): main ``Shard(d)`` -> output ``Shard(dims[d])``
-    for each listed d that divides; with ``linear``, main Partial -> Partial. Other tensors
-    are Replicate. ``outputs``: None for one output, else the number of outputs."""
-    name = call.slots[0][0]
-    x = call.tensor(name)
-
-    def out(p: Any) -> Output:
-        return p if outputs is None else tuple([p] * outputs)
-
-    found = [
-        call.strategy(out(Shard(o)), "", **{name: Shard(d)}) for d, o in dims.items() if divisible(x.shape[d], call.n)
-    ]
-    if linear and summable(x):
-        found.append(call.strategy(out(P), PARTIAL, **{name: P}))
-    return found
-
-
-def _except(ndim: int, *skip: int) -> dict[int, int]:
-    """The identity dim map without the dims in ``skip``."""
-    return {d: d for d in range(ndim) if d not in skip}
-
-
-def _first(call: Call) -> torch.Tensor:
-    return call.tensor(call.slots[0][0])
-
-
 # ---------------------------------------------------------------------------
 # Pointwise ops.
 
 
 def _dropout(call: Call) -> list[Strategy]:
     identity = not call["train"] or call["p"] == 0
-    return _mapped(call, _except(_first(call).ndim), linear=identity)
+    return mapped(call, dims_except(first_tensor(call).ndim), linear=identity)
 
 
 def _additive(call: Call) -> list[Strategy]:
@@ -143,21 +98,14 @@ def _convert(call: Call) -> list[Strategy]:
 def _assert_metadata(call: Call) -> list[Strategy] | None:
     if call["stride"] is not None:
         return None
-    return _mapped(call, _except(call["a"].ndim), linear=True, outputs=0)
+    return mapped(call, dims_except(call["a"].ndim), linear=True, outputs=0)
 
 
-def _local_metadata(call: Call, strategy: Strategy, rank: int) -> tuple[tuple, dict]:
+def _local_metadata(call: Call, strategy: Strategy) -> tuple[tuple, dict]:
     placement, size = strategy.inputs[0], call["size"]
     if not isinstance(placement, Shard) or size is None:
         return call.args, call.kwargs
-    return call.replace(size=_divide_at(size, placement.dim, call.n))
-
-
-def _divide_at(size: Any, dim: int, n: int) -> list:
-    size = list(size)
-    if size[dim] != -1:
-        size[dim] = size[dim] // n
-    return size
+    return call.replace(size=divide_at(size, placement.dim, call.n))
 
 
 # ---------------------------------------------------------------------------
@@ -166,7 +114,7 @@ def _divide_at(size: Any, dim: int, n: int) -> list:
 
 def _like(call: Call) -> list[Strategy]:
     """*_like: the output takes the input's shards; a Partial input gives a Replicate output."""
-    found = _mapped(call, _except(call["self"].ndim), linear=False)
+    found = mapped(call, dims_except(call["self"].ndim), linear=False)
     return found + ([call.strategy(R, "", self=P)] if summable(call["self"]) else [])
 
 
@@ -184,14 +132,6 @@ def _factory(call: Call) -> list[Strategy]:
     return [call.strategy(out) for out in _shardable_size(call)]
 
 
-def _local_size(call: Call, strategy: Strategy, rank: int) -> tuple[tuple, dict]:
-    """Size-taking ops (view, expand, new_*, factories): the sharded output dim's size / n."""
-    name = "shape" if call.op is aten.reshape.default else "size"
-    if not isinstance(strategy.output, Shard):
-        return call.args, call.kwargs
-    return call.replace(**{name: _divide_at(call[name], strategy.output.dim, call.n)})
-
-
 def _arange_bounds(call: Call) -> tuple[int, int, int] | None:
     start, end, step = call.get("start", 0), call["end"], call.get("step", 1)
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step))
@@ -207,23 +147,16 @@ def _arange(call: Call) -> list[Strategy] | None:
     return [call.strategy(Shard(0), SHARD_RANGE)] if divisible(length, call.n) else []
 
 
-def _local_range(call: Call, strategy: Strategy, rank: int) -> tuple[tuple, dict]:
-    if strategy.note != SHARD_RANGE:
-        return call.args, call.kwargs
+@LocalOp
+def shard_range(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
+    """arange split into n consecutive ranges: rank r produces the r-th (arange(end) has no
+    start to shift, so it runs as arange(start, end))."""
     start, end, step = _arange_bounds(call)
     chunk = -((start - end) // step) // call.n
     low = start + rank * chunk * step
-    return call.replace(start=low, end=low + chunk * step)
-
-
-def _local_arange(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    """arange(end) has no start to shift: rank r runs arange(r * end/n, (r+1) * end/n)."""
-
-    def arange(end: int, **kwargs: Any) -> torch.Tensor:
-        chunk = end // n
-        return aten.arange.start(rank * chunk, (rank + 1) * chunk, **kwargs)
-
-    return arange
+    if call.op is aten.arange.default:
+        return aten.arange.start(low, low + chunk * step, **call.kwargs)
+    return call.run(start=low, end=low + chunk * step)
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +177,7 @@ _POINTWISE = [
     aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
 ]
 
-OP_RULES: dict[Op, Rule] = {
+RULES: dict[Op, Rule] = {
     # elementwise with broadcasting: shard any output dim; operands with it at size 1 replicate
     **dict.fromkeys(_POINTWISE, _broadcast),
     # dropout: as elementwise; the lowering keeps each rank's random mask the matching part of one mask
@@ -280,23 +213,15 @@ OP_RULES: dict[Op, Rule] = {
     **dict.fromkeys([aten.arange.default, aten.arange.start, aten.arange.start_step], _arange),
 }
 
-OP_LOCAL_ARGS: dict[Op, Callable[[Call, Strategy, int], tuple[tuple, dict]]] = {
+# op -> the function giving a rank's (args, kwargs): shape-like arguments at local sizes
+LOCAL_ARGS: dict[Op, LocalArgs] = {
     **dict.fromkeys([aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-                     aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format], _local_size),
-    **dict.fromkeys([aten.arange.start, aten.arange.start_step], _local_range),
+                     aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format], local_size),
     aten._assert_tensor_metadata.default: _local_metadata,
 }
 
-OP_LOCAL_OPS: dict[tuple[Op, str], Callable[..., Callable[..., Any]]] = {
-    (aten.arange.default, SHARD_RANGE): _local_arange,
+# (op, note) -> what a rank runs in place of the op under that strategy
+LOCAL_OPS: dict[tuple[Op, str], LocalOp] = {
+    # arange: each rank produces its own range
+    **{(op, SHARD_RANGE): shard_range for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
 }
-
-RULES.update(OP_RULES)
-LOCAL_ARGS.update(OP_LOCAL_ARGS)
-LOCAL_OPS.update(OP_LOCAL_OPS)
-
-# The shape rules and the reduction, normalization, attention, embedding and loss
-# rules use the blocks above, so they are imported here, once those exist: this
-# works in any import order.
-import passes.sharding_rules_shape  # noqa: E402,F401
-import passes.sharding_rules_nn  # noqa: E402,F401

@@ -1,45 +1,16 @@
-"""Per-ATen-op sharding rules for one mesh axis (the tensor-parallel axis).
+"""The vocabulary the sharding rules are written in: ``Strategy``, ``Call`` (one
+application of an op, its arguments by schema name), placements and notes, the
+einsum engine that derives every matmul-like rule, the blocks the other rules
+are built from (``mapped``, ``dims_except``, ``local_size``), and ``LocalOp``,
+the form of a replacement a rank runs in place of an op.
 
-``strategies(op, args, kwargs, n)`` lists the ways one op can run when its
-tensors are laid out over an axis of ``n`` ranks: each ``Strategy`` names a
-placement (``Shard(dim)``, ``Replicate()``, ``Partial()``) for every tensor
-input and for every output. ``local_args`` rewrites the shape-like arguments a
-rank passes to the op (view sizes, creation sizes, arange bounds), and
-``local_op`` supplies a replacement callable for the few strategies the op
-cannot compute on shards by itself (vocab-parallel embedding and
-cross-entropy, a mean over a sharded dim, ...).
-
-Invariant: every strategy returned is sound. Sharding the inputs as it says,
-running the op locally on each rank (``(local_op(...) or op)(*local_args(...))``)
-and reassembling the per-rank results as the output placement says gives the
-op's result on the full tensors. ``tests/test_sharding_rules.py`` checks this
-against real tensors for every entry of ``RULES``.
-
-Conventions:
-- ``Shard(d)`` always carries a non-negative dim, and a sharded dim is split
-  into ``n`` equal contiguous chunks (rank r holds chunk r): only dims whose
-  size divides by ``n`` are ever sharded; uneven shards are the solver's job.
-- ``Partial()`` means "each rank holds a summand; the full value is the sum
-  over ranks". Only floating-point (or complex) tensors are ever Partial.
-- ``Strategy.inputs`` has one entry per tensor in the pytree-flattened
-  ``(args, kwargs)``. The entry is ``None`` only for a tensor the op never
-  reads: the tuple elements that ``operator.getitem`` does not select.
-- The first strategy is always the all-Replicate one; an op without a rule
-  gets only that one, never a guess.
-- Random ops (dropout, attention with dropout_p > 0) are sound on the
-  condition that the lowering has each rank draw its part of one random mask
-  (all of the same mask when replicated); the rules cover only their shapes.
-
-The matmul family lives here, written as einsum strings and derived by one
-function (``einsum_strategies``); pointwise and creation rules live in
-``passes/sharding_rules_ops.py``, shape rules (views, slicing, concatenation,
-indexing) in ``passes/sharding_rules_shape.py``, reduction, normalization,
-attention, embedding and loss rules in ``passes/sharding_rules_nn.py``; each
-adds its entries to the same tables.
+The tables themselves live in the modules of ``passes.rules`` (one per family
+of ops), which ``passes/rules/__init__.py`` assembles into one registry.
 """
 
 from __future__ import annotations
 
+import functools
 import string
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, Union
@@ -49,10 +20,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from runtime.collectives import AxisCollectives, axis_index
+
 __all__ = [
-    "Strategy", "Collectives", "Call", "RULES", "LOCAL_ARGS", "LOCAL_OPS",
-    "strategies", "local_args", "local_op", "has_rule", "einsum_strategies",
+    "Strategy", "Collectives", "Call", "LocalOp", "Rule", "LocalArgs", "einsum_strategies",
     "explicit_equation", "broadcast_placement", "divisible", "summable", "shard_choices",
+    "norm_dim", "mapped", "dims_except", "first_tensor", "local_size", "divide_at",
 ]
 
 aten = torch.ops.aten
@@ -64,7 +37,7 @@ Ref = Union[str, tuple[str, int]]  # an argument name, or (list argument name, i
 R = Replicate()
 P = Partial()
 
-# Notes. Most are descriptive; LOCAL_OPS is keyed on (op, note).
+# Notes. Most are descriptive; the tables of local ops are keyed on (op, note).
 REPLICATE = "replicate"
 PARTIAL = "partial"  # a Partial input flows through an op linear in it
 BATCH = "batch"  # a dim every operand has
@@ -85,7 +58,7 @@ class Strategy:
     ``output``: a placement, or a tuple of them when the op returns several
     tensors (``()`` when it returns none). ``Shard`` dims are non-negative.
     ``note``: what the strategy is ("column-parallel", "row-parallel", ...);
-    ``local_op`` keys its replacements on it.
+    the tables of local ops key their replacements on it.
     """
 
     inputs: tuple[Placement | None, ...]
@@ -188,10 +161,14 @@ class Call:
                 kwargs[name] = value
         return tuple(args), kwargs
 
+    def run(self, **values: Any) -> Any:
+        """The op applied to its arguments, the named ones replaced."""
+        args, kwargs = self.replace(**values)
+        return self.op(*args, **kwargs)
+
 
 Rule = Callable[[Call], "list[Strategy] | None"]
-LocalArgs = Callable[[Call, Strategy, int], "tuple[tuple, dict]"]
-LocalOpFactory = Callable[[Op, int, int, "Collectives | None"], Callable[..., Any]]
+LocalArgs = Callable[[Call, Strategy], "tuple[tuple, dict]"]
 
 
 # ---------------------------------------------------------------------------
@@ -262,56 +239,6 @@ def broadcast_placement(t: torch.Tensor | None, out_dim: int, out_ndim: int, siz
     return Shard(d) if d >= 0 and t.shape[d] == size else R
 
 
-def _letters(k: int) -> str:
-    """``k`` letters for batch dims, distinct from the lowercase ones the equations use."""
-    return string.ascii_uppercase[:k]
-
-
-def _mm(call: Call) -> list[Strategy]:
-    return einsum_strategies(call, "mk,kn->mn", ["self", "mat2"])
-
-
-def _bmm(call: Call) -> list[Strategy]:
-    return einsum_strategies(call, "bmk,bkn->bmn", ["self", "mat2"])
-
-
-def _addmm(call: Call) -> list[Strategy]:
-    return einsum_strategies(call, "mk,kn->mn", ["mat1", "mat2"], bias="self")
-
-
-def _baddbmm(call: Call) -> list[Strategy]:
-    return einsum_strategies(call, "bmk,bkn->bmn", ["batch1", "batch2"], bias="self")
-
-
-def _linear(call: Call) -> list[Strategy] | None:
-    x, w = call["input"], call["weight"]
-    if x.ndim == 0 or w.ndim not in (1, 2):
-        return None
-    batch = _letters(x.ndim - 1)
-    equation = f"{batch}k,nk->{batch}n" if w.ndim == 2 else f"{batch}k,k->{batch}"
-    return einsum_strategies(call, equation, ["input", "weight"], None if call["bias"] is None else "bias")
-
-
-def _matmul(call: Call) -> list[Strategy] | None:
-    a, b = call["self"], call["other"]
-    if a.ndim == 0 or b.ndim == 0:
-        return None
-    batch_a, batch_b = max(a.ndim - 2, 0), max(b.ndim - 2, 0)
-    batch = _letters(max(batch_a, batch_b))
-    la = batch[len(batch) - batch_a :] + ("mk" if a.ndim >= 2 else "k")
-    lb = batch[len(batch) - batch_b :] + ("kn" if b.ndim >= 2 else "k")
-    out = batch + ("m" if a.ndim >= 2 else "") + ("n" if b.ndim >= 2 else "")
-    return einsum_strategies(call, f"{la},{lb}->{out}", ["self", "other"])
-
-
-def _einsum(call: Call) -> list[Strategy] | None:
-    tensors = call["tensors"]
-    equation = explicit_equation(call["equation"], [t.ndim for t in tensors])
-    if equation is None:
-        return None
-    return einsum_strategies(call, equation, [("tensors", i) for i in range(len(tensors))])
-
-
 def explicit_equation(equation: str, ndims: Sequence[int]) -> str | None:
     """An einsum equation with its ellipses spelled out as letters and its output
     made explicit; None when an operand repeats a letter (a diagonal)."""
@@ -340,119 +267,84 @@ def explicit_equation(equation: str, ndims: Sequence[int]) -> str | None:
     return ",".join(expanded) + "->" + out
 
 
-RULES: dict[Op, Rule] = {
-    aten.mm.default: _mm,  # "mk,kn->mn"
-    aten.bmm.default: _bmm,  # "bmk,bkn->bmn"
-    aten.addmm.default: _addmm,  # bias + "mk,kn->mn" (GPT-2 Conv1D: weight is (in, out))
-    aten.baddbmm.default: _baddbmm,  # bias + "bmk,bkn->bmn"
-    aten.linear.default: _linear,  # "...k,nk->...n" + bias "n" (weight is (out, in))
-    aten.matmul.default: _matmul,  # "...mk,...kn->...mn", batch dims broadcast, 1-D operands squeezed
-    aten.einsum.default: _einsum,  # the equation itself, ellipses spelled out
-}
 
-# op -> function(call, strategy, rank) returning the local (args, kwargs); ops absent here
-# run with their arguments unchanged.
-LOCAL_ARGS: dict[Op, LocalArgs] = {}
+# ---------------------------------------------------------------------------
+# Blocks the rules of several tables are built from.
 
-# (op, note) -> factory(op, n, rank, collectives) returning the callable a rank runs in
-# place of the op, for strategies the op cannot compute on shards by itself.
-LOCAL_OPS: dict[tuple[Op, str], LocalOpFactory] = {}
+
+def mapped(call: Call, dims: dict[int, int], *, linear: bool, outputs: int | None = None) -> list[Strategy]:
+    """Ops with one main tensor (the first): main ``Shard(d)`` -> output ``Shard(dims[d])``
+    for each listed d that divides; with ``linear``, main Partial -> Partial. Other tensors
+    are Replicate. ``outputs``: None for one output, else the number of outputs."""
+    name = call.slots[0][0]
+    x = call.tensor(name)
+
+    def out(p: Any) -> Output:
+        return p if outputs is None else tuple([p] * outputs)
+
+    found = [
+        call.strategy(out(Shard(o)), "", **{name: Shard(d)}) for d, o in dims.items() if divisible(x.shape[d], call.n)
+    ]
+    if linear and summable(x):
+        found.append(call.strategy(out(P), PARTIAL, **{name: P}))
+    return found
+
+
+def dims_except(ndim: int, *skip: int) -> dict[int, int]:
+    """The identity dim map without the dims in ``skip``."""
+    return {d: d for d in range(ndim) if d not in skip}
+
+
+def first_tensor(call: Call) -> torch.Tensor:
+    return call.tensor(call.slots[0][0])
+
+
+def local_size(call: Call, strategy: Strategy) -> tuple[tuple, dict]:
+    """Size-taking ops (view, expand, new_*, factories): the sharded output dim's size / n."""
+    name = "shape" if call.op is aten.reshape.default else "size"
+    if not isinstance(strategy.output, Shard):
+        return call.args, call.kwargs
+    return call.replace(**{name: divide_at(call[name], strategy.output.dim, call.n)})
+
+
+def divide_at(size: Any, dim: int, n: int) -> list:
+    """``size`` with entry ``dim`` divided by ``n`` (-1, "infer", left as it is)."""
+    size = list(size)
+    if size[dim] != -1:
+        size[dim] = size[dim] // n
+    return size
 
 
 # ---------------------------------------------------------------------------
-# The public entry points.
+# Local replacements.
 
 
-def has_rule(op: Op) -> bool:
-    """Whether ``op`` has a sharding rule (otherwise it only runs replicated)."""
-    return op in RULES
+class LocalOp:
+    """What a rank runs in place of an op, for a strategy the op cannot compute on shards by
+    itself (vocab-parallel cross-entropy, a mean over a sharded dim, ...). Written as a
+    module-level ``@LocalOp def name(call, rank, collectives)``, ``call`` binding the op's
+    local arguments.
 
+    The lowering resolves the replacement and puts the ``LocalOp`` itself into the graph,
+    called as ``name(op, axis, n, *args, **kwargs)``: the lowered graph is one graph for all
+    ranks of the axis, so the rank's index on ``axis`` and the axis's collectives are read
+    from the runtime's binding when it runs. ``bind`` gives the callable of one rank, for
+    collectives of one's own (tests). A ``LocalOp`` pickles by reference, like a function.
+    """
 
-def strategies(op: Op, args: Sequence[Any], kwargs: dict[str, Any], n: int) -> list[Strategy]:
-    """Every valid strategy for ``op`` applied to ``(args, kwargs)`` on an axis of ``n``
-    ranks, the all-Replicate one first. Tensors in ``args`` / ``kwargs`` may be real,
-    fake or meta: only their shapes and dtypes are read."""
-    call = Call(op, args, kwargs, n)
-    rule = RULES.get(op)
-    found = (rule(call) or []) if rule is not None else []
-    replicated = [s for s in found if _is_replicate(s)]
-    if replicated:
-        first = Strategy(replicated[0].inputs, replicated[0].output, REPLICATE)
-    else:
-        output = _replicate_like(found[0].output) if found else _replicated_output(call)
-        first = call.strategy(output, REPLICATE)
-    unique: dict[tuple, Strategy] = {}
-    for s in [first, *found]:
-        if len(s.inputs) != len(call.slots):
-            raise AssertionError(f"rule for {op} gave {len(s.inputs)} input placements for {len(call.slots)} tensors")
-        unique.setdefault((s.inputs, s.output), s)
-    return list(unique.values())
+    def __init__(self, fn: Callable[[Call, int, "Collectives | None"], Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
 
+    def bind(self, op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
+        """The callable rank ``rank`` (of ``n``) runs instead of ``op``."""
+        return lambda *args, **kwargs: self.fn(Call(op, args, kwargs, n), rank, collectives)
 
-def local_args(
-    op: Op, args: Sequence[Any], kwargs: dict[str, Any], strategy: Strategy, n: int, rank: int
-) -> tuple[tuple, dict]:
-    """The ``(args, kwargs)`` rank ``rank`` calls the op with under ``strategy``: shape-like
-    arguments rewritten to local sizes, every tensor passed through as given (so pass the
-    local shards, or substitute them afterwards)."""
-    rewrite = LOCAL_ARGS.get(op)
-    if rewrite is None:
-        return tuple(args), dict(kwargs)
-    return rewrite(Call(op, args, kwargs, n), strategy, rank)
+    def __call__(self, op: Op, axis: str, n: int, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(Call(op, args, kwargs, n), axis_index(axis), AxisCollectives(axis))
 
+    def __reduce__(self) -> str:
+        return self.__qualname__
 
-def local_op(
-    op: Op, strategy: Strategy, n: int, rank: int, collectives: Collectives | None = None
-) -> Callable[..., Any] | None:
-    """The callable rank ``rank`` runs instead of ``op`` under ``strategy``, called with
-    ``local_args``; None when the op itself runs on the shards. Some replacements
-    communicate through ``collectives`` (vocab-parallel cross-entropy, a loss mean over a
-    sharded batch) and need it bound to the tp axis."""
-    make = LOCAL_OPS.get((op, strategy.note))
-    return None if make is None else make(op, n, rank, collectives)
-
-
-def _is_replicate(s: Strategy) -> bool:
-    outputs = s.output if isinstance(s.output, tuple) else (s.output,)
-    return all(p is None or p == R for p in s.inputs) and all(p == R for p in outputs)
-
-
-def _replicate_like(output: Output) -> Output:
-    return tuple(R for _ in output) if isinstance(output, tuple) else R
-
-
-def _replicated_output(call: Call) -> Output:
-    """All-Replicate output for an op without a (matching) rule, shaped by its schema."""
-    schema = getattr(call.op, "_schema", None)
-    if schema is None:
-        return R
-    returns = [r.type for r in schema.returns]
-    if len(returns) == 1 and isinstance(returns[0], torch.TensorType):
-        return R
-    outputs: list[Placement] = []
-    for t in returns:
-        if isinstance(t, torch.TensorType):
-            outputs.append(R)
-        elif isinstance(t, torch.ListType) and isinstance(t.getElementType(), torch.TensorType):
-            outputs += [R] * len(_run_on_meta(call))
-    return tuple(outputs)
-
-
-def _run_on_meta(call: Call) -> Any:
-    """The op run on meta copies of its tensors (to count a tensor-list result)."""
-    def meta(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.empty(v.shape, dtype=v.dtype, device="meta")
-        if isinstance(v, (list, tuple)):
-            return type(v)(meta(x) for x in v)
-        return v
-
-    return call.op(*meta(call.args), **{k: meta(v) for k, v in call.kwargs.items()})
-
-
-# The other rules add themselves to RULES / LOCAL_ARGS / LOCAL_OPS on import:
-# sharding_rules_ops, which imports sharding_rules_shape and sharding_rules_nn at its
-# end (they use its building blocks, so importing them from here would fail when
-# sharding_rules_ops is the first module imported).
-import passes.sharding_rules_ops  # noqa: E402,F401
-
+    def __repr__(self) -> str:
+        return f"<local op {self.__module__}.{self.__qualname__}>"

@@ -3,41 +3,21 @@ max-like, cumsum, softmax), normalization, attention, embedding and losses, with
 the local ops that compute their mean-of-shards, vocab-parallel and batch-mean
 strategies.
 
-The entries are added to ``RULES`` and ``LOCAL_OPS`` of ``passes.sharding_rules``
-(import that module, not this one), and keep its invariant: every strategy is
-sound on real tensors, as ``tests/test_sharding_rules.py`` checks for each entry.
-The rules are built from the blocks in ``passes.sharding_rules_ops``.
+Every strategy is sound on real tensors, as ``tests/test_sharding_rules.py``
+checks for each entry (the cases for these ops are in ``tests/harness/cases/nn.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.sharding_rules import (
-    BATCH,
-    BATCH_MEAN,
-    COLUMN_PARALLEL,
-    LOCAL_OPS,
-    MEAN_OF_SHARDS,
-    PARTIAL,
-    RULES,
-    VOCAB_PARALLEL,
-    Call,
-    Collectives,
-    Op,
-    P,
-    R,
-    Rule,
-    Strategy,
-    broadcast_placement,
-    divisible,
-    norm_dim,
-    summable,
+from passes.rules.base import (
+    BATCH, BATCH_MEAN, COLUMN_PARALLEL, MEAN_OF_SHARDS, PARTIAL, VOCAB_PARALLEL, Call, Collectives, LocalOp, Op, P,
+    R, Rule, Strategy, broadcast_placement, dims_except, divisible, first_tensor, mapped, norm_dim, summable,
 )
-from passes.sharding_rules_ops import _except, _first, _mapped
 
 aten = torch.ops.aten
 
@@ -51,8 +31,8 @@ SPLIT_QUERIES = "split-queries"  # attention sharded on the query positions
 
 def _along(call: Call, *, linear: bool) -> list[Strategy]:
     """Ops along one dim (softmax, cumsum): any other dim may be sharded."""
-    x = _first(call)
-    return _mapped(call, _except(x.ndim, norm_dim(call["dim"], x.ndim)), linear=linear)
+    x = first_tensor(call)
+    return mapped(call, dims_except(x.ndim, norm_dim(call["dim"], x.ndim)), linear=linear)
 
 
 def _cumsum(call: Call) -> list[Strategy]:
@@ -77,7 +57,7 @@ def _reduction(kind: str) -> Rule:
         outputs = 2 if call.op in (aten.max.dim, aten.min.dim) else None
         linear = kind != "max" and summable(x) and summable(call.get("dtype", x.dtype))
         kept = {d: d if keep else d - sum(r < d for r in reduced) for d in range(x.ndim) if d not in reduced}
-        found = _mapped(call, kept, linear=linear, outputs=outputs)
+        found = mapped(call, kept, linear=linear, outputs=outputs)
         if linear:
             note = PARTIAL if kind == "sum" else MEAN_OF_SHARDS
             found += [call.strategy(P, note, self=Shard(d)) for d in sorted(reduced) if divisible(x.shape[d], call.n)]
@@ -86,14 +66,11 @@ def _reduction(kind: str) -> Rule:
     return rule
 
 
-def _divided_by_n(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
+@LocalOp
+def mean_of_shards(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
     """A mean over a sharded dim: the local mean over 1/n of the elements, divided by n,
     is this rank's summand of the full mean."""
-
-    def mean_of_shards(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return op(*args, **kwargs) / n
-
-    return mean_of_shards
+    return call.run() / call.n
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +81,7 @@ def _norm(call: Call) -> list[Strategy]:
     """layer_norm / rms_norm: only the dims that are not normalized; weight and bias Replicate."""
     x = call["input"]
     outputs = 3 if call.op is aten.native_layer_norm.default else None
-    return _mapped(call, _except(x.ndim - len(call["normalized_shape"])), linear=False, outputs=outputs)
+    return mapped(call, dims_except(x.ndim - len(call["normalized_shape"])), linear=False, outputs=outputs)
 
 
 def _sdpa(call: Call) -> list[Strategy] | None:
@@ -151,17 +128,15 @@ def _embedding(call: Call) -> list[Strategy]:
     return found
 
 
-def _vocab_parallel_embedding(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        rows = call["weight"].shape[0]
-        local = call["indices"] - rank * rows
-        outside = (local < 0) | (local >= rows)  # ids another rank looks up
-        pad = call["padding_idx"] - rank * rows
-        args, kwargs = call.replace(indices=local.masked_fill(outside, 0), padding_idx=pad if 0 <= pad < rows else -1)
-        return op(*args, **kwargs).masked_fill(outside.unsqueeze(-1), 0)
-
-    return embedding
+@LocalOp
+def vocab_parallel_embedding(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
+    """Embedding over rows [rank * rows, (rank + 1) * rows) of the vocabulary; ids outside give zeros."""
+    rows = call["weight"].shape[0]
+    local = call["indices"] - rank * rows
+    outside = (local < 0) | (local >= rows)  # ids another rank looks up
+    pad = call["padding_idx"] - rank * rows
+    looked_up = call.run(indices=local.masked_fill(outside, 0), padding_idx=pad if 0 <= pad < rows else -1)
+    return looked_up.masked_fill(outside.unsqueeze(-1), 0)
 
 
 def _class_dim(x: torch.Tensor) -> int:
@@ -201,50 +176,45 @@ def _loss(call: Call) -> list[Strategy]:
     return found
 
 
-def _batch_mean_loss(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        target, weight = call["target"], call["weight"]
-        summed_args, summed_kwargs = call.replace(reduction=2)
-        total = op(*summed_args, **summed_kwargs)
-        counted = target != call["ignore_index"]
-        if weight is not None:
-            counted = weight[target.masked_fill(~counted, 0)] * counted
-        return total / collectives.all_reduce_sum(counted.sum().to(total.dtype))
-
-    return loss
+@LocalOp
+def batch_mean_loss(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
+    """A loss mean over a sharded batch: the local sum over the all-reduced count of counted targets."""
+    target, weight = call["target"], call["weight"]
+    total = call.run(reduction=2)
+    counted = target != call["ignore_index"]
+    if weight is not None:
+        counted = weight[target.masked_fill(~counted, 0)] * counted
+    return total / collectives.all_reduce_sum(counted.sum().to(total.dtype))
 
 
-def _vocab_parallel_cross_entropy(op: Op, n: int, rank: int, collectives: Collectives | None) -> Callable[..., Any]:
-    def cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        call = Call(op, args, kwargs, n)
-        x, target = call["self"], call["target"]
-        c, rows = _class_dim(x), x.shape[_class_dim(x)]
-        top = collectives.all_reduce_max(x.detach().amax(c, keepdim=True))
-        shifted = x - top  # (N, V/n, ...)
-        log_total = collectives.all_reduce_sum(shifted.exp().sum(c)).log()  # (N, ...)
-        local = target - rank * rows
-        mine = (local >= 0) & (local < rows)
-        picked = shifted.gather(c, local.clamp(0, rows - 1).unsqueeze(c)).squeeze(c)
-        losses = log_total - collectives.all_reduce_sum(torch.where(mine, picked, 0))
-        smoothing = call["label_smoothing"]
-        if smoothing:
-            mean_logit = collectives.all_reduce_sum(shifted.sum(c)) / (rows * n)
-            losses = (1 - smoothing) * losses + smoothing * (log_total - mean_logit)
-        counted = target != call["ignore_index"]
-        losses = torch.where(counted, losses, 0)
-        reduction = call["reduction"]
-        if reduction == 0:
-            return losses
-        return losses.sum() if reduction == 2 else losses.sum() / counted.sum()
-
-    return cross_entropy
+@LocalOp
+def vocab_parallel_cross_entropy(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
+    """Cross-entropy over logits sharded on the class dim: max, sum of exps and the target logit all-reduced."""
+    x, target = call["self"], call["target"]
+    c, rows = _class_dim(x), x.shape[_class_dim(x)]
+    top = collectives.all_reduce_max(x.detach().amax(c, keepdim=True))
+    shifted = x - top  # (N, V/n, ...)
+    log_total = collectives.all_reduce_sum(shifted.exp().sum(c)).log()  # (N, ...)
+    local = target - rank * rows
+    mine = (local >= 0) & (local < rows)
+    picked = shifted.gather(c, local.clamp(0, rows - 1).unsqueeze(c)).squeeze(c)
+    losses = log_total - collectives.all_reduce_sum(torch.where(mine, picked, 0))
+    smoothing = call["label_smoothing"]
+    if smoothing:
+        mean_logit = collectives.all_reduce_sum(shifted.sum(c)) / (rows * call.n)
+        losses = (1 - smoothing) * losses + smoothing * (log_total - mean_logit)
+    counted = target != call["ignore_index"]
+    losses = torch.where(counted, losses, 0)
+    reduction = call["reduction"]
+    if reduction == 0:
+        return losses
+    return losses.sum() if reduction == 2 else losses.sum() / counted.sum()
 
 
 # ---------------------------------------------------------------------------
 # The tables.
 
-NN_RULES: dict[Op, Rule] = {
+RULES: dict[Op, Rule] = {
     # cumsum: any dim but the scanned one; Partial -> Partial
     aten.cumsum.default: _cumsum,
     # softmax family: any dim but the normalized one
@@ -267,14 +237,15 @@ NN_RULES: dict[Op, Rule] = {
     **dict.fromkeys([aten.cross_entropy_loss.default, aten.nll_loss.default], _loss),
 }
 
-NN_LOCAL_OPS: dict[tuple[Op, str], Callable[..., Callable[..., Any]]] = {
-    (aten.mean.default, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.mean.dim, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.cross_entropy_loss.default, MEAN_OF_SHARDS): _divided_by_n,
-    (aten.cross_entropy_loss.default, BATCH_MEAN): _batch_mean_loss,
-    (aten.nll_loss.default, BATCH_MEAN): _batch_mean_loss,
-    (aten.cross_entropy_loss.default, VOCAB_PARALLEL): _vocab_parallel_cross_entropy,
-    (aten.embedding.default, VOCAB_PARALLEL): _vocab_parallel_embedding,
+# (op, note) -> what a rank runs in place of the op under that strategy
+LOCAL_OPS: dict[tuple[Op, str], LocalOp] = {
+    (aten.mean.default, MEAN_OF_SHARDS): mean_of_shards,
+    (aten.mean.dim, MEAN_OF_SHARDS): mean_of_shards,
+    (aten.cross_entropy_loss.default, MEAN_OF_SHARDS): mean_of_shards,
+    (aten.cross_entropy_loss.default, BATCH_MEAN): batch_mean_loss,
+    (aten.nll_loss.default, BATCH_MEAN): batch_mean_loss,
+    (aten.cross_entropy_loss.default, VOCAB_PARALLEL): vocab_parallel_cross_entropy,
+    (aten.embedding.default, VOCAB_PARALLEL): vocab_parallel_embedding,
 }
 
 # replacements that add values of several ranks inside (the solver weighs their precision)
@@ -283,6 +254,3 @@ SUMS_INSIDE: frozenset[tuple[Op, str]] = frozenset({
     (aten.cross_entropy_loss.default, BATCH_MEAN),  # loss sums of the batch's shards
     (aten.nll_loss.default, BATCH_MEAN),
 })
-
-RULES.update(NN_RULES)
-LOCAL_OPS.update(NN_LOCAL_OPS)

@@ -2,39 +2,21 @@
 transpose, unsqueeze / squeeze, slice / narrow, select, split / chunk / unbind,
 getitem on a tuple, cat / stack, index, gather, pad, diff and repeat_interleave.
 
-The entries are added to ``RULES`` and ``LOCAL_ARGS`` of ``passes.sharding_rules``
-(import that module, not this one), and keep its invariant: every strategy is
-sound on real tensors, as ``tests/test_sharding_rules.py`` checks for each entry
-(the cases for these ops are in ``tests/test_sharding_rules_shapes.py``).
-The rules are built from the blocks in ``passes.sharding_rules_ops``.
+Every strategy is sound on real tensors, as ``tests/test_sharding_rules.py``
+checks for each entry (the cases for these ops are in ``tests/harness/cases/shape.py``).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Callable
 
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.sharding_rules import (
-    LOCAL_ARGS,
-    PARTIAL,
-    REPLICATE,
-    RULES,
-    Call,
-    Op,
-    P,
-    R,
-    Rule,
-    Strategy,
-    broadcast_placement,
-    divisible,
-    norm_dim,
-    shard_choices,
-    summable,
+from passes.rules.base import (
+    PARTIAL, REPLICATE, Call, LocalArgs, Op, P, R, Rule, Strategy, broadcast_placement, dims_except, divisible,
+    local_size, mapped, norm_dim, shard_choices, summable,
 )
-from passes.sharding_rules_ops import _except, _local_size, _mapped
 
 aten = torch.ops.aten
 
@@ -128,13 +110,13 @@ def _permute(call: Call) -> list[Strategy]:
         perm[a], perm[b] = perm[b], perm[a]
     else:
         perm = [norm_dim(d, x.ndim) for d in call["dims"]]
-    return _mapped(call, {perm[o]: o for o in range(len(perm))}, linear=True)
+    return mapped(call, {perm[o]: o for o in range(len(perm))}, linear=True)
 
 
 def _unsqueeze(call: Call) -> list[Strategy]:
     x = call["self"]
     at = norm_dim(call["dim"], x.ndim + 1)
-    return _mapped(call, {d: d + (d >= at) for d in range(x.ndim)}, linear=True)
+    return mapped(call, {d: d + (d >= at) for d in range(x.ndim)}, linear=True)
 
 
 def _squeeze(call: Call) -> list[Strategy]:
@@ -145,7 +127,7 @@ def _squeeze(call: Call) -> list[Strategy]:
     named = {norm_dim(d, x.ndim) for d in ([named] if isinstance(named, int) else named)}
     kept = [d for d in range(x.ndim) if not (d in named and x.shape[d] == 1)]
     dims = {d: kept.index(d) for d in kept if d not in named or x.shape[d] // call.n != 1}
-    return _mapped(call, dims, linear=True)
+    return mapped(call, dims, linear=True)
 
 
 def _slice(call: Call) -> list[Strategy]:
@@ -160,13 +142,13 @@ def _slice(call: Call) -> list[Strategy]:
         and (call["end"] is None or call["end"] >= x.shape[dim])
         and call["step"] == 1
     )
-    return _mapped(call, _except(x.ndim) if whole else _except(x.ndim, dim), linear=True)
+    return mapped(call, dims_except(x.ndim) if whole else dims_except(x.ndim, dim), linear=True)
 
 
 def _select(call: Call) -> list[Strategy]:
     x = call["self"]
     dim = norm_dim(call["dim"], x.ndim)
-    return _mapped(call, {d: d - (d > dim) for d in range(x.ndim) if d != dim}, linear=True)
+    return mapped(call, {d: d - (d > dim) for d in range(x.ndim) if d != dim}, linear=True)
 
 
 def _split(call: Call) -> list[Strategy] | None:
@@ -179,13 +161,13 @@ def _split(call: Call) -> list[Strategy] | None:
     if not isinstance(size, int) or size == 0:
         return None
     if call.op is aten.unbind.int:
-        return _mapped(call, {d: d - (d > dim) for d in range(x.ndim) if d != dim}, linear=True, outputs=size)
+        return mapped(call, {d: d - (d > dim) for d in range(x.ndim) if d != dim}, linear=True, outputs=size)
     if call.op is aten.split_with_sizes.default:
         count = len(call["split_sizes"])
     else:
         piece = call["split_size"] if call.op is aten.split.Tensor else -(-size // call["chunks"])
         count = max(1, -(-size // piece))
-    return _mapped(call, _except(x.ndim, dim), linear=True, outputs=count)
+    return mapped(call, dims_except(x.ndim, dim), linear=True, outputs=count)
 
 
 def _getitem(call: Call) -> list[Strategy] | None:
@@ -267,7 +249,7 @@ def _pad(call: Call) -> list[Strategy]:
     x, pad = call["self"], list(call["pad"])
     padded = {x.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
     linear = call["mode"] == "constant" and not call["value"]
-    return _mapped(call, _except(x.ndim, *padded), linear=linear)
+    return mapped(call, dims_except(x.ndim, *padded), linear=linear)
 
 
 def _diff(call: Call) -> list[Strategy]:
@@ -300,7 +282,7 @@ def _repeat_interleave(call: Call) -> list[Strategy] | None:
 # ---------------------------------------------------------------------------
 # The tables.
 
-SHAPE_RULES: dict[Op, Rule] = {
+RULES: dict[Op, Rule] = {
     # view / reshape: a sharded dim leading a merge/split group maps to the group's leading output dim
     **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], _view),
     aten.flatten.using_ints: _flatten,  # a view merging dims start..end
@@ -335,11 +317,8 @@ SHAPE_RULES: dict[Op, Rule] = {
     aten.repeat_interleave.self_int: _repeat_interleave,
 }
 
-SHAPE_LOCAL_ARGS: dict[Op, Callable[[Call, Strategy, int], tuple[tuple, dict]]] = {
+LOCAL_ARGS: dict[Op, LocalArgs] = {
     # view / reshape / expand: the sharded output dim's size / n
     **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default],
-                    _local_size),
+                    local_size),
 }
-
-RULES.update(SHAPE_RULES)
-LOCAL_ARGS.update(SHAPE_LOCAL_ARGS)
