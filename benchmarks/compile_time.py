@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-import passes.tensor_parallel as tp_pass
+import autopar.passes.tensor_parallel as tp_pass
 from autopar.capture import capture
 
 

@@ -11,7 +11,7 @@ import models
 from autopar import Mesh, parallelize
 from autopar.options import Options
 from autopar.testing import Run, assert_equivalent, reference_run, relative_errors
-from runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.grad_sync import BucketedAllReduce
 
 
 @given(
