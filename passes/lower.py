@@ -3,7 +3,7 @@
 Invariant: running the lowered graph on every tp rank, with each parameter
 stored as its placement says (``Shard(d)``: the rank's chunk of dim d), gives
 on every rank the outputs of the original graph, and autograd through it gives
-each rank the gradient of its parameter shards (see runtime/collectives.py for
+each rank the gradient of its parameter shards (see autopar/core/collectives.py for
 how each collective's backward keeps that true).
 
 Where a value's placement differs from what its consumer's strategy asks, a

@@ -78,7 +78,7 @@ def out_placement(strategy: Strategy, index: int | None) -> Any:
 
 
 def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost) -> float:
-    """Forward plus backward time to turn placement ``src`` into ``dst`` (see runtime/collectives.py)."""
+    """Forward plus backward time to turn placement ``src`` into ``dst`` (see autopar/core/collectives.py)."""
     if src == dst or dst is None:
         return 0.0
     ring = nbytes * (n - 1) / n / cost.bandwidth

@@ -25,7 +25,7 @@ from autopar.passes.lower import lower_tp
 from autopar.passes.sharding import solve_sharding
 from autopar.passes.rules import has_rule, replacement
 
-# backward of each forward collective (runtime/collectives.py)
+# backward of each forward collective (autopar/core/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
             "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None, "all_to_all": "all_to_all"}
 FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
