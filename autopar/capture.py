@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from autopar.core.graph import tied_aliases
-from autopar.core.mesh import Mesh
 from autopar.core.layout import from_storage, local_shape, to_storage
-from autopar.zero_compile import held_names
+from autopar.core.mesh import Mesh
 from autopar.runtime import checkpoint
 from autopar.runtime.reshard import Geometry
+from autopar.zero_compile import held_names
 
 
 def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dict[str, torch.Tensor]:

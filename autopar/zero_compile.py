@@ -17,13 +17,12 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import Shard
 
+from autopar.core.layout import local_shape
 from autopar.core.mesh import Mesh
+from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
 from autopar.passes.pipeline import shared_parameters
-from autopar.core.layout import local_shape
-from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
 
 

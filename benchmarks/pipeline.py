@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.testing import reference_run
 from autopar.core.schedule import B as BACKWARD
 from autopar.core.schedule import F as FORWARD
 from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
+from autopar.testing import reference_run
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 Timeline = list[tuple[str, float, float]]  # (action, start, end), perf_counter seconds

@@ -27,10 +27,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
+from autopar.core import collectives as coll
 from autopar.passes.rules import local_args, replacement
 from autopar.passes.rules.base import R
-from autopar.core import collectives as coll
+from autopar.passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
 
 autopar_ops = torch.ops.autopar
 

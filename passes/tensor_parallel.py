@@ -17,13 +17,13 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import Captured
+from autopar.core.layout import Interleave
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
-from autopar.core.layout import Interleave
 from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
-from autopar.passes.sharding import solve_sharding
 from autopar.passes.rules import has_rule, replacement
+from autopar.passes.sharding import solve_sharding
 
 # backward of each forward collective (autopar/core/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",

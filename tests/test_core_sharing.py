@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.planner.core_sharing import Comm, Phase, Task, makespan, step_programs
 from autopar.core.schedule import make_schedule
 from autopar.core.simulate import simulate
+from autopar.planner.core_sharing import Comm, Phase, Task, makespan, step_programs
 
 
 def _pipeline(schedule_name: str, pp: int, m: int, v: int, f: float, b: float, hop: Comm,

@@ -16,11 +16,11 @@ from typing import Any
 import sympy
 import torch
 
+from autopar.core.buckets import bucket_sizes
+from autopar.core.schedule import make_schedule
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
-from autopar.core.buckets import bucket_sizes
-from autopar.core.schedule import make_schedule
 
 # ---------------------------------------------------------------------------
 # memory and time of one configuration

@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from autopar.core.graph import PREFIX
 from autopar.core.errors import CaptureError
+from autopar.core.graph import PREFIX
 from autopar.passes.pipeline import module_path
 
 ORIGIN = "autopar.origin"  # meta key: the captured node a lowered node came from
