@@ -10,20 +10,18 @@ keep the signature.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError
+from autopar.core.errors import CaptureError
+from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
 from autopar.log import log_pass
-from passes.constant_masks import fold_constant_masks
+from autopar.passes.constant_masks import fold_constant_masks
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-PREFIX = "model."  # the attribute the wrappers below keep the user's model under
 
 
 class _Forward(torch.nn.Module):
@@ -58,48 +56,6 @@ def model_loss(out: Any) -> torch.Tensor:
         hint="pass loss_fn=lambda out, target: ... to parallelize, or pass the labels the model "
         "needs to compute its own loss (e.g. labels=...)",
     )
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One placeholder of a captured graph: what feeds it."""
-
-    kind: str  # "param" | "buffer" | "constant" | "input"
-    name: str  # the model's state-dict key (param/buffer/constant) or the placeholder name
-
-
-@dataclass
-class Captured:
-    """A functional graph and the signature of its placeholders and outputs."""
-
-    gm: fx.GraphModule
-    slots: list[Slot]
-    mutated_buffers: list[str]  # the graph's first outputs are new values of these buffers
-    out_spec: pytree.TreeSpec  # unflattens the remaining outputs
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
-
-    @property
-    def param_names(self) -> list[str]:
-        return [s.name for s in self.slots if s.kind == "param"]
-
-    def placeholders(self, kind: str) -> list[fx.Node]:
-        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        return [n for n, s in zip(nodes, self.slots) if s.kind == kind]
-
-    def run(self, state: dict[str, torch.Tensor], inputs: list[Any], gm: fx.GraphModule | None = None) -> Any:
-        """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs."""
-        it = iter(inputs)
-        args = [
-            next(it) if s.kind == "input" else self.constants[s.name] if s.kind == "constant" else state[s.name]
-            for s in self.slots
-        ]
-        flat = (gm or self.gm)(*args)
-        k = len(self.mutated_buffers)
-        with torch.no_grad():
-            for name, value in zip(self.mutated_buffers, flat[:k]):
-                state[name].copy_(value)
-        return pytree.tree_unflatten(list(flat[k:]), self.out_spec)
 
 
 def capture(
@@ -177,18 +133,6 @@ def _from_exported(ep: torch.export.ExportedProgram) -> Captured:
     gm = ep.graph_module
     gm.meta["autopar.captured"] = True
     return Captured(gm=gm, slots=slots, mutated_buffers=mutated, out_spec=ep.call_spec.out_spec, constants=constants)
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for parameters and buffers reachable under several names."""
-    first: dict[int, str] = {}
-    aliases = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, t in named:
-        canonical = first.setdefault(id(t), name)
-        if canonical != name:
-            aliases[name] = canonical
-    return aliases
 
 
 def _dedupe_tied(c: Captured, model: torch.nn.Module) -> Captured:

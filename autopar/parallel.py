@@ -11,22 +11,22 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
-from autopar.capture import tied_aliases
-from autopar.mesh import Mesh
+from autopar.core.collectives import Binding, set_process_binding
+from autopar.core.graph import tied_aliases
+from autopar.core.layout import to_storage
+from autopar.core.mesh import Mesh
 from autopar.options import Options
 from autopar.program import Program, check_supported, compile_program, shared_parameters
 from autopar.rank_state import checkpoint_state, full_state, local_state
+from autopar.runtime import checkpoint
+from autopar.runtime.batch import signature, split_batch
+from autopar.runtime.clip import clip, global_grad_norm
+from autopar.runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.groups import Groups, join
+from autopar.runtime.memory import MemoryAccount
+from autopar.runtime.pipeline import PipelineRunner, output_metas
+from autopar.runtime.zero import ZeroRuntime
 from autopar.zero_compile import shared_across_pp
-from passes.fused_projections import to_storage
-from runtime.batch import signature, split_batch
-from runtime.grad_sync import BucketedAllReduce
-from runtime.collectives import Binding, set_process_binding
-from runtime.groups import Groups, join
-from runtime import checkpoint
-from runtime.clip import clip, global_grad_norm
-from runtime.memory import MemoryAccount
-from runtime.zero import ZeroRuntime
-from runtime.pipeline import PipelineRunner, output_metas
 
 
 @dataclass

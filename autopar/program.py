@@ -13,16 +13,17 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured, capture
+from autopar.core.buckets import bucket_sizes
+from autopar.core.graph import StageGraph
+from autopar.core.mesh import Mesh
+from autopar.core.schedule import Schedule, add_communication, make_schedule
+from autopar.core.simulate import simulate
 from autopar.log import log_pass
-from autopar.mesh import Mesh
 from autopar.options import Options
-from passes.cost import tensor_bytes
-from passes.pipeline import StageGraph, choose_split_points, shared_parameters, split_stages
-from passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
-from runtime.buckets import bucket_sizes
-from runtime.schedule import Schedule, add_communication, make_schedule
-from runtime.simulate import simulate
-from runtime.zero import check_optimizer
+from autopar.passes.cost import tensor_bytes
+from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
+from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
+from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
 
 

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from autopar.capture import tied_aliases
-from autopar.mesh import Mesh
-from autopar.zero_compile import held_names, local_shape
-from passes.fused_projections import from_storage, to_storage
-from runtime import checkpoint
-from runtime.reshard import Geometry
+from autopar.core.graph import tied_aliases
+from autopar.core.layout import from_storage, local_shape, to_storage
+from autopar.core.mesh import Mesh
+from autopar.runtime import checkpoint
+from autopar.runtime.reshard import Geometry
+from autopar.zero_compile import held_names
 
 
 def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dict[str, torch.Tensor]:

@@ -32,10 +32,10 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 from autopar.parallel import parallelize
-from runtime.batch import split_batch
-from runtime.launch import launch
+from autopar.runtime.batch import split_batch
+from autopar.runtime.launch import launch
 
 NOISE = 1e-10  # a gradient element this many times smaller than the largest one is rounding noise
 

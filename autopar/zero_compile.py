@@ -17,19 +17,13 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import Shard
 
-from autopar.mesh import Mesh
+from autopar.core.layout import local_shape
+from autopar.core.mesh import Mesh
+from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
-from passes.pipeline import shared_parameters
-from passes.zero import ZeroLayout, insert_gathers, zero_collectives, zero_layout, zero_placements, memory_estimate
-
-
-def local_shape(shape: tuple[int, ...], placement: Any, n: int, index: int) -> tuple[int, ...]:
-    """The shape tp rank ``index`` of ``n`` stores for a parameter of full ``shape`` (as ``_shard_for_tp`` cuts it)."""
-    if not isinstance(placement, Shard) or n == 1:
-        return tuple(shape)
-    return tuple(torch.empty(shape, device="meta").chunk(n, placement.dim)[index].shape)
+from autopar.passes.pipeline import shared_parameters
+from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
 
 
 def held_names(program: Any, rank: int) -> set[str] | None:

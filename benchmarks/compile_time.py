@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-import passes.tensor_parallel as tp_pass
 from autopar.capture import capture
+import autopar.passes.tensor_parallel as tp_pass
 
 
 def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:

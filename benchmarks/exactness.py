@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import models  # noqa: E402
 import test_exactness as zoo  # noqa: E402
+from autopar.runtime.launch import WorkerPool  # noqa: E402
 from autopar.testing import Report  # noqa: E402
-from runtime.launch import WorkerPool  # noqa: E402
 
 MODELS = ["gpt2", "llama", "bert", "phi3", "gemma2", "t5", "bart", "mamba", "fused_slice"]
 

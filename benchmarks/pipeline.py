@@ -4,7 +4,7 @@ Prints four results:
 
 1. The measured bubble fraction of every schedule (gpipe, 1f1b, interleaved-1f1b
    with 2 stages per rank) for each pp and microbatch count, beside the theory
-   ((p-1)/(m+p-1); (p-1)/(v*m+p-1) interleaved) and beside `runtime.simulate`
+   ((p-1)/(m+p-1); (p-1)/(v*m+p-1) interleaved) and beside `autopar.core.simulate`
    fed with the measured F, B and point-to-point times. Measured: per step,
    1 - (time a rank spends inside F and B actions) / (the step's span, from the
    first action start on any rank to the last action end on any rank),
@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.core.schedule import B as BACKWARD
+from autopar.core.schedule import F as FORWARD
+from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, add_communication, make_schedule
+from autopar.core.simulate import simulate
 from autopar.testing import reference_run
-from runtime.schedule import B as BACKWARD
-from runtime.schedule import F as FORWARD
-from runtime.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, add_communication, make_schedule
-from runtime.simulate import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 Timeline = list[tuple[str, float, float]]  # (action, start, end), perf_counter seconds
@@ -393,7 +393,7 @@ def torch_skip_summary(args: argparse.Namespace, pp: int, ref: list[float]) -> s
 
 def print_bubbles(results: dict[int, list[dict]], args: argparse.Namespace, cores: int) -> None:
     print(f"1. bubble fraction ({args.steps} steps; measured = mean over ranks of 1 - F/B time / step span, of which "
-          f"'in RECV' and 'in SEND' are the shares spent in receives and sends; simulated = runtime.simulate with the "
+          f"'in RECV' and 'in SEND' are the shares spent in receives and sends; simulated = autopar.core.simulate with the "
           f"median F, B and p2p times)")
     print(f"  {'schedule':<17} {'pp':>2} {'m':>3}  {'theory':>6}  {'simulated':>9}  {'measured':>8}  {'in RECV':>7}"
           f"  {'in SEND':>7}  {'F ms':>6}  {'B ms':>6}")

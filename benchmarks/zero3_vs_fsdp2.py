@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import autopar
-from runtime.memory import optimizer_tensors, storage_bytes
+from autopar.runtime.memory import optimizer_tensors, storage_bytes
 
 
 def make_model(layers: int, width: int, vocab: int, seq: int) -> torch.nn.Module:

@@ -23,42 +23,16 @@ from __future__ import annotations
 
 import operator
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from autopar.capture import Captured
+from autopar.core.graph import Captured
+from autopar.core.layout import Interleave
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 CUTS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-
-
-@dataclass(frozen=True)
-class Interleave:
-    """Dim ``dim`` holds blocks of widths ``sizes``, stored interleaved for ``n`` ranks."""
-
-    dim: int
-    sizes: tuple[int, ...]
-    n: int
-
-    @property
-    def blocks(self) -> int:
-        return len(self.sizes)
-
-
-def to_storage(t: torch.Tensor, lay: Interleave) -> torch.Tensor:
-    """(block, rank, column) order along ``lay.dim`` -> (rank, block, column)."""
-    pieces = [block.chunk(lay.n, lay.dim) for block in t.split(list(lay.sizes), lay.dim)]
-    return torch.cat([p[r] for r in range(lay.n) for p in pieces], lay.dim)
-
-
-def from_storage(t: torch.Tensor, lay: Interleave) -> torch.Tensor:
-    """(rank, block, column) order along ``lay.dim`` -> (block, rank, column)."""
-    local = [s // lay.n for s in lay.sizes]
-    per_rank = [r.split(local, lay.dim) for r in t.chunk(lay.n, lay.dim)]
-    return torch.cat([per_rank[r][b] for b in range(lay.blocks) for r in range(lay.n)], lay.dim)
 
 
 def _meta(shape: list[int], like: torch.Tensor) -> torch.Tensor:

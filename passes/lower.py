@@ -3,7 +3,7 @@
 Invariant: running the lowered graph on every tp rank, with each parameter
 stored as its placement says (``Shard(d)``: the rank's chunk of dim d), gives
 on every rank the outputs of the original graph, and autograd through it gives
-each rank the gradient of its parameter shards (see runtime/collectives.py for
+each rank the gradient of its parameter shards (see autopar/core/collectives.py for
 how each collective's backward keeps that true).
 
 Where a value's placement differs from what its consumer's strategy asks, a
@@ -27,10 +27,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
-from passes.rules import local_args, replacement
-from passes.rules.base import R
-from runtime import collectives as coll
+from autopar.core import collectives as coll
+from autopar.passes.rules import local_args, replacement
+from autopar.passes.rules.base import R
+from autopar.passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
 
 autopar_ops = torch.ops.autopar
 

@@ -18,36 +18,14 @@ contribution. A parameter used by several stages is a placeholder of each.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from autopar.capture import PREFIX, Captured, Slot
-from passes.cost import annotate_costs, requires_grad, tensor_bytes
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A value crossing from one stage to the next."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool  # its gradient flows back across the cut
-
-
-@dataclass
-class StageGraph:
-    index: int
-    gm: fx.GraphModule
-    slots: list[Slot]  # placeholders: param/buffer/constant by name, "input" by flat index, "recv" by value name
-    recv: list[Boundary]
-    send: list[Boundary]
-    is_last: bool
-    params: list[str] = field(default_factory=list)
+from autopar.core.graph import PREFIX, Boundary, Captured, Slot, StageGraph
+from autopar.passes.cost import annotate_costs, requires_grad, tensor_bytes
 
 
 def module_path(node: fx.Node) -> list[str]:

@@ -42,10 +42,10 @@ from scipy.sparse import coo_matrix
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from passes.blocks import repeated_blocks
-from passes.cost import requires_grad, tensor_bytes
-from passes.rules import SUMS_INSIDE, Strategy, strategies
-from passes.rules.base import R
+from autopar.passes.blocks import repeated_blocks
+from autopar.passes.cost import requires_grad, tensor_bytes
+from autopar.passes.rules import SUMS_INSIDE, Strategy, strategies
+from autopar.passes.rules.base import R
 
 KEY = "autopar.placement"
 NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the parameters' (see above)
@@ -78,7 +78,7 @@ def out_placement(strategy: Strategy, index: int | None) -> Any:
 
 
 def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost) -> float:
-    """Forward plus backward time to turn placement ``src`` into ``dst`` (see runtime/collectives.py)."""
+    """Forward plus backward time to turn placement ``src`` into ``dst`` (see autopar/core/collectives.py)."""
     if src == dst or dst is None:
         return 0.0
     ring = nbytes * (n - 1) / n / cost.bandwidth

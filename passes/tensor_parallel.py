@@ -16,15 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.capture import Captured
-from passes.blocks import repeated_blocks
-from passes.cost import requires_grad, tensor_bytes
-from passes.fused_projections import Interleave, interleave_fused_projections
-from passes.lower import lower_tp
-from passes.sharding import solve_sharding
-from passes.rules import has_rule, replacement
+from autopar.core.graph import Captured
+from autopar.core.layout import Interleave
+from autopar.passes.blocks import repeated_blocks
+from autopar.passes.cost import requires_grad, tensor_bytes
+from autopar.passes.fused_projections import interleave_fused_projections
+from autopar.passes.lower import lower_tp
+from autopar.passes.rules import has_rule, replacement
+from autopar.passes.sharding import solve_sharding
 
-# backward of each forward collective (runtime/collectives.py)
+# backward of each forward collective (autopar/core/collectives.py)
 BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
             "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None, "all_to_all": "all_to_all"}
 FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
@@ -78,7 +79,7 @@ COLLECTIVE_ROLE = {"all_reduce": "all-reduce forward (partial sums -> replicated
 
 def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[str]:
     """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective."""
-    from passes.pipeline import module_path
+    from autopar.passes.pipeline import module_path
 
     firsts = set(same_as.values())
     paths = [p for nd in firsts for p in module_path(nd) if p.rsplit(".", 1)[-1].isdigit()]

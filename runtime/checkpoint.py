@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runtime.checkpoint_optim import optimizer_items, optimizer_targets, restore_optimizer
-from runtime.reshard import Geometry, LoadPlanner, Pieces, SavePlanner
+from autopar.runtime.checkpoint_optim import optimizer_items, optimizer_targets, restore_optimizer
+from autopar.runtime.reshard import Geometry, LoadPlanner, Pieces, SavePlanner
 
 LATEST = "LATEST"
 PREFIX = "ckpt-"

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 if TYPE_CHECKING:
-    from runtime.checkpoint import Entry
+    from autopar.runtime.checkpoint import Entry
 
 SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})  # torch optimizers' 0-d per-parameter state
 

@@ -9,7 +9,7 @@ arrived, the buffer is all-reduced asynchronously, so communication overlaps
 the rest of backward; once it completes the averages are already in
 ``.grad``, with nothing to copy back.
 
-Bucket layout (``runtime.buckets``): the first bucket is small (1 MiB), the
+Bucket layout (``autopar.core.buckets``): the first bucket is small (1 MiB), the
 others ``bucket_bytes``. The first step's buckets follow reverse parameter
 order; its ``finish`` rebuilds them in the order the gradients actually
 arrived, as rank 0 of the group saw it (broadcast, so every rank agrees).
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.buckets import assign_buckets
+from autopar.core.buckets import assign_buckets
 
 
 @dataclass(eq=False)

@@ -23,8 +23,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from autopar.errors import RankError
-from runtime.groups import TIMEOUT, default_backend
+from autopar.core.errors import RankError
+from autopar.runtime.groups import TIMEOUT, default_backend
 
 
 def _reduce_ops(obj: object) -> tuple:

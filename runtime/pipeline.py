@@ -3,7 +3,7 @@
 Shapes and dtypes of everything that crosses a cut are known from the graph,
 so receive buffers are allocated up front and no shape handshake happens at
 run time. Sends are non-blocking (``isend``; completed at the end of the step)
-and receives block, the semantics ``runtime.simulate`` checks schedules under.
+and receives block, the semantics ``autopar.core.simulate`` checks schedules under.
 Every message has its own tag, so no ordering between messages is assumed.
 Microbatch losses are scaled by ``1/m`` so the accumulated gradients are those
 of the mean loss over the rank's batch.
@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from passes.pipeline import Boundary, StageGraph
-from runtime.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication
+from autopar.core.graph import Boundary, StageGraph
+from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication
 
 
 def _tag(stage: int, microbatch: int, backward: bool, n_stages: int) -> int:

@@ -20,11 +20,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autopar.capture import tied_aliases
-from passes.zero import ZeroLayout, zero_layout
-from runtime.groups import Groups
-from runtime.memory import MemoryAccount
-from runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
+from autopar.core.graph import tied_aliases
+from autopar.core.zero_layout import ZeroLayout, zero_layout
+from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
+from autopar.runtime.groups import Groups
+from autopar.runtime.memory import MemoryAccount
+from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,

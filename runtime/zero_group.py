@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from passes.zero import FlatGroup
+from autopar.core.zero_layout import FlatGroup
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the first names
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,4 +1,4 @@
-"""The stage-3 graph ops (``torch.ops.autopar.zero_*``) and the re-gather of saved parameters for backward.
+"""How the stage-3 graph ops (``torch.ops.autopar.zero_*``, declared in ``core.zero_ops``) run, and the re-gather of saved parameters for backward.
 
 ``zero_all_gather(shard, axis, ranks)`` returns a layer's full flat parameters;
 its backward reduce-scatters the layer's gradient over the same ranks
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from runtime.zero_group import FlatShard
+from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
+from autopar.runtime.zero_group import FlatShard
 
 _ACTIVE = threading.local()  # per thread: the stack of forward runs between zero_begin and zero_end
 
@@ -163,7 +164,7 @@ def _current() -> _ForwardRun | None:
     return runs[-1] if runs else None
 
 
-@torch.library.custom_op("autopar::zero_begin", mutates_args=())
+@torch.library.impl("autopar::zero_begin", "CompositeExplicitAutograd")
 def zero_begin(prefetch: int = 1) -> None:
     """Starts a forward run: gathered parameters saved for backward are kept as handles and re-gathered."""
     runs = _stack()
@@ -174,7 +175,7 @@ def zero_begin(prefetch: int = 1) -> None:
     runs.append(run)
 
 
-@torch.library.custom_op("autopar::zero_end", mutates_args=())
+@torch.library.impl("autopar::zero_end", "CompositeExplicitAutograd")
 def zero_end() -> None:
     """Ends the forward run ``zero_begin`` started."""
     runs = _stack()
@@ -182,7 +183,7 @@ def zero_end() -> None:
         runs.pop().hooks.__exit__(None, None, None)
 
 
-@torch.library.custom_op("autopar::zero_all_gather", mutates_args=())
+@torch.library.impl("autopar::zero_all_gather", "CompositeExplicitAutograd")
 def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.Tensor:
     """The full flat parameters of ``shard``'s layer, all-gathered over ``axis`` (the dp ranks ``ranks``)."""
     group = owner(shard, axis, ranks)
@@ -191,11 +192,6 @@ def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.T
     if run is not None:
         run.track(group, full)
     return full
-
-
-@zero_all_gather.register_fake
-def _(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.Tensor:
-    return shard.new_empty(shard.shape[0] * len(ranks))
 
 
 def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -214,10 +210,10 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
     return None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
 
 
-zero_all_gather.register_autograd(_backward, setup_context=_setup)
+torch.library.register_autograd("autopar::zero_all_gather", _backward, setup_context=_setup)
 
 
-@torch.library.custom_op("autopar::zero_free", mutates_args=())
+@torch.library.impl("autopar::zero_free", "CompositeExplicitAutograd")
 def zero_free(full: torch.Tensor, pieces: list[torch.Tensor]) -> None:
     """Releases a gathered layer after its last forward use (saved copies are re-gathered in backward)."""
     run = _current()
@@ -225,7 +221,7 @@ def zero_free(full: torch.Tensor, pieces: list[torch.Tensor]) -> None:
         run.free(full, pieces)
 
 
-@torch.library.custom_op("autopar::zero_prefetch", mutates_args=())
+@torch.library.impl("autopar::zero_prefetch", "CompositeExplicitAutograd")
 def zero_prefetch(shard: torch.Tensor, axis: str, ranks: list[int]) -> None:
     """Starts all-gathering ``shard``'s layer; the layer's ``zero_all_gather`` waits for it."""
     owner(shard, axis, ranks).prefetch()

@@ -5,7 +5,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from runtime.launch import WorkerPool
+from autopar.runtime.launch import WorkerPool
 
 settings.register_profile("default", max_examples=6, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import models
 from autopar import Mesh, parallelize
-from passes.fused_projections import Interleave, to_storage
-from runtime.reshard import Geometry
+from autopar.core.layout import Interleave, to_storage
+from autopar.runtime.reshard import Geometry
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -116,7 +116,7 @@ def test_a_checkpoint_converts_to_the_single_device_state_with_dcp_tools(launche
     """The saved tensors are the model's own: DCP's ``dcp_to_torch_save`` gives a state the plain model loads."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from runtime import checkpoint
+    from autopar.runtime import checkpoint
 
     path = str(tmp_path / "ckpt")
     make = models.factory(models.gpt2)

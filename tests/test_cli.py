@@ -13,7 +13,7 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
-from runtime.trace import chrome_trace, save_gantt
+from autopar.runtime.trace import chrome_trace, save_gantt
 
 TESTS = str(Path(__file__).parent)
 

@@ -1,6 +1,6 @@
 """The step simulation of ranks that share a node's cores (``autopar.planner.core_sharing``).
 
-- With a core per rank it agrees with the schedule dry run (``runtime.simulate``)
+- With a core per rank it agrees with the schedule dry run (``autopar.core.simulate``)
   on every schedule, size and message time hypothesis draws.
 - Processor sharing: n busy ranks on c < n cores each run at c / n of their speed;
   a pipeline that keeps at most c ranks busy runs as on cores of its own.
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.core.schedule import make_schedule
+from autopar.core.simulate import simulate
 from autopar.planner.core_sharing import Comm, Phase, Task, makespan, step_programs
-from runtime.schedule import make_schedule
-from runtime.simulate import simulate
 
 
 def _pipeline(schedule_name: str, pp: int, m: int, v: int, f: float, b: float, hop: Comm,

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import models
 from autopar import Mesh, parallelize
 from autopar.options import Options
+from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.testing import Run, assert_equivalent, reference_run, relative_errors
-from runtime.grad_sync import BucketedAllReduce
 
 
 @given(

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import models
 from autopar import Mesh
+from autopar.passes.rules.nn import vocab_parallel_cross_entropy
 from autopar.testing import Report, assert_equivalent
-from passes.rules.nn import vocab_parallel_cross_entropy
 
 IDS = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(2))

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import models
 from autopar.capture import capture
-from passes.fused_projections import Interleave, from_storage, interleave_fused_projections, to_storage
+from autopar.core.layout import Interleave, from_storage, to_storage
+from autopar.passes.fused_projections import interleave_fused_projections
 
 
 @given(blocks=st.lists(st.integers(1, 4), min_size=2, max_size=4), n=st.sampled_from([1, 2, 3]),

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import models
 from autopar import Mesh, RankError, launch, parallelize
-from runtime.launch import free_port
+from autopar.runtime.launch import free_port
 
 
 def _rank_and_sum() -> tuple[int, float]:

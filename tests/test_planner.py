@@ -28,11 +28,11 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
+from autopar.core.schedule import make_schedule
+from autopar.planner import gpt, gpt3_175b, plan
 from autopar.planner.cluster import GB, Cluster, Link
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel, state_bytes
 from autopar.planner.model_profile import b_sym, profile_model, s_sym
-from autopar.planner import gpt, gpt3_175b, plan
-from runtime.schedule import make_schedule
 
 TESTS = str(Path(__file__).parent)
 

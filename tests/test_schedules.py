@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.schedule import (
+from autopar.core.schedule import (
     B,
     F,
     KINDS,
@@ -21,7 +21,7 @@ from runtime.schedule import (
     one_f_one_b,
     parse_program,
 )
-from runtime.simulate import ScheduleError, check_channel_order, render, simulate
+from autopar.core.simulate import ScheduleError, check_channel_order, render, simulate
 
 
 def schedule_from_text(n_ranks: int, n_stages: int, n_microbatches: int, *programs: str) -> Schedule:

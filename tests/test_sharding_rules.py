@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness.cases import CASES
 from harness.rules import Draw, check_op
-from passes.rules import RULES
+from autopar.passes.rules import RULES
 
 MAX_EXAMPLES = 200 if os.environ.get("AUTOPAR_SLOW") else 12
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.rules import F64, P, R, aten, check_op, has, seeded
-from passes.rules import Strategy, has_rule, local_op, strategies
+from autopar.passes.rules import Strategy, has_rule, local_op, strategies
 
 
 # ---------------------------------------------------------------------------

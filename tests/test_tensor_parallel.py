@@ -135,12 +135,12 @@ def test_gpt2_plan_reads_like_megatron() -> None:
 
 def test_repeated_layers_are_solved_once() -> None:
     from autopar.capture import capture
-    from passes.blocks import repeated_blocks
+    from autopar.passes.blocks import repeated_blocks
 
     model = models.llama(layers=4)
     cap = capture(model, (IDS,), {}, with_loss=True, loss_fn=models.lm_loss, target=TARGET)
     same = repeated_blocks(cap.gm)
-    from passes.pipeline import module_path
+    from autopar.passes.pipeline import module_path
 
     assert all("model.layers.0" in module_path(n) for n in same.values()), "counterparts are in the first layer"
     assert {p.split(".")[2] for n in same for p in module_path(n) if p.startswith("model.layers.")} == {"1", "2", "3"}
@@ -172,7 +172,7 @@ def test_dropout_masks_agree_across_tp_ranks(launcher) -> None:
 def _all_to_all_on_rank(n: int) -> tuple[bool, bool, int]:
     import torch.distributed as dist
 
-    from runtime.collectives import Binding, bind
+    from autopar.core.collectives import Binding, bind
 
     i = dist.get_rank()
     g = torch.Generator().manual_seed(0)
@@ -197,8 +197,8 @@ def test_a_sharded_dim_changes_by_all_to_all_at_a_fraction_of_the_gather_cost() 
     import torch.fx as fx
     from torch.distributed.tensor import Replicate, Shard
 
-    from passes.lower import _convert
-    from passes.sharding import AxisCost, redistribution_time
+    from autopar.passes.lower import _convert
+    from autopar.passes.sharding import AxisCost, redistribution_time
 
     graph = fx.Graph()
     x = graph.placeholder("x")

@@ -9,11 +9,11 @@ from torch.utils import _pytree as pytree
 
 import models
 from autopar import Mesh, parallelize
-from autopar.testing import assert_equivalent
+from autopar.core.buckets import bucket_sizes
+from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
-from passes.zero import layer_of, zero_layout
-from runtime.buckets import bucket_sizes
-from runtime.zero import check_optimizer
+from autopar.runtime.zero import check_optimizer
+from autopar.testing import assert_equivalent
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import models
 from autopar import Mesh, RankError, parallelize
-from runtime import checkpoint
+from autopar.runtime import checkpoint
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

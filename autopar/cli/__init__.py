@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 
 
 def parse_mesh(text: str) -> Mesh:

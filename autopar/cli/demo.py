@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autopar.mesh import Mesh
+from autopar.core.mesh import Mesh
 
 
 def demo_model(layers: int, width: int, vocab: int) -> torch.nn.Module:
@@ -61,8 +61,8 @@ def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
 
 def run(argv: list[str]) -> int:
     from autopar.cli import parse_mesh
-    from runtime.launch import launch
-    from runtime.trace import save_chrome_trace, save_gantt
+    from autopar.runtime.launch import launch
+    from autopar.runtime.trace import save_chrome_trace, save_gantt
 
     p = argparse.ArgumentParser(prog="autopar demo", description="train a small GPT on local CPU ranks")
     p.add_argument("--mesh", default="dp=2,pp=2,tp=2", help="mesh axes (default dp=2,pp=2,tp=2)")

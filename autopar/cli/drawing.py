@@ -11,8 +11,8 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 
-from autopar.mesh import Mesh
-from passes.zero import layer_of
+from autopar.core.mesh import Mesh
+from autopar.core.zero_layout import layer_of
 
 
 def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int], dict[str, str]]]:

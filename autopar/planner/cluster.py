@@ -145,7 +145,7 @@ class Cluster:
         ``launcher(fn, nprocs, *args)`` defaults to ``autopar.launch``.
         """
         if launcher is None:
-            from runtime.launch import launch as launcher
+            from autopar.runtime.launch import launch as launcher
         results = launcher(_measure_rank, ranks, seconds)
         flops, overhead, stream = results[0]["flops"], results[0]["op_overhead"], results[0]["memory_bandwidth"]
         latency = max(r["latency"] for r in results) if ranks > 1 else 50e-6
@@ -232,7 +232,7 @@ def _measure_link(dist: Any) -> dict[str, float]:
     t_big = loaded(lambda: dist.all_reduce(big), 4) - t_compute
     extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
     latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
-    from runtime.zero_group import all_gather_flat, reduce_scatter_async
+    from autopar.runtime.zero_group import all_gather_flat, reduce_scatter_async
 
     shard = torch.zeros(big.numel() // n_ranks)
     t_gather = loaded(lambda: all_gather_flat(big, shard), 4) - t_compute

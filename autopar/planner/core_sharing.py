@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.schedule import B, F, Schedule
+from autopar.core.schedule import B, F, Schedule
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from typing import Any
 import sympy
 import torch
 
+from autopar.core.buckets import bucket_sizes
+from autopar.core.schedule import make_schedule
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
-from runtime.buckets import bucket_sizes
-from runtime.schedule import make_schedule
 
 # ---------------------------------------------------------------------------
 # memory and time of one configuration
@@ -359,7 +359,7 @@ class CostModel:
                        link: Any) -> Any:
         """Exposed seconds of the dp collectives: DDP's all-reduce (zero=0) or ZeRO's, per step.
 
-        Gradients travel in buckets (stages 0-2: ``runtime.buckets``, a small
+        Gradients travel in buckets (stages 0-2: ``autopar.core.buckets``, a small
         first bucket, then ``bucket_bytes`` each) or per layer (stage 3), each
         collective paying its latency. Up to ``cluster.overlap`` of it hides
         behind backward (stage 3's forward gathers behind forward); the last

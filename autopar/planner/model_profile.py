@@ -46,7 +46,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
-from autopar.capture import capture, tied_aliases
+from autopar.capture import capture
+from autopar.core.graph import tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
@@ -54,8 +55,8 @@ from autopar.planner.profile_formulas import (b_sym, entering_elements, export_s
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
-from passes.cost import node_cost, requires_grad
-from passes.tensor_parallel import BACKWARD, FORWARD, tensor_parallel
+from autopar.passes.cost import node_cost, requires_grad
+from autopar.passes.tensor_parallel import BACKWARD, FORWARD, tensor_parallel
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.passes.cost import matmul_flops as _matmul_flops
 from autopar.planner.profile_graph import placeholders
-from passes.cost import matmul_flops as _matmul_flops
 
 b_sym, s_sym = sympy.symbols("b s", positive=True, integer=True)
 

@@ -22,9 +22,9 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from autopar.capture import PREFIX
-from autopar.errors import CaptureError
-from passes.pipeline import module_path
+from autopar.core.errors import CaptureError
+from autopar.core.graph import PREFIX
+from autopar.passes.pipeline import module_path
 
 ORIGIN = "autopar.origin"  # meta key: the captured node a lowered node came from
 KEEP = 2  # entries of a repeated module list kept while capturing

@@ -47,8 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Placement
 
-from passes.rules import matmul, nn, ops, shape
-from passes.rules.base import REPLICATE, Call, Collectives, LocalArgs, LocalOp, Op, Output, R, Rule, Strategy
+from autopar.passes.rules import matmul, nn, ops, shape
+from autopar.passes.rules.base import REPLICATE, Call, Collectives, LocalArgs, LocalOp, Op, Output, R, Rule, Strategy
 
 __all__ = [
     "Strategy", "Collectives", "LocalOp", "RULES", "LOCAL_ARGS", "LOCAL_OPS", "SUMS_INSIDE",

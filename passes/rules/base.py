@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from runtime.collectives import AxisCollectives, axis_index
+from autopar.core.collectives import AxisCollectives, axis_index
 
 __all__ = [
     "Strategy", "Collectives", "Call", "LocalOp", "Rule", "LocalArgs", "einsum_strategies",

@@ -11,7 +11,7 @@ import string
 
 import torch
 
-from passes.rules.base import Call, Op, Rule, Strategy, einsum_strategies, explicit_equation
+from autopar.passes.rules.base import Call, Op, Rule, Strategy, einsum_strategies, explicit_equation
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.rules.base import (
+from autopar.passes.rules.base import (
     BATCH, BATCH_MEAN, COLUMN_PARALLEL, MEAN_OF_SHARDS, PARTIAL, VOCAB_PARALLEL, Call, Collectives, LocalOp, Op, P,
     R, Rule, Strategy, broadcast_placement, dims_except, divisible, first_tensor, mapped, norm_dim, summable,
 )

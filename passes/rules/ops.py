@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.rules.base import (
+from autopar.passes.rules.base import (
     PARTIAL, Call, Collectives, LocalArgs, LocalOp, Op, Output, P, R, Rule, Strategy, broadcast_placement,
     dims_except, divide_at, divisible, first_tensor, local_size, mapped, shard_choices, summable,
 )

@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.distributed.tensor import Shard
 
-from passes.rules.base import (
+from autopar.passes.rules.base import (
     PARTIAL, REPLICATE, Call, LocalArgs, Op, P, R, Rule, Strategy, broadcast_placement, dims_except, divisible,
     local_size, mapped, norm_dim, shard_choices, summable,
 )

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from passes.rules import Strategy, local_args, local_op, strategies
+from autopar.passes.rules import Strategy, local_args, local_op, strategies
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -207,53 +207,22 @@ def axis_index(axis: str) -> int:
     return dist.get_rank(current().group(axis))
 
 
-@all_reduce.register_fake
-def _(x: torch.Tensor, axis: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@all_reduce_max.register_fake
-def _(x: torch.Tensor, axis: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@grad_all_reduce.register_fake
-def _(x: torch.Tensor, axis: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@to_partial.register_fake
-def _(x: torch.Tensor, axis: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@all_gather.register_fake
-def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def _fake(x: torch.Tensor, axis: str, *, gathered: int | None = None, chunked: int | None = None) -> torch.Tensor:
+    """An empty tensor shaped like ``x``, dim ``gathered`` times the axis size and dim ``chunked`` divided by it."""
     shape = list(x.shape)
-    shape[dim] *= _tp_size(axis)
+    if gathered is not None:
+        shape[gathered] *= _tp_size(axis)
+    if chunked is not None:
+        shape[chunked] //= _tp_size(axis)
     return x.new_empty(shape)
 
 
-@chunk.register_fake
-def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] //= _tp_size(axis)
-    return x.new_empty(shape)
-
-
-@all_to_all.register_fake
-def _(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[src_dim] *= _tp_size(axis)
-    shape[dst_dim] //= _tp_size(axis)
-    return x.new_empty(shape)
-
-
-@reduce_scatter.register_fake
-def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] //= _tp_size(axis)
-    return x.new_empty(shape)
+for _same_shape in (all_reduce, all_reduce_max, grad_all_reduce, to_partial):
+    _same_shape.register_fake(lambda x, axis: torch.empty_like(x))
+all_gather.register_fake(lambda x, axis, dim: _fake(x, axis, gathered=dim))
+chunk.register_fake(lambda x, axis, dim: _fake(x, axis, chunked=dim))
+all_to_all.register_fake(lambda x, axis, src_dim, dst_dim: _fake(x, axis, gathered=src_dim, chunked=dst_dim))
+reduce_scatter.register_fake(lambda x, axis, dim: _fake(x, axis, chunked=dim))
 
 
 # -- backward: forward placement decides it ---------------------------------------------------------

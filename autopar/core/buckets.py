@@ -1,7 +1,7 @@
 """Gradient buckets: how a rank's gradients, in the order backward produces them, are cut into collectives.
 
 One rule serves data parallelism's all-reduces (``runtime.grad_sync``), ZeRO's
-reduce-scatters (``passes.zero.zero_layout``) and the planner's cost of both
+reduce-scatters (``core.zero_layout``) and the planner's cost of both
 (``autopar.planner.cost_model``), so the three agree. As DDP does, a bucket closes once
 it holds at least its cap (the first bucket's cap is ``FIRST_BUCKET_BYTES``,
 the others' ``bucket_bytes``) or when the dtype changes; a tensor is never

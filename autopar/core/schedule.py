@@ -6,7 +6,7 @@ generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`) are pure functions of
 the sizes and return *compute-only* schedules: each rank's list holds one ``F``
 and one ``B`` per (stage it owns, microbatch), and nothing else.
 `add_communication` lowers such a schedule to one that also says where values
-cross ranks. `runtime.simulate` checks a schedule (deadlock, completeness, data
+cross ranks. `autopar.core.simulate` checks a schedule (deadlock, completeness, data
 dependencies) and measures its bubble before anything runs.
 
 Placement. Stage ``s`` lives on rank ``s % n_ranks`` (`looped_placement`): with

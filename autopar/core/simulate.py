@@ -19,7 +19,7 @@ A schedule is accepted when:
   to finish, ``B(s, m)`` for ``B(s + 1, m)``); in a schedule with
   communication they go through the receives.
 
-Time model (the semantics of `runtime.schedule`): ``F`` takes
+Time model (the semantics of `autopar.core.schedule`): ``F`` takes
 ``forward_time``, ``B`` ``backward_time``; a SEND takes no time on its rank
 and never blocks; a RECV blocks until ``comm_time`` after the matching SEND
 was issued (in a compute-only schedule, a compute waits ``comm_time`` after
@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from runtime.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
+from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
 
 
 class ScheduleError(ValueError):

@@ -1,0 +1,94 @@
+"""The graph IR that passes rewrite and the runtime executes.
+
+``Captured`` is one functional ATen graph (``autopar.capture`` makes it) with the
+signature of its placeholders (``Slot``) and outputs; ``StageGraph`` is one
+pipeline stage of it (``passes.pipeline`` cuts it) with the values that cross
+its cuts (``Boundary``). Parameter names are the user's model's state-dict
+keys; a parameter reachable under several names (tied embeddings) appears
+under one of them (``tied_aliases``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+PREFIX = "model."  # the attribute capture's wrappers keep the user's model under
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One placeholder of a captured graph: what feeds it."""
+
+    kind: str  # "param" | "buffer" | "constant" | "input"
+    name: str  # the model's state-dict key (param/buffer/constant) or the placeholder name
+
+
+@dataclass
+class Captured:
+    """A functional graph and the signature of its placeholders and outputs."""
+
+    gm: fx.GraphModule
+    slots: list[Slot]
+    mutated_buffers: list[str]  # the graph's first outputs are new values of these buffers
+    out_spec: pytree.TreeSpec  # unflattens the remaining outputs
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
+
+    @property
+    def param_names(self) -> list[str]:
+        return [s.name for s in self.slots if s.kind == "param"]
+
+    def placeholders(self, kind: str) -> list[fx.Node]:
+        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return [n for n, s in zip(nodes, self.slots) if s.kind == kind]
+
+    def run(self, state: dict[str, torch.Tensor], inputs: list[Any], gm: fx.GraphModule | None = None) -> Any:
+        """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs."""
+        it = iter(inputs)
+        args = [
+            next(it) if s.kind == "input" else self.constants[s.name] if s.kind == "constant" else state[s.name]
+            for s in self.slots
+        ]
+        flat = (gm or self.gm)(*args)
+        k = len(self.mutated_buffers)
+        with torch.no_grad():
+            for name, value in zip(self.mutated_buffers, flat[:k]):
+                state[name].copy_(value)
+        return pytree.tree_unflatten(list(flat[k:]), self.out_spec)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value crossing from one stage to the next."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool  # its gradient flows back across the cut
+
+
+@dataclass
+class StageGraph:
+    index: int
+    gm: fx.GraphModule
+    slots: list[Slot]  # placeholders: param/buffer/constant by name, "input" by flat index, "recv" by value name
+    recv: list[Boundary]
+    send: list[Boundary]
+    is_last: bool
+    params: list[str] = field(default_factory=list)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters and buffers reachable under several names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        canonical = first.setdefault(id(t), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases

@@ -1,0 +1,134 @@
+"""The layering: ``autopar.core`` is a leaf, ``passes`` and ``runtime`` import only it, ``autopar`` composes.
+
+Every module's imports (module level and inside functions) are read with ``ast``;
+an import that crosses the layering fails with the file, the line and the rule.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"core": ROOT / "autopar" / "core", "passes": ROOT / "passes", "runtime": ROOT / "runtime"}
+ALLOWED = {  # layer -> the autopar layers it may import
+    "core": {"core"},
+    "passes": {"core", "passes"},
+    "runtime": {"core", "runtime"},
+    "api": {"core", "passes", "runtime", "api"},
+}
+RULES = {
+    "core": "autopar.core is a leaf: it imports only torch, the standard library, numpy, sympy and itself",
+    "passes": "autopar.passes imports only autopar.core and itself (pass policy in as an argument)",
+    "runtime": "autopar.runtime imports only autopar.core and itself (pass policy in as an argument)",
+}
+CORE_THIRD_PARTY = {"torch", "numpy", "sympy"}
+
+
+def layer_of_file(path: Path) -> str:
+    for layer, folder in FOLDERS.items():
+        if folder in path.parents:
+            return layer
+    return "api"
+
+
+def layer_of_module(module: str) -> str | None:
+    """The autopar layer a dotted module name belongs to, ``None`` for anything outside autopar."""
+    parts = module.split(".")
+    if parts[0] in ("passes", "runtime"):
+        return f"top-level {parts[0]}"  # the pre-namespace name: always wrong
+    if parts[0] != "autopar":
+        return None
+    if len(parts) > 1 and parts[1] in ("core", "passes", "runtime"):
+        return parts[1]
+    return "api"
+
+
+def package_of(path: Path) -> str:
+    """The dotted package ``path`` is installed in (``passes/rules/x.py`` -> ``autopar.passes.rules``)."""
+    rel = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    if rel and rel[0] in ("passes", "runtime"):
+        rel = ("autopar", *rel)
+    return ".".join(rel)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """``(line, dotted module)`` of every import in ``path``; ``from a import b`` yields ``a.b`` when ``b`` may be
+    a module, so ``from autopar import runtime`` is caught."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package_of(path).split(".")
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join([*pkg, base] if base else pkg)
+            out.append((node.lineno, base))
+            if base == "autopar":
+                out += [(node.lineno, f"autopar.{alias.name}") for alias in node.names]
+    return out
+
+
+def violations(path: Path) -> list[str]:
+    layer = layer_of_file(path)
+    found = []
+    for line, module in imported_modules(path):
+        where = f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        target = layer_of_module(module)
+        if target is not None and target.startswith("top-level"):
+            found.append(f"{where}: passes and runtime install as autopar.passes / autopar.runtime; import them so")
+        elif target is not None and target not in ALLOWED[layer]:
+            found.append(f"{where}: {RULES[layer]}")
+        elif layer == "core" and target is None:
+            top = module.split(".")[0]
+            if top not in CORE_THIRD_PARTY and top not in sys.stdlib_module_names and top != "__future__":
+                found.append(f"{where}: {RULES['core']}")
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in ("autopar", "passes", "runtime") for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_every_layer_has_modules() -> None:
+    layers = {layer_of_file(p) for p in sources()}
+    assert layers == {"core", "passes", "runtime", "api"}
+
+
+@pytest.mark.parametrize("layer", ["core", "passes", "runtime"])
+def test_layer_imports_only_what_it_may(layer: str) -> None:
+    found = [v for p in sources() if layer_of_file(p) == layer for v in violations(p)]
+    assert not found, "imports that break the layering:\n" + "\n".join(found)
+
+
+def test_api_uses_the_installed_names() -> None:
+    """Everything (the API, tests, benchmarks) imports ``autopar.passes`` / ``autopar.runtime``, never the folders."""
+    paths = [*sources(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in paths for line, m in imported_modules(p)
+             if m.split(".")[0] in ("passes", "runtime")]
+    assert not found, "import autopar.passes / autopar.runtime instead:\n" + "\n".join(found)
+
+
+def test_the_checker_catches_a_crossing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "runtime"
+    folder.mkdir()
+    bad = folder / "bad.py"
+    bad.write_text("import torch\n\ndef f():\n    from autopar.passes.zero import insert_gathers\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setitem(FOLDERS, "runtime", folder)
+    assert violations(bad) == [f"{Path('runtime/bad.py')}:4: imports autopar.passes.zero: {RULES['runtime']}"]
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject lists every package folder, under the name it installs as (a wheel ships only those)."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {p.parent for folder in ("autopar", "passes", "runtime") for p in (ROOT / folder).rglob("__init__.py")}
+    expected = {package_of(f / "__init__.py") for f in folders}
+    assert set(config["packages"]) == expected
+    assert config["package-dir"] == {"autopar.passes": "passes", "autopar.runtime": "runtime"}
