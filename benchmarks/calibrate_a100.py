@@ -8,7 +8,7 @@ teraFLOP/s per GPU (counted with the paper's equation (3)). For every
 (tp and pp fixed, zero=0, recomputation, gradient all-reduce after backward)
 and the fit minimizes the squared log ratio of planned to published
 teraFLOP/s. By default it fits the seven rows not in ``HELD_OUT_ROWS``
-(``tests/test_planner.py``) and then plans the three held-out rows with the
+(``autopar/planner/megatron.py``) and then plans the three held-out rows with the
 fitted pair, so their errors are a check on runs the constants never saw.
 Prints the best pair and each run's error under it.
 Run: python benchmarks/calibrate_a100.py [--rows 0 2 3 ...] (about a minute per row on 2 cores)
@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from autopar.planner.cluster import Cluster  # noqa: E402
-from autopar.planner.model_profile import profile_model  # noqa: E402
-from autopar.planner import gpt, plan  # noqa: E402
-from test_planner import HELD_OUT_ROWS, MEGATRON_TABLE_1, _megatron_flops  # noqa: E402
+from autopar.planner import gpt, plan
+from autopar.planner.cluster import Cluster
+from autopar.planner.megatron import HELD_OUT_ROWS, MEGATRON_TABLE_1, megatron_flops
+from autopar.planner.model_profile import profile_model
 
 EFFICIENCIES = [0.60 + 0.01 * i for i in range(21)]
 NARROWS = [125.0 * i for i in range(13)]
@@ -36,7 +32,7 @@ def planned(row: tuple, profile: object, cluster: Cluster) -> float:
     result = plan(None, gpus, cluster=cluster, global_batch=batch, seq_len=2048, tp=(tp,), pp=(pp,), zero=(0,),
                   recompute=(True,), overlap_grad_sync=False, scatter_gather=True,
                   profile=profile)
-    return _megatron_flops(batch, layers, hidden) / result.best.step_time / gpus / 1e12
+    return megatron_flops(batch, layers, hidden) / result.best.step_time / gpus / 1e12
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import models  # noqa: E402
-import test_exactness as zoo  # noqa: E402
+from harness.exactness import MESHES, check  # noqa: E402
 from autopar.runtime.launch import WorkerPool  # noqa: E402
 from autopar.testing import Report  # noqa: E402
 
@@ -28,14 +28,14 @@ MODELS = ["gpt2", "llama", "bert", "phi3", "gemma2", "t5", "bart", "mamba", "fus
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--meshes", default=",".join(zoo.MESHES))
+    parser.add_argument("--meshes", default=",".join(MESHES))
     args = parser.parse_args()
     print(f"{'model':12s} {'mesh':10s} {'worst update error':>20s}  {'against':8s} {'model bound':>12s}  worst on")
     with WorkerPool(2) as pool:
         for name in args.models.split(","):
             for mesh in args.meshes.split(","):
                 try:
-                    r: Report = zoo._check(name, mesh, pool.launch, models.adamw)
+                    r: Report = check(name, mesh, pool.launch, models.adamw)
                 except AssertionError as e:
                     print(f"{name:12s} {mesh:10s} FAILED: {str(e).splitlines()[0][:150]}")
                     continue

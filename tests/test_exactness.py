@@ -17,39 +17,8 @@ import models
 from autopar import Mesh
 from autopar.passes.rules.nn import vocab_parallel_cross_entropy
 from autopar.testing import Report, assert_equivalent
+from harness.exactness import IDS, MESHES, MODEL_BOUND, TARGET, check
 
-IDS = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(1))
-TARGET = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(2))
-ENCODER_DECODERS = {"t5", "bart"}
-
-# Models whose own float32 sums run over the batch, so that a split batch rounds differently on one
-# device too; their bound against the whole-batch run is that float32 rounding, amplified by AdamW.
-FLOAT32_OVER_BATCH = {
-    "gemma2": "its norms multiply by (1 + weight.float()): the weight gradients are float32 sums over the batch",
-    "mamba": "the scan's A, D and dt bias are used as float32, and the logits are cast to float32 for the loss",
-}
-MODEL_BOUND = 1e-5  # relative, for those models against the whole batch (measured up to 4e-7, docs/status.md)
-
-MESHES = {
-    "dp2": (Mesh(dp=2), {}),
-    "tp2": (Mesh(tp=2), {}),
-    "pp2": (Mesh(pp=2), {"microbatches": 2, "schedule": "1f1b"}),
-    "dp2-zero3": (Mesh(dp=2), {"zero": 3}),
-}
-
-
-def _check(name: str, mesh_name: str, launcher, optimizer=models.adamw) -> Report:
-    mesh, options = MESHES[mesh_name]
-    splits = mesh.dp * options.get("microbatches", 1) > 1
-    control = splits and name in FLOAT32_OVER_BATCH
-    kwargs = {"decoder_input_ids": IDS} if name in ENCODER_DECODERS else None
-    report: list[Report] = []
-    rtol, atol = (MODEL_BOUND, MODEL_BOUND) if control else (1e-9, 1e-10)
-    assert_equivalent(models.factory(getattr(models, name)), mesh, (IDS,), TARGET, models.lm_loss, optimizer,
-                      steps=2, rtol=rtol, atol=atol, kwargs=kwargs, control=control, report=report,
-                      launcher=launcher, **options)
-    assert all(r.update_error <= 1e-12 for r in report), report
-    return report[0]
 
 
 @pytest.mark.parametrize("name, mesh_name", [
@@ -60,7 +29,7 @@ def _check(name: str, mesh_name: str, launcher, optimizer=models.adamw) -> Repor
 ])
 def test_rows_that_were_not_exact(launcher, name: str, mesh_name: str) -> None:
     """Each was 1e-10 .. 1e-7 off (AdamW: up to 1e-5): a float32 sum split over ranks, or the model's own rounding."""
-    report = _check(name, mesh_name, launcher)
+    report = check(name, mesh_name, launcher)
     if report.control_error is not None:  # the model rounds this much on one device when the batch is split
         assert 1e-12 < report.control_error <= MODEL_BOUND, report
 
@@ -68,7 +37,7 @@ def test_rows_that_were_not_exact(launcher, name: str, mesh_name: str) -> None:
 @given(name=st.sampled_from(["gpt2", "llama", "bert", "phi3", "gemma2", "t5", "bart", "fused_slice"]),
        mesh_name=st.sampled_from(sorted(MESHES)), adam=st.booleans())
 def test_the_zoo_is_exact(launcher, name: str, mesh_name: str, adam: bool) -> None:
-    _check(name, mesh_name, launcher, models.adamw if adam else models.sgd)
+    check(name, mesh_name, launcher, models.adamw if adam else models.sgd)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -32,29 +32,11 @@ from autopar.core.schedule import make_schedule
 from autopar.planner import gpt, gpt3_175b, plan
 from autopar.planner.cluster import GB, Cluster, Link
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel, state_bytes
+from autopar.planner.megatron import HELD_OUT_ROWS, MEGATRON_TABLE_1, megatron_flops
 from autopar.planner.model_profile import b_sym, profile_model, s_sym
 
 TESTS = str(Path(__file__).parent)
 
-# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM" (arXiv:2104.04473), Table 1: GPT, vocabulary 51,200, sequence 2,048, mixed precision,
-# activation recomputation, on DGX-A100 80GB nodes. (billions of parameters, heads, hidden, layers,
-# tp, pp, GPUs, global batch, achieved teraFLOP/s per GPU)
-MEGATRON_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-# The DGX constants (autopar/planner/cluster.py) are fitted to the other seven rows (benchmarks/calibrate_a100.py); these
-# three, one per regime (tp only, tp with a short pipeline, a long pipeline), check runs the fit never saw.
-HELD_OUT_ROWS = (1, 4, 7)
 QUICK_ROWS = (*HELD_OUT_ROWS, 0)  # the default run checks the held-out rows and the smallest; -m slow all ten
 
 
@@ -88,11 +70,6 @@ def test_zero_paper_example_from_a_real_model() -> None:
 # published throughput on DGX-A100
 # ---------------------------------------------------------------------------
 
-def _megatron_flops(batch: int, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:
-    """FLOPs of one step as the paper counts them (with the recomputed forward): its equation (3)."""
-    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-
-
 @pytest.mark.parametrize("row", [pytest.param(r, marks=[] if i in QUICK_ROWS else [pytest.mark.slow])
                                  for i, r in enumerate(MEGATRON_TABLE_1)], ids=lambda r: f"{r[0]}B")
 def test_throughput_matches_published_megatron_runs(row: tuple) -> None:
@@ -103,7 +80,7 @@ def test_throughput_matches_published_megatron_runs(row: tuple) -> None:
                   scatter_gather=True)
     assert result.profile.total_params / 1e9 == pytest.approx(size, rel=0.03)
     best = result.best
-    predicted = _megatron_flops(batch, layers, hidden) / best.step_time / gpus / 1e12
+    predicted = megatron_flops(batch, layers, hidden) / best.step_time / gpus / 1e12
     assert predicted == pytest.approx(published, rel=0.10), (size, predicted, best.config.describe())
 
 
