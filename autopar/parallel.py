@@ -353,12 +353,13 @@ class ParallelModel:
         rt = self._rt
         return list(rt.pipeline.timeline) if rt is not None and rt.pipeline is not None else []
 
-    def communication(self) -> dict[str, int]:
-        """Tensor-parallel collective calls and bytes counted since the runtime started, by ``op@axis``."""
+    def communication(self, *, calls: bool = False) -> dict[str, int]:
+        """Tensor-parallel collective bytes (or, with ``calls``, calls) counted since the runtime started,
+        by ``op@axis``."""
         if self._rt is None or self.mesh.tp == 1:
             return {}
         b = self._binding
-        return {f"{op}@{axis}": b.bytes[(op, axis)] for op, axis in b.counts}
+        return {f"{op}@{axis}": (b.counts if calls else b.bytes)[(op, axis)] for op, axis in b.counts}
 
     def parameters(self) -> list[torch.nn.Parameter]:
         if self._rt is None:
