@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.core.comm import BACKWARD, FORWARD
 from autopar.core.graph import Captured
 from autopar.core.layout import Interleave
 from autopar.passes.blocks import repeated_blocks
@@ -24,14 +25,6 @@ from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
 from autopar.passes.sharding import solve_sharding
-
-# backward of each forward collective (autopar/core/collectives.py)
-BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
-            "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None, "all_to_all": "all_to_all"}
-FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
-           "reduce_scatter": "reduce_scatter", "to_partial": None, "all_reduce_max": "all_reduce_max",
-           "all_to_all": "all_to_all"}
-
 
 @dataclass
 class TensorParallel:
