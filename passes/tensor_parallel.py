@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.core.comm import BACKWARD, FORWARD
+from autopar.core.comm import BACKWARD, FORWARD, LinkCost
 from autopar.core.graph import Captured
 from autopar.core.layout import Interleave
 from autopar.passes.blocks import repeated_blocks
@@ -24,7 +24,7 @@ from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
-from autopar.passes.sharding import solve_sharding
+from autopar.passes.sharding import DEFAULT_COST, solve_sharding
 
 @dataclass
 class TensorParallel:
@@ -38,13 +38,17 @@ class TensorParallel:
 
 
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
-                    fixed: dict[str, object] | None = None) -> TensorParallel:
-    """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before."""
+                    fixed: dict[str, object] | None = None, cost: LinkCost = DEFAULT_COST) -> TensorParallel:
+    """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before.
+
+    ``cost``: the tp axis's collective cost (a cluster's ``axis_cost``; default the solver's own).
+    """
     layouts = interleave_fused_projections(cap, n)
     placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
     params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
     leaves = {nd for nd, name in params.items() if name in trainable}
-    choices = solve_sharding(cap.gm, n, params, memory_budget=memory_budget, trainable=leaves, fixed=fixed)
+    choices = solve_sharding(cap.gm, n, params, cost=cost, memory_budget=memory_budget, trainable=leaves,
+                             fixed=fixed)
     rg = requires_grad(cap.gm, leaves)
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
     inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"
