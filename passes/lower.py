@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from autopar.core import collectives as coll
+from autopar.core import comm
 from autopar.passes.rules import local_args, replacement
 from autopar.passes.rules.base import R
 from autopar.passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
@@ -49,24 +50,22 @@ def local_val(val: Any, placement: Any, n: int) -> Any:
 
 
 def _convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str) -> fx.Node:
-    """Nodes turning placement ``src`` into ``dst`` (identity when equal)."""
-    if dst is None or src == dst:
-        return x
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return graph.call_function(autopar_ops.all_reduce.default, (x, axis))
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return graph.call_function(autopar_ops.all_gather.default, (x, axis, src.dim))
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return graph.call_function(autopar_ops.chunk.default, (x, axis, dst.dim))
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return graph.call_function(autopar_ops.reduce_scatter.default, (x, axis, dst.dim))
-    if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return graph.call_function(autopar_ops.to_partial.default, (x, axis))
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return graph.call_function(autopar_ops.all_to_all.default, (x, axis, src.dim, dst.dim))
-    if isinstance(src, Shard) and isinstance(dst, Partial):
-        return _convert(graph, _convert(graph, x, src, R, axis), R, dst, axis)
-    raise NotImplementedError(f"no redistribution from {src} to {dst}")
+    """Nodes turning placement ``src`` into ``dst`` (identity when equal): the ops of ``comm.conversion``."""
+    ops = comm.conversion(src, dst)
+    if ops is None:
+        raise NotImplementedError(f"no redistribution from {src} to {dst}")
+    for op in ops:
+        x = graph.call_function(getattr(autopar_ops, op).default, (x, axis, *_dims(op, src, dst)))
+    return x
+
+
+def _dims(op: str, src: Any, dst: Any) -> tuple[int, ...]:
+    """The tensor dims a conversion op takes after ``(x, axis)``."""
+    if op == "all_gather":
+        return (src.dim,)
+    if op in ("chunk", "reduce_scatter"):
+        return (dst.dim,)
+    return (src.dim, dst.dim) if op == "all_to_all" else ()
 
 
 def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, requires_grad: dict[fx.Node, bool],

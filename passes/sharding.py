@@ -2,8 +2,9 @@
 
 ``solve_sharding(gm, n, ...)`` writes ``node.meta["autopar.placement"]`` (a
 ``Strategy`` from ``passes.rules``) on every node and returns the
-choice. It minimizes the time of the collectives the choice implies (latency +
-bytes / bandwidth, forward and backward) under a per-rank parameter-memory
+choice. It minimizes the time of the collectives the choice implies (forward
+and backward, priced by ``autopar.core.comm`` on the axis's ``LinkCost``,
+``cost=``) under a per-rank parameter-memory
 budget, as an integer linear program (scipy's HiGHS): a binary variable per
 (node, strategy), and per edge a variable per pair of producer and consumer
 strategies, linked so the pair's redistribution cost is paid exactly when both
@@ -42,6 +43,7 @@ from scipy.sparse import coo_matrix
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar.core.comm import LinkCost, collective_time, conversion_time
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.rules import SUMS_INSIDE, Strategy, strategies
@@ -51,12 +53,8 @@ KEY = "autopar.placement"
 NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the parameters' (see above)
 
 
-@dataclass(frozen=True)
-class AxisCost:
-    """Collective cost on one mesh axis: seconds = latency + bytes / bandwidth."""
-
-    latency_s: float = 10e-6
-    bandwidth: float = 50e9  # bytes per second per rank
+# the solver's default axis: 10 us per collective, 50 GB/s per rank, a reduce-scatter charged as an all-reduce
+DEFAULT_COST = LinkCost(bandwidth=50e9, launch=10e-6, scatter=2.0)
 
 
 @dataclass
@@ -75,29 +73,6 @@ class Choice:
 def out_placement(strategy: Strategy, index: int | None) -> Any:
     out = strategy.output
     return out[index] if isinstance(out, tuple) and index is not None else out
-
-
-def redistribution_time(src: Any, dst: Any, nbytes: int, n: int, cost: AxisCost) -> float:
-    """Forward plus backward time to turn placement ``src`` into ``dst`` (see autopar/core/collectives.py)."""
-    if src == dst or dst is None:
-        return 0.0
-    ring = nbytes * (n - 1) / n / cost.bandwidth
-    gather, reduce = cost.latency_s + ring, cost.latency_s + 2 * ring
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return reduce  # all_reduce forward, identity backward
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return gather  # all_gather forward, chunk backward
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return gather  # chunk forward, all_gather backward
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return reduce + gather  # reduce_scatter forward, all_gather backward
-    if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return 0.0  # kept on index 0, zeros elsewhere; identity backward
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return 2 * (cost.latency_s + ring / n)  # all_to_all forward and backward: 1/n of a gather's bytes
-    if isinstance(src, Shard) and isinstance(dst, Partial):
-        return gather
-    return math.inf
 
 
 def sums_over_ranks(src: Any, dst: Any) -> bool:
@@ -173,7 +148,7 @@ def default_budget(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     return total
 
 
-def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: AxisCost = AxisCost(),
+def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: LinkCost = DEFAULT_COST,
                    memory_budget: int | None = None, trainable: set[fx.Node] | None = None,
                    fixed: dict[str, Any] | None = None) -> dict[fx.Node, Choice]:
     """Chooses a strategy per node (see the module docstring); writes ``meta[KEY]``.
@@ -226,13 +201,13 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 src = out_placement(su, idx)
                 for j, sv in enumerate(cv.strategies):
                     dst = sv.inputs[k]
-                    t = redistribution_time(src, dst, nbytes, n, cost)
+                    t = conversion_time(src, dst, nbytes, n, cost)
                     if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
                     if sums_over_ranks(src, dst):
                         t += narrow
                     if grad and dst is not None and needs_grad_sync(sv, dst):
-                        t += cost.latency_s + 2 * nbytes * (n - 1) / n / cost.bandwidth + narrow
+                        t += collective_time("all_reduce", nbytes, n, cost) + narrow
                     m[i, j] = min(t, 1e6)
             pair_cost.append((u, v, m))
     out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
@@ -244,7 +219,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 narrow = NARROW_SUM_S if _floating(u, idx) and _itemsize(u, idx) < wide else 0.0
                 for i, su in enumerate(choices[u].strategies):
                     src = out_placement(su, idx)
-                    c[offset[u] + i] += redistribution_time(src, R, nbytes, n, cost) + narrow * sums_over_ranks(src, R)
+                    c[offset[u] + i] += conversion_time(src, R, nbytes, n, cost) + narrow * sums_over_ranks(src, R)
     merged: dict[tuple[int, int], tuple[fx.Node, fx.Node, np.ndarray]] = {}
     for u, v, m in pair_cost:  # edges between the same shared variables add up
         key = (offset[u], offset[v])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.core.comm import BACKWARD, FORWARD, LinkCost
 from autopar.core.graph import Captured
 from autopar.core.layout import Interleave
 from autopar.passes.blocks import repeated_blocks
@@ -23,15 +24,7 @@ from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
-from autopar.passes.sharding import solve_sharding
-
-# backward of each forward collective (autopar/core/collectives.py)
-BACKWARD = {"all_reduce": None, "grad_all_reduce": "all_reduce", "all_gather": None, "chunk": "all_gather",
-            "reduce_scatter": "all_gather", "to_partial": None, "all_reduce_max": None, "all_to_all": "all_to_all"}
-FORWARD = {"all_reduce": "all_reduce", "grad_all_reduce": None, "all_gather": "all_gather", "chunk": None,
-           "reduce_scatter": "reduce_scatter", "to_partial": None, "all_reduce_max": "all_reduce_max",
-           "all_to_all": "all_to_all"}
-
+from autopar.passes.sharding import DEFAULT_COST, solve_sharding
 
 @dataclass
 class TensorParallel:
@@ -45,13 +38,17 @@ class TensorParallel:
 
 
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
-                    fixed: dict[str, object] | None = None) -> TensorParallel:
-    """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before."""
+                    fixed: dict[str, object] | None = None, cost: LinkCost = DEFAULT_COST) -> TensorParallel:
+    """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before.
+
+    ``cost``: the tp axis's collective cost (a cluster's ``axis_cost``; default the solver's own).
+    """
     layouts = interleave_fused_projections(cap, n)
     placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
     params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
     leaves = {nd for nd, name in params.items() if name in trainable}
-    choices = solve_sharding(cap.gm, n, params, memory_budget=memory_budget, trainable=leaves, fixed=fixed)
+    choices = solve_sharding(cap.gm, n, params, cost=cost, memory_budget=memory_budget, trainable=leaves,
+                             fixed=fixed)
     rg = requires_grad(cap.gm, leaves)
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
     inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"

@@ -199,16 +199,16 @@ def test_a_sharded_dim_changes_by_all_to_all_at_a_fraction_of_the_gather_cost() 
     from torch.distributed.tensor import Replicate, Shard
 
     from autopar.passes.lower import _convert
-    from autopar.passes.sharding import AxisCost, redistribution_time
+    from autopar.core.comm import LinkCost, conversion_time
 
     graph = fx.Graph()
     x = graph.placeholder("x")
     node = _convert(graph, x, Shard(0), Shard(1), "tp")
     assert node.target is torch.ops.autopar.all_to_all.default and node.args == (x, "tp", 0, 1)
-    cost = AxisCost(bandwidth=1e9, latency_s=0.0)
-    direct = redistribution_time(Shard(0), Shard(1), 2**20, 4, cost)
-    via_replicate = redistribution_time(Shard(0), Replicate(), 2**20, 4, cost) + \
-        redistribution_time(Replicate(), Shard(1), 2**20, 4, cost)
+    cost = LinkCost(bandwidth=1e9)
+    direct = conversion_time(Shard(0), Shard(1), 2**20, 4, cost)
+    via_replicate = conversion_time(Shard(0), Replicate(), 2**20, 4, cost) + \
+        conversion_time(Replicate(), Shard(1), 2**20, 4, cost)
     assert direct == pytest.approx(via_replicate / 4)
 
 

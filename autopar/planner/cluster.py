@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autopar.core.comm import LinkCost
+
 GB = 1e9
 
 
@@ -53,6 +55,10 @@ class Link:
             raise ValueError(f"a link needs bandwidth > 0, latency and p2p_latency >= 0 and gather, scatter > 0; "
                              f"got {self.bandwidth} B/s, {self.latency} s, {self.p2p_latency} s, {self.gather}, "
                              f"{self.scatter}")
+
+    def cost(self) -> LinkCost:
+        """The cost model's value for this link (``autopar.core.comm``): a collective's latency per ring step."""
+        return LinkCost(bandwidth=self.bandwidth, latency=self.latency, gather=self.gather, scatter=self.scatter)
 
     def p2p(self) -> Link:
         """This link for a point-to-point message whose receiver has a core free."""
@@ -118,6 +124,10 @@ class Cluster:
     def link(self, span: int) -> Link:
         """The link of a group whose ranks spread over ``span`` consecutive ranks (stride x size)."""
         return self.intra if span <= self.devices_per_node else self.inter
+
+    def axis_cost(self, span: int) -> LinkCost:
+        """The collective cost of a mesh axis whose groups spread over ``span`` consecutive ranks (stride x size)."""
+        return self.link(span).cost()
 
     def replace(self, **changes: Any) -> Cluster:
         return dataclasses.replace(self, **changes)

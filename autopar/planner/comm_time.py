@@ -1,4 +1,4 @@
-"""Seconds of collectives and point-to-point messages over a ``Link``: ring algorithms, latency + bytes / bandwidth.
+"""Seconds of collectives and point-to-point messages over a planner ``Link``, by ``autopar.core.comm``'s model.
 
 Sizes may be sympy expressions (the planner's symbolic microbatch size).
 """
@@ -6,32 +6,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.core.comm import collective_time, p2p_time
+from autopar.planner.cluster import Link
 
-def ring_all_reduce(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
+
+def ring_all_reduce(nbytes: Any, n: int, link: Link, count: int = 1) -> Any:
     """Seconds of ``count`` ring all-reduces moving ``nbytes`` in all over ``n`` ranks: 2(n-1) steps each."""
-    return 0 if n <= 1 else 2 * (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
+    return collective_time("all_reduce", nbytes, n, link.cost(), count)
 
 
-def ring_steps(nbytes: Any, n: int, link: Any, count: int) -> Any:
-    """Seconds of ``count`` rings of n-1 steps over ``nbytes`` whole tensors: an all-gather's or a reduce-scatter's."""
-    return 0 if n <= 1 else (n - 1) * (count * link.latency + nbytes / n / link.bandwidth)
+def ring_gather(nbytes: Any, n: int, link: Link, count: int = 1) -> Any:
+    """Seconds of ``count`` all-gathers of ``nbytes`` whole tensors in all: n-1 ring steps each."""
+    return collective_time("all_gather", nbytes, n, link.cost(), count)
 
 
-def ring_gather(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    return link.gather * ring_steps(nbytes, n, link, count)
+def ring_scatter(nbytes: Any, n: int, link: Link, count: int = 1) -> Any:
+    """Seconds of ``count`` reduce-scatters of ``nbytes`` whole tensors in all: n-1 ring steps each."""
+    return collective_time("reduce_scatter", nbytes, n, link.cost(), count)
 
 
-def ring_scatter(nbytes: Any, n: int, link: Any, count: int = 1) -> Any:
-    return link.scatter * ring_steps(nbytes, n, link, count)
+def p2p(nbytes: Any, link: Link) -> Any:
+    return p2p_time(nbytes, link.cost())
 
 
-def p2p(nbytes: Any, link: Any) -> Any:
-    return link.latency + nbytes / link.bandwidth
-
-
-def collective(op: str, nbytes: Any, n: int, link: Any) -> Any:
-    if op in ("all_reduce", "all_reduce_max"):
-        return ring_all_reduce(nbytes, n, link)
-    if op == "all_to_all":  # n-1 pairwise exchanges of 1/n^2 of the whole tensor each
-        return 0 if n <= 1 else (n - 1) * (link.latency + nbytes / n / n / link.bandwidth)
-    return ring_scatter(nbytes, n, link) if op == "reduce_scatter" else ring_gather(nbytes, n, link)
+def collective(op: str, nbytes: Any, n: int, link: Link) -> Any:
+    return collective_time(op, nbytes, n, link.cost())

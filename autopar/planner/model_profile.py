@@ -47,6 +47,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture
+from autopar.core.comm import BACKWARD, FORWARD
 from autopar.core.graph import tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
@@ -56,7 +57,7 @@ from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nod
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
 from autopar.passes.cost import node_cost, requires_grad
-from autopar.passes.tensor_parallel import BACKWARD, FORWARD, tensor_parallel
+from autopar.passes.tensor_parallel import tensor_parallel
 
 
 @dataclass(frozen=True)
