@@ -1,21 +1,23 @@
-"""Compile: capture the model for one local microbatch, run the passes, keep each rank's graph.
+"""Compile: capture the model for one local microbatch, run the passes, keep each rank's graph and the plan.
 
 Compilation needs no process group: every rank's program (and the plan that
 describes them all) is computed in one process from the mesh and the model.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import Captured, capture
 from autopar.core.buckets import bucket_sizes
 from autopar.core.graph import StageGraph
 from autopar.core.mesh import Mesh
+from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, memory, numel, replicated
 from autopar.core.schedule import Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
@@ -25,72 +27,6 @@ from autopar.passes.pipeline import choose_split_points, shared_parameters, spli
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective a step performs: on ``axis``, ``count`` times, ``bytes`` per rank in total."""
-
-    axis: str
-    op: str
-    count: int
-    bytes: int
-    what: str
-
-
-@dataclass
-class Plan:
-    """What autopar decided, in a form a person can read (``print(pm.plan)``)."""
-
-    mesh: Mesh
-    nodes: int
-    local_batch: str
-    microbatches: int
-    params: list[tuple[str, tuple[int, ...], str]]  # (name, full shape, placement per axis)
-    collectives: list[Collective] = field(default_factory=list)
-    memory: dict[str, int] = field(default_factory=dict)  # per rank: params / grads / optimizer bytes
-    fallbacks: list[str] = field(default_factory=list)
-    tied: dict[str, str] = field(default_factory=dict)
-    pipeline: list[str] = field(default_factory=list)
-    memory_note: str = ""
-    tensor_parallel: list[str] = field(default_factory=list)  # one layer's tensor-parallel layout
-
-    def __str__(self) -> str:
-        return self.render(per_parameter=True)
-
-    def summary(self) -> str:
-        """The plan without the per-parameter table."""
-        return self.render(per_parameter=False)
-
-    def render(self, *, per_parameter: bool) -> str:
-        n_params = sum(_numel(s) for _, s, _ in self.params)
-        lines = [
-            f"autopar plan for {self.mesh} ({self.mesh.size} ranks)",
-            f"  graph: {self.nodes} ATen nodes; local batch per microbatch {self.local_batch}; "
-            f"{self.microbatches} microbatch(es) per step",
-            f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
-        ]
-        for alias, canonical in self.tied.items():
-            lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
-        width = max((len(n) for n, _, _ in self.params), default=0)
-        for name, shape, placement in self.params if per_parameter else []:
-            lines.append(f"    {name:<{width}}  {str(list(shape)):<16} {placement}")
-        if self.pipeline:
-            lines.append("  pipeline: " + self.pipeline[0])
-            lines += [f"    {line}" for line in self.pipeline[1:]]
-        if self.tensor_parallel:
-            lines.append("  tensor parallelism, " + self.tensor_parallel[0])
-            lines += self.tensor_parallel[1:]
-        lines.append("  collectives per step (per rank):")
-        for c in self.collectives:
-            lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {_mb(c.bytes)} total  ({c.what})")
-        if not self.collectives:
-            lines.append("    none")
-        if self.fallbacks:
-            lines.append("  ops run replicated (no sharding rule): " + ", ".join(self.fallbacks))
-        note = f", {self.memory_note}" if self.memory_note else ""
-        lines.append(f"  memory per rank (estimate{note}): " + ", ".join(f"{k} {_mb(v)}" for k, v in self.memory.items()))
-        return "\n".join(lines)
 
 
 @dataclass
@@ -216,8 +152,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
         return program
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
-    program.plan.memory = {"parameters": params, "gradients": grads, "optimizer": factor * grads}
-    program.plan.memory_note = f"largest on rank {worst}"
+    program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
     program.plan.collectives = [
         Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
         for c in program.plan.collectives
@@ -226,42 +161,32 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:
-    plan.params = [(name, shape, _placement(mesh, tp.placements.get(name))
-                    + (f" (stored as {tp.layouts[name].blocks} blocks interleaved per rank)" if name in tp.layouts else ""))
-                   for name, shape, _ in plan.params]
+    plan.params = [dataclasses.replace(p.with_placement("tp", tp.placements.get(p.name, Replicate())),
+                                       interleave=tp.layouts[p.name].blocks if p.name in tp.layouts else None)
+                   for p in plan.params]
     for (direction, op), count in sorted(tp.collectives.items()):
         plan.collectives.append(Collective("tp", op, count * plan.microbatches,
                                            tp.bytes[(direction, op)] * plan.microbatches,
-                                           f"{direction}, {count} per microbatch"))
+                                           f"{direction}, {count} per microbatch", direction))
     plan.fallbacks = tp.fallbacks
-    plan.tensor_parallel = tp.layer
-    sharded = sum(_numel(shape) for name, shape, p in plan.params if "Shard" in p)
-    total = sum(_numel(shape) for _, shape, _ in plan.params) or 1
-    plan.memory["parameters"] = int(plan.memory["parameters"] * (1 - sharded / total * (1 - 1 / mesh.tp)))
-    plan.memory["gradients"] = int(plan.memory["gradients"] * (1 - sharded / total * (1 - 1 / mesh.tp)))
+    plan.tensor_parallel = tp.layer  # the memory estimate comes later, from each rank's local shapes
 
 
 def add_pipeline_to_plan(plan: Plan, stages: list[StageGraph], schedule: Schedule, split_points: list[str]) -> None:
-    sim = simulate(schedule)
-    plan.pipeline = [
-        f"{len(stages)} stages over {schedule.n_ranks} pp ranks, {schedule.n_microbatches} microbatches; "
-        f"bubble {sim.bubble_fraction:.1%} (simulated, backward = 2 x forward)",
-        "cuts before: " + (", ".join(split_points) or "-"),
-    ]
-    for st in stages:
-        sent = sum(b.dtype.itemsize * _numel(b.shape) for b in st.send)
-        plan.pipeline.append(
-            f"stage {st.index} on pp rank {schedule.stage_to_rank[st.index]}: {len(st.params)} parameters, "
-            f"{len(st.gm.graph.nodes)} nodes, sends {len(st.send)} tensors ({_mb(sent)}) per microbatch"
-        )
     shared = shared_parameters(stages, schedule)
-    for name, ranks in shared.items():
-        plan.pipeline.append(f"{name} is used on pp ranks {ranks}: gradients all-reduced among them")
+    plan.pipeline = PipelinePlan(
+        n_stages=len(stages), pp_ranks=schedule.n_ranks, microbatches=schedule.n_microbatches,
+        bubble=simulate(schedule).bubble_fraction, cuts=tuple(split_points),
+        stages=tuple(StagePlan(st.index, schedule.stage_to_rank[st.index], len(st.params), len(st.gm.graph.nodes),
+                               len(st.send), sum(b.dtype.itemsize * numel(b.shape) for b in st.send))
+                     for st in stages),
+        shared=tuple((name, tuple(ranks)) for name, ranks in shared.items()),
+    )
 
 
 def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:
     params = dict(model.named_parameters())
-    shapes = [(name, tuple(params[name].shape), _placement(mesh)) for name in cap.param_names]
+    shapes = [replicated(name, tuple(params[name].shape), mesh) for name in cap.param_names]
     trainable = [params[n] for n in cap.param_names if params[n].requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     collectives = []
@@ -272,23 +197,12 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
     return Plan(
         mesh=mesh,
         nodes=len(cap.gm.graph.nodes),
-        local_batch=str(list(batch)),
+        local_batch=batch,
         microbatches=options.microbatches,
         params=shapes,
         collectives=collectives,
         tied=dict(cap.aliases),
-        memory={
-            "parameters": sum(p.numel() * p.element_size() for p in params.values()),
-            "gradients": grad_bytes,
-            "optimizer": optimizer_state_factor(options) * grad_bytes,
-        },
-    )
-
-
-def _placement(mesh: Mesh, tp: Any = None) -> str:
-    """A parameter's placement per mesh axis: replicated over dp and pp, ``tp`` on the tp axis."""
-    return "(" + ", ".join(f"{axis}: {tp if axis == 'tp' and tp is not None else 'Replicate()'}"
-                           for axis in mesh.names) + ")"
+    )  # the memory estimate comes in _finish, from each rank's graphs
 
 
 def optimizer_state_factor(options: Options) -> int:
@@ -303,14 +217,3 @@ def optimizer_state_factor(options: Options) -> int:
     if name == "sgd":
         return 1 if opt.defaults.get("momentum", 0) else 0
     return 2
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n:,} B"

@@ -32,7 +32,7 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dic
     current = {n: t.data for n, t in [*model.named_parameters(), *model.named_buffers()]}
     if rt.zero is not None:
         current.update(rt.zero.full_parameters())
-    full_shapes = {name: shape for name, shape, _ in program.plan.params}
+    full_shapes = {p.name: p.shape for p in program.plan.params}
     tp = mesh.coords(rt.groups.rank)["tp"]
     for name, t in current.items():  # other stages' parameters are not kept: buffers to receive them into
         if t.numel() == 0 and name in full_shapes:

@@ -20,6 +20,7 @@ import torch
 
 from autopar.core.layout import local_shape
 from autopar.core.mesh import Mesh
+from autopar.core.plan import memory
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
 from autopar.passes.pipeline import shared_parameters
@@ -76,8 +77,7 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
                                          gathered=layout.largest_gathered(options.zero_prefetch)
                                          if options.zero == 3 else 0)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
-    plan.memory = estimates[worst]
-    plan.memory_note = f"largest on rank {worst}" if len(layouts) > 1 else ""
+    plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
     merged = {g.name: g for rep in layouts if mesh.coords(rep)["tp"] == 0 for g in layouts[rep].groups}
     plan.params = zero_placements(plan.params, ZeroLayout(options.zero, mesh.dp, tuple(merged.values())))
     if options.zero == 3:

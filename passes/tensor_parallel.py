@@ -19,6 +19,7 @@ import torch.fx as fx
 from autopar.core.comm import BACKWARD, FORWARD, LinkCost
 from autopar.core.graph import Captured
 from autopar.core.layout import Interleave
+from autopar.core.plan import CollectiveRow, LayerLayout, MatmulRow
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.fused_projections import interleave_fused_projections
@@ -34,7 +35,7 @@ class TensorParallel:
     bytes: Counter  # same keys -> bytes
     fallbacks: list[str]
     layouts: dict[str, Interleave] = dataclasses.field(default_factory=dict)  # parameters stored re-ordered
-    layer: list[str] = dataclasses.field(default_factory=list)  # the first repeated layer, Megatron-style
+    layer: LayerLayout | None = None  # the first repeated layer, Megatron-style
 
 
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
@@ -61,8 +62,8 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     lowered = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]  # the signature is unchanged by lowering
     counts, nbytes = count_collectives(gm, requires_grad(gm, {lowered[placeholders.index(nd)] for nd in leaves}))
     summary = layer_summary(gm, repeated_blocks(cap.gm))
-    if inside:
-        summary.append(f"    plus collectives inside local replacements of: {', '.join(inside)}")
+    if summary is not None:
+        summary = dataclasses.replace(summary, inside=tuple(inside))
     return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts, summary)
 
 
@@ -74,16 +75,16 @@ COLLECTIVE_ROLE = {"all_reduce": "all-reduce forward (partial sums -> replicated
                    "all_to_all": "all-to-all forward and backward (one sharded dim for another)"}  # to_partial (a bias added once) communicates nothing
 
 
-def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[str]:
+def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerLayout | None:
     """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective."""
     from autopar.passes.pipeline import module_path
 
     firsts = set(same_as.values())
     paths = [p for nd in firsts for p in module_path(nd) if p.rsplit(".", 1)[-1].isdigit()]
     if not paths:
-        return []
+        return None
     block = min(paths, key=lambda p: (p.count("."), p))
-    lines = [f"one layer ({block}; every identical layer is laid out the same):"]
+    rows: list[MatmulRow | CollectiveRow] = []
     inside = False
     for nd in gm.graph.nodes:
         if nd.op != "call_function":
@@ -96,7 +97,7 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[s
         if getattr(nd.target, "namespace", None) == "autopar":
             name = nd.target._opname
             if name in COLLECTIVE_ROLE:
-                lines.append(f"    {'':<22} >> {name}: {COLLECTIVE_ROLE[name]}")
+                rows.append(CollectiveRow(name, COLLECTIVE_ROLE[name]))
             continue
         op = getattr(nd.target, "_opname", str(nd.target))
         if op not in SHOWN:
@@ -104,8 +105,8 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> list[s
         where = mods[-1].removeprefix(block + ".") if mods else "?"
         strategy = nd.meta.get("autopar.placement")
         note = getattr(strategy, "note", "") or "replicated"
-        lines.append(f"    {where:<22} {op:<28} {note}")
-    return lines
+        rows.append(MatmulRow(where, op, note))
+    return LayerLayout(block, tuple(rows))
 
 
 def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tuple[Counter, Counter]:

@@ -16,6 +16,7 @@ run by ``runtime/zero_ops.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -23,6 +24,7 @@ import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.graph import Slot
+from autopar.core.plan import FlatShard, ParamPlan, ZeroShard
 from autopar.core.zero_layout import FlatGroup, ZeroLayout, zero_layout
 
 
@@ -187,17 +189,14 @@ def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_
     return layout, memory, zero_collectives(layout, microbatches=microbatches)
 
 
-def zero_placements(params: list[tuple[str, tuple[int, ...], str]],
-                    layout: ZeroLayout) -> list[tuple[str, tuple[int, ...], str]]:
-    """The plan's per-parameter rows, each told which flat group shards it over dp."""
-    what = {1: "optimizer state sharded over dp", 2: "gradients + optimizer state sharded over dp",
-            3: "stored sharded over dp, gathered per layer"}[layout.stage]
+def zero_placements(params: list[ParamPlan], layout: ZeroLayout) -> list[ParamPlan]:
+    """The plan's parameters, each told which flat group shards it over dp (zero=3: stored flat-sharded)."""
     group_of = {name: g.name for g in layout.groups for name in g.params}
     out = []
-    for name, shape, placement in params:
-        if name in group_of:
-            if layout.stage == 3:
-                placement = placement.replace("dp: Replicate()", "dp: Shard(flat)")
-            placement = f"{placement}  zero={layout.stage}: {what} in {group_of[name]!r}"
-        out.append((name, shape, placement))
+    for p in params:
+        if p.name in group_of:
+            if layout.stage == 3 and "dp" in p.axes:
+                p = p.with_placement("dp", FlatShard())
+            p = dataclasses.replace(p, zero=ZeroShard(layout.stage, group_of[p.name]))
+        out.append(p)
     return out

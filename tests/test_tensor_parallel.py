@@ -10,6 +10,7 @@ from torch.distributed.tensor import Shard
 
 import models
 from autopar import Mesh, parallelize
+from autopar.core.plan import MatmulRow
 from autopar.testing import assert_equivalent
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
@@ -120,18 +121,18 @@ def test_gpt2_plan_reads_like_megatron() -> None:
     """GPT-2's fused q|k|v weight is stored interleaved per rank, so it shards column-wise."""
     pm = parallelize(models.gpt2(layers=2), Mesh(tp=2), example_inputs=(IDS,), example_target=TARGET,
                      loss_fn=models.lm_loss, optimizer=models.adamw)
-    text = str(pm.plan)
-    assert "transformer.h.0.attn.c_attn.weight" in text and "blocks interleaved per rank" in text
+    qkv = next(p for p in pm.plan.params if p.name == "transformer.h.0.attn.c_attn.weight")
+    assert qkv.placement("tp") == Shard(1) and qkv.interleave == 3
     placements = pm.compile((IDS,), {}, TARGET).placements
     assert placements["transformer.h.0.attn.c_attn.weight"] == Shard(1)  # Conv1D (in, out): column-parallel
     assert placements["transformer.h.0.attn.c_proj.weight"] == Shard(0)  # row-parallel
     assert placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
     assert placements["transformer.h.0.mlp.c_proj.weight"] == Shard(0)
-    layer = text.split("one layer (transformer.h.0")[1].split("collectives per step")[0]
-    steps = [w for line in layer.splitlines() for w in ("grad_all_reduce:", "column-parallel", "heads", "row-parallel",
-                                                        "all_reduce:") if w in line.split()]
-    assert steps == ["grad_all_reduce:", "column-parallel", "heads", "row-parallel", "all_reduce:",
-                     "grad_all_reduce:", "column-parallel", "row-parallel", "all_reduce:"], layer
+    layer = pm.plan.tensor_parallel
+    assert layer.block == "transformer.h.0"
+    steps = [row.style if isinstance(row, MatmulRow) else row.op for row in layer.rows]
+    assert steps == ["grad_all_reduce", "column-parallel", "heads", "row-parallel", "all_reduce",
+                     "grad_all_reduce", "column-parallel", "row-parallel", "all_reduce"], layer
 
 
 def test_repeated_layers_are_solved_once() -> None:

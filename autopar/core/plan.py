@@ -1,0 +1,244 @@
+"""The plan as data: what autopar decided, as small frozen values; ``Plan.render`` prints it.
+
+Every field is a value a program can read (placements are DTensor ``Placement``
+objects per mesh axis, the pipeline and the tensor-parallel layer are records);
+the text of ``print(pm.plan)`` is made from them and never parsed back.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.core.mesh import Mesh
+
+
+class FlatShard(Placement):
+    """ZeRO-3 storage over an axis: the parameter is a piece of a flat group, sharded along the flattened group."""
+
+    def __repr__(self) -> str:
+        return "Shard(flat)"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FlatShard)
+
+    def __hash__(self) -> int:
+        return hash(FlatShard)
+
+
+@dataclass(frozen=True)
+class ZeroShard:
+    """How ZeRO treats a parameter: ``stage`` 1-3, in the flat group named ``group``."""
+
+    stage: int
+    group: str
+
+    def render(self) -> str:
+        what = {1: "optimizer state sharded over dp", 2: "gradients + optimizer state sharded over dp",
+                3: "stored sharded over dp, gathered per layer"}[self.stage]
+        return f"zero={self.stage}: {what} in {self.group!r}"
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter: full shape, its placement on each mesh axis (``axes[i]`` -> ``placements[i]``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    placements: tuple[Placement, ...]
+    interleave: int | None = None  # stored as this many blocks interleaved per tp rank
+    zero: ZeroShard | None = None
+
+    def placement(self, axis: str) -> Placement:
+        return self.placements[self.axes.index(axis)]
+
+    def with_placement(self, axis: str, placement: Placement) -> ParamPlan:
+        i = self.axes.index(axis)
+        return ParamPlan(self.name, self.shape, self.axes, self.placements[:i] + (placement,) + self.placements[i + 1:],
+                         self.interleave, self.zero)
+
+    def render_placement(self) -> str:
+        # the tp axis prints DTensor's short form (S(0), R), the others the long one
+        text = "(" + ", ".join(f"{axis}: {p if axis == 'tp' else repr(p)}"
+                               for axis, p in zip(self.axes, self.placements)) + ")"
+        if self.interleave is not None:
+            text += f" (stored as {self.interleave} blocks interleaved per rank)"
+        if self.zero is not None:
+            text += f"  {self.zero.render()}"
+        return text
+
+
+def replicated(name: str, shape: tuple[int, ...], mesh: Mesh) -> ParamPlan:
+    return ParamPlan(name, shape, mesh.names, tuple(Replicate() for _ in mesh.names))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a step performs: on ``axis``, ``count`` times, ``bytes`` per rank in total."""
+
+    axis: str
+    op: str
+    count: int
+    bytes: int
+    what: str
+    direction: str | None = None  # "forward" | "backward" where the kind is one direction's
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    rank: int  # its pp rank
+    params: int
+    nodes: int
+    sends: int  # tensors sent per microbatch
+    send_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    n_stages: int
+    pp_ranks: int
+    microbatches: int
+    bubble: float  # simulated, backward = 2 x forward
+    cuts: tuple[str, ...]  # module names the stages begin at
+    stages: tuple[StagePlan, ...]
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # parameter -> pp ranks using it
+
+    def render(self) -> list[str]:
+        lines = [f"{self.n_stages} stages over {self.pp_ranks} pp ranks, {self.microbatches} microbatches; "
+                 f"bubble {self.bubble:.1%} (simulated, backward = 2 x forward)",
+                 "cuts before: " + (", ".join(self.cuts) or "-")]
+        lines += [f"stage {st.index} on pp rank {st.rank}: {st.params} parameters, {st.nodes} nodes, "
+                  f"sends {st.sends} tensors ({mib(st.send_bytes)}) per microbatch" for st in self.stages]
+        lines += [f"{name} is used on pp ranks {list(ranks)}: gradients all-reduced among them"
+                  for name, ranks in self.shared]
+        return lines
+
+
+@dataclass(frozen=True)
+class MatmulRow:
+    """A matmul-like op of the layer: where (module inside the layer), the ATen op, its parallel style."""
+
+    where: str
+    op: str
+    style: str
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    op: str
+    role: str
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The first repeated layer as Megatron draws it: its matmuls and tp collectives in graph order."""
+
+    block: str
+    rows: tuple[MatmulRow | CollectiveRow, ...]
+    inside: tuple[str, ...] = ()  # ops whose local replacement communicates (vocab-parallel loss, ...)
+
+    def render(self) -> list[str]:
+        lines = [f"one layer ({self.block}; every identical layer is laid out the same):"]
+        for row in self.rows:
+            if isinstance(row, CollectiveRow):
+                lines.append(f"    {'':<22} >> {row.op}: {row.role}")
+            else:
+                lines.append(f"    {row.where:<22} {row.op:<28} {row.style}")
+        if self.inside:
+            lines.append(f"    plus collectives inside local replacements of: {', '.join(self.inside)}")
+        return lines
+
+
+@dataclass(frozen=True)
+class MemoryEstimate(Mapping):
+    """Bytes per rank by kind (parameters, gradients, optimizer, gathered), for rank ``largest_on``."""
+
+    parts: tuple[tuple[str, int], ...]
+    largest_on: int | None = None  # the rank with the largest estimate, where ranks differ
+
+    def __getitem__(self, key: str) -> int:
+        return dict(self.parts)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(k for k, _ in self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def scaled(self, factors: Mapping[str, float]) -> MemoryEstimate:
+        return MemoryEstimate(tuple((k, int(v * factors.get(k, 1))) for k, v in self.parts), self.largest_on)
+
+
+def memory(parts: Mapping[str, int], largest_on: int | None = None) -> MemoryEstimate:
+    return MemoryEstimate(tuple(parts.items()), largest_on)
+
+
+@dataclass
+class Plan:
+    """What autopar decided, as data; ``print(pm.plan)`` renders it."""
+
+    mesh: Mesh
+    nodes: int
+    local_batch: tuple[int, ...]
+    microbatches: int
+    params: list[ParamPlan]
+    collectives: list[Collective] = field(default_factory=list)
+    memory: MemoryEstimate = field(default_factory=lambda: MemoryEstimate(()))  # per rank
+    fallbacks: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    pipeline: PipelinePlan | None = None
+    tensor_parallel: LayerLayout | None = None  # one layer's tensor-parallel layout
+
+    def __str__(self) -> str:
+        return self.render(per_parameter=True)
+
+    def summary(self) -> str:
+        """The plan without the per-parameter table."""
+        return self.render(per_parameter=False)
+
+    def render(self, *, per_parameter: bool) -> str:
+        n_params = sum(numel(p.shape) for p in self.params)
+        lines = [
+            f"autopar plan for {self.mesh} ({self.mesh.size} ranks)",
+            f"  graph: {self.nodes} ATen nodes; local batch per microbatch {list(self.local_batch)}; "
+            f"{self.microbatches} microbatch(es) per step",
+            f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
+        ]
+        for alias, canonical in self.tied.items():
+            lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
+        width = max((len(p.name) for p in self.params), default=0)
+        for p in self.params if per_parameter else []:
+            lines.append(f"    {p.name:<{width}}  {str(list(p.shape)):<16} {p.render_placement()}")
+        if self.pipeline is not None:
+            pipeline = self.pipeline.render()
+            lines.append("  pipeline: " + pipeline[0])
+            lines += [f"    {line}" for line in pipeline[1:]]
+        if self.tensor_parallel is not None:
+            layer = self.tensor_parallel.render()
+            lines.append("  tensor parallelism, " + layer[0])
+            lines += layer[1:]
+        lines.append("  collectives per step (per rank):")
+        for c in self.collectives:
+            lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {mib(c.bytes)} total  ({c.what})")
+        if not self.collectives:
+            lines.append("    none")
+        if self.fallbacks:
+            lines.append("  ops run replicated (no sharding rule): " + ", ".join(self.fallbacks))
+        note = f", largest on rank {self.memory.largest_on}" if self.memory.largest_on is not None else ""
+        lines.append(f"  memory per rank (estimate{note}): " + ", ".join(f"{k} {mib(v)}" for k, v in self.memory.items()))
+        return "\n".join(lines)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n:,} B"
