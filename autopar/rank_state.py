@@ -13,7 +13,7 @@ Invariant: ``local_state(full_state())`` on every rank gives back what each rank
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,12 @@ from autopar.runtime import checkpoint
 from autopar.runtime.reshard import Geometry
 from autopar.zero_compile import held_names
 
+if TYPE_CHECKING:
+    from autopar.program import Program
+    from autopar.runtime.rank import RankRuntime
 
-def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dict[str, torch.Tensor]:
+
+def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size, by canonical name, from the ranks' shards (collective)."""
     current = {n: t.data for n, t in [*model.named_parameters(), *model.named_buffers()]}
     if rt.zero is not None:
@@ -43,7 +47,7 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any) -> dic
     return _gather_tp(mesh, program, rt, current)
 
 
-def _broadcast_from_owners(mesh: Mesh, program: Any, rt: Any, current: dict[str, torch.Tensor]) -> None:
+def _broadcast_from_owners(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
     """Each tensor's owner (the pp rank of the first stage using it) broadcasts it to the other pp ranks."""
     owner: dict[str, int] = {}
     for st in program.stages:
@@ -56,7 +60,7 @@ def _broadcast_from_owners(mesh: Mesh, program: Any, rt: Any, current: dict[str,
             dist.broadcast(t, src=src, group=rt.groups["pp"])
 
 
-def _gather_tp(mesh: Mesh, program: Any, rt: Any, current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _gather_tp(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full tensors from this rank's (``current``) and the other tp ranks' shards."""
     out = dict(current)
     for name in current:
@@ -70,7 +74,7 @@ def _gather_tp(mesh: Mesh, program: Any, rt: Any, current: dict[str, torch.Tenso
     return out
 
 
-def local_state(model: torch.nn.Module, mesh: Mesh, program: Any, rank: int,
+def local_state(model: torch.nn.Module, mesh: Mesh, program: Program, rank: int,
                 state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state (the model's keys) cut the way ``rank`` stores it: tp shards, re-ordered where a layout says."""
     aliases = tied_aliases(model)
@@ -85,7 +89,7 @@ def local_state(model: torch.nn.Module, mesh: Mesh, program: Any, rank: int,
     return out
 
 
-def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any,
+def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime,
                      full_shapes: dict[str, tuple[int, ...]]) -> checkpoint.RankState:
     """What ``rt``'s rank stores of every parameter and buffer, where it lies in the logical tensor, and which
     copies it writes to a checkpoint; ``full_shapes``: every parameter's logical shape."""
@@ -116,7 +120,7 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Any, rt: Any,
                                 f"zero={rt.zero.stage if rt.zero else 0} on {mesh!r}")
 
 
-def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, program: Any, mesh: Mesh,
+def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, program: Program, mesh: Mesh,
                  coords: dict[str, int], zero: tuple[Any, int] | None, writes: bool) -> checkpoint.Entry:
     """A parameter's entry: its tp chunk (in storage order), and under ZeRO the part of it in this rank's shard."""
     placement = program.placements.get(name)
@@ -141,7 +145,7 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, progr
                             window=(a - lo, b - lo), writes=writes, trainable=True)
 
 
-def _pp_writers(program: Any) -> dict[str, int]:
+def _pp_writers(program: Program) -> dict[str, int]:
     """The pp rank that writes each tensor: the rank of the first stage using it (others: pp rank 0)."""
     out: dict[str, int] = {}
     for st in program.stages or []:

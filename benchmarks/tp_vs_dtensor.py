@@ -226,7 +226,7 @@ def _compare(name: str, args: argparse.Namespace) -> dict:
 
 def _autopar_collectives(pm: autopar.ParallelModel) -> Comm:
     """The step just run, as the collective binding counted it, and as the plan lists it."""
-    return Comm(calls={op: n for (op, _), n in pm._binding.counts.items()}, bytes=sum(pm._binding.bytes.values()),
+    return Comm(calls={op: n for (op, _), n in pm._rt.binding.counts.items()}, bytes=sum(pm._rt.binding.bytes.values()),
                 planned={(c.direction, c.op): c.count for c in pm.plan.collectives})
 
 

@@ -33,7 +33,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.runtime.checkpoint_optim import optimizer_items, optimizer_targets, restore_optimizer
 from autopar.runtime.reshard import Geometry, LoadPlanner, Pieces, SavePlanner
+
+if TYPE_CHECKING:
+    from autopar.runtime.rank import RankRuntime
 
 LATEST = "LATEST"
 PREFIX = "ckpt-"
@@ -78,7 +81,7 @@ class RankState:
     describe: str  # e.g. "zero=3 on Mesh(dp=2, pp=2)", for messages
 
 
-def save(root: str, rt: Any, state: RankState, extra: Any = None) -> str:
+def save(root: str, rt: RankRuntime, state: RankState, extra: Any = None) -> str:
     """Writes a new version of this rank's part of the state under ``root`` and commits it; returns its folder."""
     rank = dist.get_rank()
     names = [f"{PREFIX}{int(time.time())}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
@@ -98,7 +101,7 @@ def save(root: str, rt: Any, state: RankState, extra: Any = None) -> str:
     return version
 
 
-def load(root: str, rt: Any, state: RankState) -> Any:
+def load(root: str, rt: RankRuntime, state: RankState) -> Any:
     """Loads the version ``root/LATEST`` names into this rank's tensors and optimizer; returns the saved ``extra``."""
     version = latest(root)
     stored = dcp.FileSystemReader(version).read_metadata().state_dict_metadata

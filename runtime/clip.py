@@ -19,14 +19,17 @@ single-device training with ``clip_grad_norm_``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+if TYPE_CHECKING:
+    from autopar.runtime.rank import RankRuntime
 
-def _pieces(rt: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+
+def _pieces(rt: RankRuntime, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(parameter name, gradient elements of it this rank holds)`` for every gradient the optimizer reads."""
     if rt.zero is not None:
         for fs in rt.zero.shards:
@@ -45,7 +48,7 @@ def _pieces(rt: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield names[id(p)], p.grad
 
 
-def global_grad_norm(rt: Any, model: torch.nn.Module, placements: dict[str, Any], holders: dict[str, int]) -> float:
+def global_grad_norm(rt: RankRuntime, model: torch.nn.Module, placements: dict[str, Any], holders: dict[str, int]) -> float:
     """The 2-norm of the whole model's gradient (every rank calls it; see the module doc).
 
     ``placements``: tp placement by parameter; ``holders``: pp ranks per parameter held by several.
@@ -64,7 +67,7 @@ def global_grad_norm(rt: Any, model: torch.nn.Module, placements: dict[str, Any]
     return float(total.sqrt())
 
 
-def clip(rt: Any, norm: float, max_norm: float) -> None:
+def clip(rt: RankRuntime, norm: float, max_norm: float) -> None:
     """Scales the gradients the optimizer reads by ``min(1, max_norm / (norm + 1e-6))``."""
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef == 1.0:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 
 
 def local_shape(shape: tuple[int, ...], placement: Any, n: int, index: int) -> tuple[int, ...]:
-    """The shape tp rank ``index`` of ``n`` stores for a parameter of full ``shape`` (as ``_shard_for_tp`` cuts it)."""
+    """The shape tp rank ``index`` of ``n`` stores for a parameter of full ``shape`` (as ``model_storage.shard_for_tp`` cuts it)."""
     if not isinstance(placement, Shard) or n == 1:
         return tuple(shape)
     return tuple(torch.empty(shape, device="meta").chunk(n, placement.dim)[index].shape)

@@ -1,0 +1,107 @@
+"""Building a rank's ``RankRuntime`` from a program: groups, parameters, optimizer, gradient sync, pipeline.
+
+``start_runtime`` runs once per ``ParallelModel``, at its first step or forward,
+on every rank of the job; it joins the process groups, lays the user's
+parameters out for this rank (``model_storage``) and builds the optimizer
+(ZeRO's, or the user's factory on this rank's parameters).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.collectives import Binding, set_process_binding
+from autopar.core.mesh import Mesh
+from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp
+from autopar.options import Options
+from autopar.program import Program, shared_parameters
+from autopar.runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.groups import Groups, join
+from autopar.runtime.memory import MemoryAccount
+from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
+from autopar.runtime.zero import ZeroRuntime
+from autopar.zero_compile import shared_across_pp
+
+
+def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program: Program) -> RankRuntime:
+    """This rank's runtime for ``program``; every later program of the model must keep its parameter placement."""
+    groups = join(mesh)
+    place_on_rank(model, groups.device)
+    binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
+    set_process_binding(binding)
+    full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    mine = set(state)
+    if program.stages is not None:
+        mine = {n for st in program.own_stages(groups.rank) for n in st.params}
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
+    zero = None
+    if options.zero:
+        zero = ZeroRuntime(model, groups, options, params, alone=shared_across_pp(program))
+        if zero.layout != program.zero_layouts[groups.rank]:
+            raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
+                               f"{zero.layout.describe()}, the compiler as "
+                               f"{program.zero_layouts[groups.rank].describe()}; please report it with the model")
+    opt: Optimizer | None = zero.optimizer if zero else None
+    if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
+        opt = options.optimizer(params) if params else NoParameters()  # (a head-less interleaved stage)
+    sync: GradSync | None = zero
+    if groups["dp"] is not None and zero is None:
+        sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
+    rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
+                     optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero,
+                     memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
+    if program.stages is not None:
+        release_other_stages(model, mine)
+        rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
+        rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
+        rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), pp_rank_fn(mesh, groups), groups.device)
+    return rt
+
+
+def shared_groups(mesh: Mesh, program: Program, groups: Groups,
+                  tensor_of: Callable[[str], torch.Tensor]) -> list[tuple[torch.Tensor, dist.ProcessGroup]]:
+    """One process group per set of pp ranks sharing a parameter (whose ``tensor_of(name)`` gets the
+    summed gradient); every rank creates every group."""
+    out = []
+    for name, pp_ranks in sorted(shared_parameters(program.stages, program.schedule).items()):
+        for ranks in mesh.groups("pp"):
+            group = dist.new_group([ranks[i] for i in pp_ranks])
+            if groups.rank in ranks and groups.coord("pp") in pp_ranks:
+                out.append((tensor_of(name), group))
+    return out
+
+
+def pp_rank_fn(mesh: Mesh, groups: Groups) -> Callable[[int], int]:
+    """The global rank of pp rank ``pp`` with this rank's dp and tp coordinates."""
+    coords = mesh.coords(groups.rank)
+    return lambda pp: mesh.rank_of(**{**coords, "pp": pp})
+
+
+def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
+    """Tensor-parallel ranks draw the same random numbers (dropout masks agree in replicated regions)."""
+    if mesh.tp == 1:
+        return
+    if rt.rng_base is None:
+        base = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.int64, device=rt.groups.device)
+        dist.broadcast(base, src=mesh.rank_of(**{**mesh.coords(rt.groups.rank), "tp": 0}), group=rt.groups["tp"])
+        rt.rng_base = int(base)
+    rt.rng_calls += 1
+    torch.manual_seed(rt.rng_base + rt.rng_calls)
+
+
+def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -> None:
+    """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
+    own = program.own_stages(rt.groups.rank)
+    if own is None:
+        return
+    pp = rt.groups.coord("pp")
+    used = {n for st in own for n in st.params}
+    mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
+    held = {n for n, p in model.named_parameters() if any(p is q for q in mine)}
+    if not used <= held | {n for n, p in model.named_parameters() if not p.requires_grad}:
+        raise RuntimeError(f"internal error: this input's program uses parameters {sorted(used - held)[:3]} on pp "
+                           f"rank {pp}, which holds other ones; please report it with the model")
