@@ -9,7 +9,6 @@ checks for each entry (the cases for these ops are in ``tests/harness/cases/nn.p
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard

@@ -8,7 +8,6 @@ checks for each entry.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
