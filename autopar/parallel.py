@@ -90,9 +90,8 @@ class ParallelModel:
         return forward(self.mesh, program, rt, parts)
 
     def timeline(self) -> list[tuple[str, float, float]]:
-        """This rank's pipeline actions of the last step: ``(action, start, end)`` (perf_counter seconds)."""
-        rt = self._rt
-        return list(rt.pipeline.timeline) if rt is not None and rt.pipeline is not None else []
+        """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds)."""
+        return list(self._rt.executor.timeline) if self._rt is not None else []
 
     def communication(self, *, calls: bool = False) -> dict[str, int]:
         """Tensor-parallel collective bytes (or, with ``calls``, calls) counted since the runtime started,

@@ -15,11 +15,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import Captured, capture
 from autopar.core.buckets import bucket_sizes
-from autopar.core.graph import StageGraph
+from autopar.core.graph import Slot, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, memory, numel, replicated
 from autopar.core.schedule import Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
+from autopar.core.step_schedule import forward_step, local_schedule, training_step
 from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
@@ -46,6 +47,19 @@ class Program:
     trainable: set[str] = field(default_factory=set)
     zero_layouts: dict[int, Any] = field(default_factory=dict)  # rank -> its ZeroLayout (zero > 0)
     rank_stages: Any = None  # rank -> its stages, when they differ by dp group (zero=3: a PerDpGroup)
+    step: Schedule | None = None  # what every pp rank runs: the whole training step, or the forward pass
+
+    def run_stages(self, rank: int) -> list[StageGraph]:
+        """The stage graphs ``rank`` executes: its pipeline stages, or its whole graph as one stage."""
+        stages = self.stages_for(rank)
+        if stages is not None:
+            return stages
+        slots, inputs = [], 0
+        for slot in self.captured.slots:  # the executor feeds inputs by their index in the flat batch
+            slots.append(Slot("input", str(inputs)) if slot.kind == "input" else slot)
+            inputs += slot.kind == "input"
+        return [StageGraph(0, self.graphs[rank], slots, [], [], True, self.captured.param_names,
+                           self.captured.mutated_buffers)]
 
     def stages_for(self, rank: int) -> list[StageGraph] | None:
         """The pipeline stages ``rank`` runs (those of its pp coordinate are its own), None without pp."""
@@ -97,7 +111,7 @@ def compile_program(
     if mesh.pp == 1:
         graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
         return _finish(Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts),
-                       model, mesh, options, trainable)
+                       model, mesh, options, trainable, with_loss)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
@@ -117,7 +131,19 @@ def compile_program(
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
                            split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts),
-                   model, mesh, options, trainable)
+                   model, mesh, options, trainable, with_loss)
+
+
+def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: bool) -> Schedule:
+    """The schedule of a whole training step (``training``) or forward pass of ``program``."""
+    m, unshard = options.microbatches, options.zero == 3
+    if not training:
+        n_stages = len(program.stages) if program.stages is not None else 1
+        return forward_step(mesh.pp, n_stages, m, unshard=unshard)
+    compute = program.schedule if program.schedule is not None else local_schedule(m)
+    holders = shared_parameters(program.stages, program.schedule) if program.stages is not None else {}
+    return training_step(compute, reduce_grad=mesh.dp > 1 or options.zero > 0, unshard=unshard,
+                         shared_ranks={r for ranks in holders.values() for r in ranks})
 
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
@@ -135,8 +161,12 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
     return sum(sizes.values()), trainable
 
 
-def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str]) -> Program:
-    """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages)."""
+def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str],
+            with_loss: bool) -> Program:
+    """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages);
+    the step schedule, checked by the simulator."""
+    program.step = step_schedule(program, mesh, options, training=with_loss)
+    simulate(program.step)  # raises on a broken or deadlocking step before anything runs
     placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
     program.param_of = {nd.name: s.name for nd, s in zip(placeholders, program.captured.slots) if s.kind == "param"}
     program.trainable = trainable

@@ -1,4 +1,4 @@
-"""Building a rank's ``RankRuntime`` from a program: groups, parameters, optimizer, gradient sync, pipeline.
+"""Building a rank's ``RankRuntime`` from a program: groups, parameters, optimizer, gradient sync, executor.
 
 ``start_runtime`` runs once per ``ParallelModel``, at its first step or forward,
 on every rank of the job; it joins the process groups, lays the user's
@@ -20,7 +20,7 @@ from autopar.program import Program, shared_parameters
 from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.groups import Groups, join
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.pipeline import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
 from autopar.runtime.zero import ZeroRuntime
 from autopar.zero_compile import shared_across_pp
@@ -51,14 +51,14 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None:
         sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
+    executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(stage % mesh.pp), groups.device)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
-                     optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero,
+                     optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
     if program.stages is not None:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
         rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
-        rt.pipeline = PipelineRunner(program.schedule, groups.coord("pp"), pp_rank_fn(mesh, groups), groups.device)
     return rt
 
 

@@ -1,9 +1,11 @@
 """One training step and one forward of a compiled program on this rank's ``RankRuntime``.
 
-``train_step``: forward and backward per microbatch (or the pipeline schedule),
-gradient sync over dp and across stages sharing a parameter, optional clipping,
-the optimizer step; returns the global mean loss. ``forward``: the outputs of
-the global batch, whole on every rank.
+Both run the program's step schedule (``Program.step``, see
+``autopar.core.step_schedule``) through the rank's ``Executor``; this module
+says what the step actions mean on a rank: ``StepHandlers`` built from the
+rank's gradient sync, shared parameters, ZeRO shards, optimizer and groups.
+``train_step`` returns the global mean loss; ``forward`` the outputs of the
+global batch, whole on every rank.
 """
 from __future__ import annotations
 
@@ -17,94 +19,101 @@ from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.rank_runtime import pp_rank_fn
 from autopar.runtime.clip import clip, global_grad_norm
-from autopar.runtime.pipeline import output_metas
+from autopar.runtime.pipeline import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
 
 
 def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime, parts: list[Any],
                max_grad_norm: float | None) -> tuple[float, float | None]:
     """Trains on this rank's microbatches ``parts``; ``(global mean loss, gradient norm before clipping or None)``."""
-    if rt.pipeline is not None:
-        loss = _pipeline_step(mesh, program, parts, rt)
-    else:
-        loss = _local_step(program, parts, rt)
-    if rt.grad_sync is not None:
-        rt.grad_sync.finish()
-    for param, group in rt.shared:  # copies of one parameter on several stages get the summed gradient
-        if param.grad is None:  # (every holder takes part, with zeros if its stages made no gradient)
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, group=group)
-    norm = None
-    if max_grad_norm is not None:
-        norm = global_grad_norm(rt, model, program.placements, rt.holders)
-        clip(rt, norm, max_grad_norm)
-    rt.optimizer.step()
-    rt.optimizer.zero_grad(set_to_none=True)
-    loss /= mesh.dp
-    if rt.groups["dp"] is not None:
-        dist.all_reduce(loss, group=rt.groups["dp"])
-    return float(loss), norm
+    norm: list[float] = []
+    shared_on_rank = _shared_within_rank(program, rt.groups.rank)
 
-
-def _local_step(program: Program, parts: list[Any], rt: RankRuntime) -> torch.Tensor:
-    gm = program.graphs[rt.groups.rank]
-    total = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
-    for i, part in enumerate(parts):
+    def arm(last: bool) -> None:  # a parameter two stages of this rank use is complete only after both
         if rt.grad_sync is not None:
-            rt.grad_sync.enabled = i == len(parts) - 1
-        loss = program.captured.run(rt.state, pytree.tree_leaves(part), gm)
-        (loss / len(parts)).backward()
-        total += loss.detach().double()
-    return total / len(parts)
+            rt.grad_sync.enabled = last and not shared_on_rank
 
+    def optimizer() -> None:
+        if max_grad_norm is not None:
+            norm.append(global_grad_norm(rt, model, program.placements, rt.holders))
+            clip(rt, norm[0], max_grad_norm)
+        rt.optimizer.step()
+        rt.optimizer.zero_grad(set_to_none=True)
 
-def _pipeline_step(mesh: Mesh, program: Program, parts: list[Any], rt: RankRuntime) -> torch.Tensor:
-    last = len(program.stages) - 1
-
-    def before_backward(mb: int) -> None:
-        if rt.grad_sync is not None:
-            rt.grad_sync.enabled = mb == len(parts) - 1 and not rt.shared_on_rank
-
-    rt.shared_on_rank = _shared_within_rank(program, rt.groups.rank)
+    handlers = StepHandlers(arm=arm, reduce_grad=rt.grad_sync.finish if rt.grad_sync is not None else lambda: None,
+                            reduce_shared=lambda: _reduce_shared(rt), optimizer=optimizer,
+                            broadcast_loss=lambda loss: _broadcast_loss(mesh, program, rt, loss),
+                            **_zero_handlers(program, rt))
     flat = [pytree.tree_leaves(p) for p in parts]
-    loss = rt.pipeline.step(program.stages_for(rt.groups.rank), flat, rt.state, program.captured.constants, before_backward)
-    if loss is None:
-        loss = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
-    src = pp_rank_fn(mesh, rt.groups)(program.schedule.stage_to_rank[last])
-    dist.broadcast(loss, src=src, group=rt.groups["pp"])
-    return loss
+    loss = _run(program, rt, flat, handlers)
+    return float(loss), (norm[0] if norm else None)
 
 
 def forward(mesh: Mesh, program: Program, rt: RankRuntime, parts: list[Any]) -> Any:
     """Forward only (no autograd graph is kept) on this rank's microbatches; the full output on every rank."""
+    handlers = StepHandlers(broadcast_outputs=lambda flats: _broadcast_outputs(mesh, program, rt, flats, len(parts)),
+                            **_zero_handlers(program, rt))
     with torch.no_grad():
-        if rt.pipeline is not None:
-            outs = _pipeline_forward(mesh, program, parts, rt)
-        else:
-            gm = program.graphs[rt.groups.rank]
-            outs = [program.captured.run(rt.state, pytree.tree_leaves((a, k)), gm) for a, k, _ in parts]
-        return gather_batch(outs, rt.groups["dp"], mesh.dp)
+        return _run(program, rt, [pytree.tree_leaves((a, k)) for a, k, _ in parts], handlers)
 
 
-def _pipeline_forward(mesh: Mesh, program: Program, parts: list[Any], rt: RankRuntime) -> list[Any]:
-    """Pipelined forward; the last stage broadcasts its outputs to the other pp ranks."""
-    last = program.stages[-1]
-    flats = rt.pipeline.forward(program.stages_for(rt.groups.rank), [pytree.tree_leaves((a, k)) for a, k, _ in parts],
-                                rt.state, program.captured.constants)
-    if flats is None:
-        flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
-                 for _ in parts]
-    src = pp_rank_fn(mesh, rt.groups)(program.schedule.stage_to_rank[last.index])
-    for flat in flats:
-        for t in flat:
-            dist.broadcast(t, src=src, group=rt.groups["pp"])
-    return [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
+def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:
+    pp = rt.groups.coord("pp")
+    return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
+                           program.captured.constants, handlers)
+
+
+def _zero_handlers(program: Program, rt: RankRuntime) -> dict[str, Any]:
+    """ZeRO-3: ``UNSHARD(s)`` starts gathering stage ``s``'s first layer, ``RESHARD(s)`` drops what is pending."""
+    if rt.zero is None or rt.zero.stage < 3:
+        return {}
+    stages = program.run_stages(rt.groups.rank)
+    return {"unshard": lambda s: rt.zero.prefetch_first(stages[s].gm, stages[s].slots),
+            "reshard": lambda s: rt.zero.drop_pending(stages[s].params)}
+
+
+def _reduce_shared(rt: RankRuntime) -> None:
+    """Copies of one parameter on several pp ranks get the summed gradient (zeros from a holder that made none)."""
+    for param, group in rt.shared:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=group)
+
+
+def _broadcast_loss(mesh: Mesh, program: Program, rt: RankRuntime, loss: torch.Tensor | None) -> torch.Tensor:
+    """The mean loss over this dp rank's microbatches from the last stage's rank to its pp group, then over dp."""
+    if loss is None:
+        loss = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
+    if program.schedule is not None:
+        last = program.schedule.n_stages - 1
+        src = pp_rank_fn(mesh, rt.groups)(program.schedule.stage_to_rank[last])
+        dist.broadcast(loss, src=src, group=rt.groups["pp"])
+    loss /= mesh.dp
+    if rt.groups["dp"] is not None:
+        dist.all_reduce(loss, group=rt.groups["dp"])
+    return loss
+
+
+def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[torch.Tensor]] | None,
+                       m: int) -> Any:
+    """The last stage's outputs from its rank to the pp group, unflattened, then gathered over dp."""
+    if program.schedule is not None:
+        last = program.stages[-1]
+        if flats is None:
+            flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
+                     for _ in range(m)]
+        src = pp_rank_fn(mesh, rt.groups)(program.schedule.stage_to_rank[last.index])
+        for flat in flats:
+            for t in flat:
+                dist.broadcast(t, src=src, group=rt.groups["pp"])
+    outs = [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
+    return gather_batch(outs, rt.groups["dp"], mesh.dp)
 
 
 def _shared_within_rank(program: Program, rank: int) -> bool:
     """Whether two stages of this rank use one parameter (its gradient completes only after both)."""
     seen: set[str] = set()
-    for st in program.own_stages(rank):
+    for st in program.own_stages(rank) or []:
         if seen & set(st.params):
             return True
         seen |= set(st.params)

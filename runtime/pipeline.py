@@ -1,4 +1,9 @@
-"""Pipeline execution: one rank runs its schedule's actions over its stage graphs.
+"""Step execution: one rank runs its step schedule's actions over its stage graphs.
+
+Every run, pipelined or not, training or forward only, is a program of actions
+(``autopar.core.step_schedule``): pipeline work (F, B, SEND/RECV) runs here;
+the step's other actions (gradient reduction, ZeRO gathers, the optimizer, the
+loss broadcast) call the ``StepHandlers`` the caller built from its rank state.
 
 Shapes and dtypes of everything that crosses a cut are known from the graph,
 so receive buffers are allocated up front and no shape handshake happens at
@@ -11,14 +16,18 @@ of the mean loss over the rank's batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar.core.graph import Boundary, StageGraph
-from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication
+from autopar.core.schedule import (
+    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, RECV_B, RECV_F, REDUCE_GRAD, REDUCE_SHARED, RESHARD, SEND_B,
+    SEND_F, UNSHARD, Action,
+)
+from autopar.core.step_schedule import last_backwards
 
 
 def _tag(stage: int, microbatch: int, backward: bool, n_stages: int) -> int:
@@ -42,27 +51,52 @@ def _recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, 
 
 
 @dataclass
+class StepHandlers:
+    """What this rank does for the step actions that are not pipeline work (``autopar.step`` builds them).
+
+    ``arm`` is called before every ``B`` with whether it is the stage's last
+    before ``REDUCE_GRAD`` (gradient hooks may launch reductions during it).
+    ``broadcast_loss`` gets the mean loss on the rank holding the last stage
+    (None elsewhere) and returns the global one; ``broadcast_outputs`` gets
+    the last stage's flat outputs per microbatch (None elsewhere) and returns
+    what ``pm(x)`` returns.
+    """
+
+    arm: Callable[[bool], None] = lambda last: None
+    unshard: Callable[[int], None] = lambda stage: None
+    reshard: Callable[[int], None] = lambda stage: None
+    reduce_grad: Callable[[], None] = lambda: None
+    reduce_shared: Callable[[], None] = lambda: None
+    optimizer: Callable[[], None] = lambda: None
+    broadcast_loss: Callable[[torch.Tensor | None], Any] = lambda loss: loss
+    broadcast_outputs: Callable[[list[list[torch.Tensor]] | None], Any] = lambda outs: outs
+
+
+@dataclass
 class _Ctx:
-    inputs: dict[tuple[int, int], list[torch.Tensor]]
-    outputs: dict[tuple[int, int], list[torch.Tensor]]
-    grads: dict[tuple[int, int], list[torch.Tensor]]
-    losses: dict[int, torch.Tensor]
-    works: list
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    results: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # forward: the last stage's outputs
+    works: list = field(default_factory=list)
+    training: bool = True  # the program has backward actions
+    returned: Any = None
 
 
-class PipelineRunner:
-    """Runs ``schedule``'s actions for pipeline rank ``pp_index``; each call gets the program's stage graphs."""
+class Executor:
+    """Runs one rank's program of a step schedule (``autopar.core.step_schedule``) over its stage graphs.
 
-    def __init__(self, schedule: Schedule, pp_index: int, global_rank_of_pp: Callable[[int], int],
-                 device: torch.device) -> None:
-        self.stages: list[StageGraph] = []
-        self.schedule = add_communication(schedule)
-        self.actions = self.schedule.actions[pp_index]
-        self.rank_of_stage = lambda s: global_rank_of_pp(schedule.stage_to_rank[s])
+    ``global_rank_of_stage(s)`` is the global rank holding stage ``s`` with this
+    rank's dp and tp coordinates.
+    """
+
+    def __init__(self, global_rank_of_stage: Callable[[int], int], device: torch.device) -> None:
+        self.rank_of_stage = global_rank_of_stage
         self.device = device
-        self.mine = [s for s in range(schedule.n_stages) if schedule.stage_to_rank[s] == pp_index]
-        self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last step, perf_counter s
-        self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last step
+        self.stages: list[StageGraph] = []
+        self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last run, perf_counter s
+        self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last run
 
     def _args(self, stage: StageGraph, state: dict, constants: dict, flat_inputs: list, recv: list) -> list:
         it = iter(recv)
@@ -77,75 +111,87 @@ class PipelineRunner:
         got = _recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, len(self.stages)), self.device)
         return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[s].recv)]
 
-    def step(self, stages: list[StageGraph], microbatches: list[list[Any]], state: dict, constants: dict,
-             before_backward: Callable[[int], None] = lambda mb: None) -> torch.Tensor | None:
-        """Forward and backward of every microbatch; the mean loss (on the rank holding the last stage)."""
+    def run(self, program: Sequence[Action], stages: list[StageGraph], microbatches: list[list[Any]], state: dict,
+            constants: dict, handlers: StepHandlers) -> Any:
+        """Runs ``program``; returns what its ``BROADCAST_LOSS`` or ``BROADCAST_OUTPUTS`` returned."""
         self.stages = stages
-        m = len(microbatches)
-        n = len(self.stages)
-        ctx = _Ctx({}, {}, {}, {}, [])
-        self.timeline, self.peak_in_flight = [], {s: 0 for s in self.mine}
-        for a in self.actions:
+        ctx = _Ctx(training=any(a.kind == B for a in program))
+        armed = last_backwards(program)
+        self.timeline = []
+        self.peak_in_flight = {a.stage: 0 for a in program if a.kind == F}
+        for a in program:
             start = time.perf_counter()
-            s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
-            key = (s, mb)
-            if a.kind == RECV_F:
-                ctx.inputs[key] = self._receive_forward(s, mb)
-            elif a.kind == F:
-                outs = stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, [])))
-                ctx.outputs[key] = list(outs)
-                if stage.is_last:
-                    ctx.losses[mb] = outs[len(stage.send)]
-            elif a.kind == SEND_F:
-                _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
-            elif a.kind == RECV_B:
-                metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
-                ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
-            elif a.kind == B:
-                before_backward(mb)
-                if stage.is_last:
-                    (ctx.losses[mb] / m).backward()
-                else:
-                    outs = [o for o, b in zip(ctx.outputs[key], stage.send) if b.requires_grad]
-                    pairs = [(o, g) for o, g in zip(outs, ctx.grads.pop(key)) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                del ctx.outputs[key]
-            elif a.kind == SEND_B:
-                grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                         for t, b in zip(ctx.inputs[key], stage.recv) if b.requires_grad]
-                _send(grads, self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
-            if a.kind == SEND_B:
-                del ctx.inputs[key]
-            if a.kind == F:
-                held = sum(1 for k in ctx.outputs if k[0] == s)
-                self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
+            if a.is_compute or a.is_comm:
+                self._pipeline_action(a, ctx, microbatches, state, constants, handlers, a in armed)
+            else:
+                self._step_action(a, ctx, len(microbatches), handlers)
             self.timeline.append((str(a), start, time.perf_counter()))
-        for work, _ in ctx.works:
-            work.wait()
-        if not ctx.losses:
-            return None
-        return torch.stack([ctx.losses[i].detach() for i in range(m)]).double().mean()
+        return ctx.returned
 
-    def forward(self, stages: list[StageGraph], microbatches: list[list[Any]], state: dict,
-                constants: dict) -> list[list[torch.Tensor]] | None:
-        """Forward only, microbatch by microbatch; the last stage's flat outputs per microbatch (else None)."""
-        self.stages = stages
-        n = len(self.stages)
-        works: list = []
-        results = []
-        for mb, flat_inputs in enumerate(microbatches):
-            for s in self.mine:
-                stage = self.stages[s]
-                recv = self._receive_forward(s, mb) if s > 0 else []
-                outs = list(stage.gm(*self._args(stage, state, constants, flat_inputs, recv)))
-                if stage.is_last:
-                    results.append(outs[len(stage.send):])
-                else:
-                    _send(outs[: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), works)
-        for work, _ in works:
-            work.wait()
-        return results or None
+    def _pipeline_action(self, a: Action, ctx: _Ctx, microbatches: list[list[Any]], state: dict, constants: dict,
+                         handlers: StepHandlers, last: bool) -> None:
+        s, mb, stage, n = a.stage, a.microbatch, self.stages[a.stage], len(self.stages)
+        key = (s, mb)
+        if a.kind == RECV_F:
+            ctx.inputs[key] = self._receive_forward(s, mb)
+        elif a.kind == F:
+            outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
+            k = len(stage.mutated)
+            with torch.no_grad():
+                for name, value in zip(stage.mutated, outs[:k]):
+                    state[name].copy_(value)
+            outs = outs[k:]
+            if stage.is_last and ctx.training:
+                ctx.losses[mb] = outs[len(stage.send)]
+            elif stage.is_last:
+                ctx.results[mb] = outs[len(stage.send):]
+            if ctx.training or not stage.is_last:
+                ctx.outputs[key] = outs
+            held = sum(1 for k in ctx.outputs if k[0] == s)
+            self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
+        elif a.kind == SEND_F:
+            _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
+        elif a.kind == RECV_B:
+            metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
+            ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
+        elif a.kind == B:
+            handlers.arm(last)
+            if stage.is_last:
+                (ctx.losses[mb] / len(microbatches)).backward()
+            else:
+                outs = [o for o, b in zip(ctx.outputs[key], stage.send) if b.requires_grad]
+                pairs = [(o, g) for o, g in zip(outs, ctx.grads.pop(key)) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        elif a.kind == SEND_B:
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                     for t, b in zip(ctx.inputs[key], stage.recv) if b.requires_grad]
+            _send(grads, self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
+        if a.kind == B or (a.kind == SEND_F and not ctx.training):
+            del ctx.outputs[key]  # (forward only: nothing comes back for it)
+        if a.kind == SEND_B or (a.kind == F and not ctx.training):
+            ctx.inputs.pop(key, None)
+
+    def _step_action(self, a: Action, ctx: _Ctx, m: int, handlers: StepHandlers) -> None:
+        if a.kind in (REDUCE_GRAD, BROADCAST_LOSS, BROADCAST_OUTPUTS):  # sends complete before the collectives
+            for work, _ in ctx.works:
+                work.wait()
+            ctx.works.clear()
+        if a.kind == UNSHARD:
+            handlers.unshard(a.stage)
+        elif a.kind == RESHARD:
+            handlers.reshard(a.stage)
+        elif a.kind == REDUCE_GRAD:
+            handlers.reduce_grad()
+        elif a.kind == REDUCE_SHARED:
+            handlers.reduce_shared()
+        elif a.kind == OPTIMIZER:
+            handlers.optimizer()
+        elif a.kind == BROADCAST_LOSS:
+            loss = torch.stack([ctx.losses[i].detach() for i in range(m)]).double().mean() if ctx.losses else None
+            ctx.returned = handlers.broadcast_loss(loss)
+        elif a.kind == BROADCAST_OUTPUTS:
+            ctx.returned = handlers.broadcast_outputs([ctx.results[i] for i in range(m)] if ctx.results else None)
 
 
 def output_metas(stage: StageGraph) -> list[Boundary]:

@@ -16,7 +16,7 @@ from autopar.core.collectives import Binding
 from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.groups import Groups
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.pipeline import Executor
 from autopar.runtime.zero import ZeroRuntime
 
 
@@ -51,7 +51,7 @@ GradSync = Union[BucketedAllReduce, ZeroRuntime]  # ZeRO reduce-scatters the gra
 
 @dataclass
 class RankRuntime:
-    """One rank's process groups, parameters and buffers, optimizer, gradient sync and pipeline runner."""
+    """One rank's process groups, parameters and buffers, optimizer, gradient sync and step executor."""
 
     groups: Groups
     state: dict[str, torch.Tensor]  # canonical name -> this rank's tensor (parameters and buffers)
@@ -61,10 +61,9 @@ class RankRuntime:
     binding: Binding  # the autopar::* collectives' process groups, with their call and byte counts
     full_shapes: dict[str, tuple[int, ...]]  # parameter -> its shape before tp sharding
     memory: MemoryAccount
+    executor: Executor  # runs the program's step schedule
     zero: ZeroRuntime | None = None  # ZeRO over dp (zero=1|2|3): also the optimizer's owner and the grad sync
     shared: list[tuple[torch.Tensor, dist.ProcessGroup]] = field(default_factory=list)  # params on several pp ranks
     holders: dict[str, int] = field(default_factory=dict)  # parameter -> pp ranks holding it, when several
-    pipeline: PipelineRunner | None = None
-    shared_on_rank: bool = False  # a parameter used by two stages of this rank: reduce after backward, not in it
     rng_base: int | None = None  # the seed tp ranks agree on (``seed_rng``), and the calls since
     rng_calls: int = 0

@@ -1,25 +1,29 @@
 """Pipeline timelines as pictures: Chrome-trace JSON (opens in Perfetto) and a PNG Gantt chart.
 
 A timeline is, per rank, the ``(action, start, end)`` records of
-``runtime.pipeline.PipelineRunner.timeline`` (perf_counter seconds). Ranks'
+``runtime.pipeline.Executor.timeline`` (perf_counter seconds): the pipeline's
+actions and the step's own (gradient reduction, optimizer, broadcasts). Ranks'
 clocks are the same machine's clock for local ranks; times are shown relative to
 the earliest start.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from autopar.core.schedule import RANK_KINDS, STAGE_KINDS, Action
+
 Timeline = list[tuple[str, float, float]]
-_KIND = re.compile(r"\d+([A-Z_]+)\d+")
+STEP_COLOR = "#8172b3"
 COLORS = {"F": "#4c72b0", "B": "#55a868", "SEND_F": "#dd8452", "RECV_F": "#8c8c8c", "SEND_B": "#dd8452",
-          "RECV_B": "#8c8c8c"}
+          "RECV_B": "#8c8c8c", **dict.fromkeys(STAGE_KINDS + RANK_KINDS, STEP_COLOR)}
 
 
 def kind(action: str) -> str:
-    m = _KIND.fullmatch(action)
-    return m.group(1) if m else action
+    try:
+        return Action.parse(action).kind
+    except ValueError:
+        return action
 
 
 def chrome_trace(timelines: dict[int, Timeline]) -> dict:
@@ -41,8 +45,8 @@ def save_chrome_trace(timelines: dict[int, Timeline], path: str | Path) -> Path:
 
 
 def save_gantt(timelines: dict[int, Timeline], path: str | Path, title: str = "pipeline timeline") -> Path:
-    """A PNG Gantt chart: a row per rank; forward, backward, send and receive bars (a receive blocks, so its
-    bar includes the wait for the peer); gaps are idle time (the rank runs no pipeline action)."""
+    """A PNG Gantt chart: a row per rank; forward, backward, send, receive and step-action bars (a receive
+    blocks, so its bar includes the wait for the peer); gaps are idle time (the rank runs no action)."""
     try:
         import matplotlib
 
@@ -65,10 +69,11 @@ def save_gantt(timelines: dict[int, Timeline], path: str | Path, title: str = "p
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "SEND_F", "RECV_F")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "SEND_F", "RECV_F", "OPTIMIZER")]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#8c8c8c", linewidth=0.5))
-    ax.legend(handles, ["forward", "backward", "send", "receive (waiting for the peer)", "idle"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8, frameon=False)
+    ax.legend(handles, ["forward", "backward", "send", "receive (waiting for the peer)",
+                        "gradient reduction, optimizer, broadcasts", "idle"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -188,6 +188,24 @@ class ZeroRuntime:
             else:
                 fs.grad = None  # freed with the optimizer's zero_grad(set_to_none=True)
 
+    # stage 3: the UNSHARD / RESHARD actions of a step ------------------------------
+    def prefetch_first(self, gm: torch.fx.GraphModule, slots: list) -> None:
+        """Starts gathering the first layer ``gm`` gathers, so that it overlaps what runs before the graph."""
+        gather = torch.ops.autopar.zero_all_gather.default
+        node = next((n for n in gm.graph.nodes if n.target is gather), None)
+        if node is None:
+            return
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        name = slots[placeholders.index(node.args[0])].name
+        next(fs for fs in self.shards if name in fs.spec.params).prefetch()
+
+    def drop_pending(self, params: list[str]) -> None:
+        """Completes and drops the pending gathers of the groups holding ``params`` (a stage's parameters)."""
+        names = set(params)
+        for fs in self.shards:
+            if names.intersection(fs.spec.params):
+                fs.drop_prefetch()
+
     # full state ----------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every sharded parameter at full size over dp (stage 3 all-gathers: every dp rank must call this)."""

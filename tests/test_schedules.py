@@ -9,8 +9,13 @@ from hypothesis import strategies as st
 
 from autopar.core.schedule import (
     B,
+    COMM_KINDS,
+    COMPUTE_KINDS,
     F,
     KINDS,
+    OPTIMIZER,
+    RANK_KINDS,
+    UNSHARD,
     Action,
     Schedule,
     add_communication,
@@ -132,9 +137,26 @@ def test_interleaved_with_one_chunk_is_1f1b() -> None:
 # --- the IR -------------------------------------------------------------------------------------
 
 
-@given(st.builds(Action, st.integers(0, 10**6), st.sampled_from(KINDS), st.integers(0, 10**6)))
+@st.composite
+def actions(draw: st.DrawFn) -> Action:
+    """Any valid action: stage and microbatch where its kind has them."""
+    kind = draw(st.sampled_from(KINDS))
+    stage = None if kind in RANK_KINDS else draw(st.integers(0, 10**6))
+    microbatch = draw(st.integers(0, 10**6)) if kind in COMPUTE_KINDS + COMM_KINDS else None
+    return Action(stage, kind, microbatch)
+
+
+@given(actions())
 def test_action_str_parses_back(action: Action) -> None:
     assert Action.parse(str(action)) == action
+
+
+def test_step_action_text() -> None:
+    assert str(Action(1, UNSHARD)) == "1UNSHARD" and Action.parse("1UNSHARD") == Action(1, UNSHARD)
+    assert str(Action(None, OPTIMIZER)) == "OPTIMIZER" and Action.parse("OPTIMIZER") == Action(None, OPTIMIZER)
+    for bad in ["OPTIMIZER0", "1OPTIMIZER", "1UNSHARD0", "UNSHARD"]:
+        with pytest.raises(ValueError, match="cannot parse action"):
+            Action.parse(bad)
 
 
 def test_action_text() -> None:

@@ -80,6 +80,7 @@ class StageGraph:
     send: list[Boundary]
     is_last: bool
     params: list[str] = field(default_factory=list)
+    mutated: list[str] = field(default_factory=list)  # the first outputs are new values of these buffers
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

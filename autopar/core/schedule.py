@@ -45,56 +45,82 @@ from typing import Callable, Iterable, Sequence
 
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+UNSHARD, RESHARD = "UNSHARD", "RESHARD"
+REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = "REDUCE_GRAD", "REDUCE_SHARED", "OPTIMIZER"
+BROADCAST_LOSS, BROADCAST_OUTPUTS = "BROADCAST_LOSS", "BROADCAST_OUTPUTS"
 COMPUTE_KINDS = (F, B)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
-KINDS = COMPUTE_KINDS + COMM_KINDS
+STAGE_KINDS = (UNSHARD, RESHARD)  # of one stage, for no microbatch (see autopar.core.step_schedule)
+RANK_KINDS = (REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER, BROADCAST_LOSS, BROADCAST_OUTPUTS)  # of the whole rank
+KINDS = COMPUTE_KINDS + COMM_KINDS + STAGE_KINDS + RANK_KINDS
 
 # Stage offset of the peer of a communication action: SEND_F(s) talks to s + 1, ...
 _PEER_OFFSET = {SEND_F: 1, RECV_F: -1, SEND_B: -1, RECV_B: 1}
 _MATCHING_KIND = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
 _KIND_RE = "|".join(sorted(KINDS, key=len, reverse=True))
-_ACTION_RE = re.compile(rf"(\d+)({_KIND_RE})(\d+)", re.ASCII)
+_ACTION_RE = re.compile(rf"(\d*)({_KIND_RE})(\d*)", re.ASCII)
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank: ``kind`` of ``stage`` for ``microbatch``; prints as ``"2F0"``."""
+    """One step of one rank: ``kind`` of ``stage`` for ``microbatch``; prints as ``"2F0"``.
 
-    stage: int
+    Compute and communication actions name a stage and a microbatch;
+    ``UNSHARD``/``RESHARD`` a stage only (``"1UNSHARD"``); the step actions of
+    the whole rank (``REDUCE_GRAD``, ``OPTIMIZER``, ...) neither.
+    """
+
+    stage: int | None
     kind: str
-    microbatch: int
+    microbatch: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; the kinds are {', '.join(KINDS)}")
-        for name in ("stage", "microbatch"):
+        has_stage = self.kind not in RANK_KINDS
+        has_microbatch = self.kind in COMPUTE_KINDS + COMM_KINDS
+        for name, needed in (("stage", has_stage), ("microbatch", has_microbatch)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not needed:
+                if value is not None:
+                    raise ValueError(f"a {self.kind} action has no {name}, got {name}={value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"action {name} must be an integer >= 0, got {value!r}")
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        stage = "" if self.stage is None else self.stage
+        microbatch = "" if self.microbatch is None else self.microbatch
+        return f"{stage}{self.kind}{microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """The action printed as ``text``, e.g. ``Action.parse("1SEND_F3")``."""
+        """The action printed as ``text``, e.g. ``Action.parse("1SEND_F3")`` or ``Action.parse("OPTIMIZER")``."""
         match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind one of "
-                f"{', '.join(KINDS)}, e.g. '2F0' or '1SEND_F3'"
+                f"{', '.join(KINDS)}, e.g. '2F0', '1SEND_F3', '0UNSHARD' or 'OPTIMIZER'"
             )
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+        stage, kind, microbatch = match.groups()
+        try:
+            return cls(int(stage) if stage else None, kind, int(microbatch) if microbatch else None)
+        except ValueError as e:
+            raise ValueError(f"cannot parse action {text!r}: {e}") from None
 
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
 
     @property
+    def is_comm(self) -> bool:
+        """A point-to-point transfer between pipeline ranks (SEND/RECV)."""
+        return self.kind in COMM_KINDS
+
+    @property
     def peer_stage(self) -> int:
         """The stage a communication action sends to or receives from."""
         if self.kind not in _PEER_OFFSET:
-            raise ValueError(f"{self} is a compute action; only communication actions have a peer stage")
+            raise ValueError(f"{self} is a {self.kind} action; only communication actions have a peer stage")
         return self.stage + _PEER_OFFSET[self.kind]
 
     def matching(self) -> Action:
@@ -156,11 +182,13 @@ class Schedule:
             for action in program:
                 if not isinstance(action, Action):
                     raise ValueError(f"rank {rank}: {action!r} is not an Action (use Action.parse for text)")
+                if action.stage is None:
+                    continue
                 if not action.stage < self.n_stages:
                     raise ValueError(
                         f"rank {rank}: {action} names stage {action.stage}, but there are {self.n_stages}"
                     )
-                if not action.microbatch < self.n_microbatches:
+                if action.microbatch is not None and not action.microbatch < self.n_microbatches:
                     raise ValueError(
                         f"rank {rank}: {action} names microbatch {action.microbatch}, "
                         f"but there are {self.n_microbatches}"
@@ -170,7 +198,7 @@ class Schedule:
                     raise ValueError(
                         f"{action} is in rank {rank}'s program, but stage {action.stage} lives on rank {owner}"
                     )
-                if not action.is_compute and not 0 <= action.peer_stage < self.n_stages:
+                if action.is_comm and not 0 <= action.peer_stage < self.n_stages:
                     raise ValueError(
                         f"rank {rank}: {action} talks to stage {action.peer_stage}, which does not exist"
                     )
@@ -178,6 +206,11 @@ class Schedule:
     @property
     def is_compute_only(self) -> bool:
         return all(action.is_compute for program in self.actions for action in program)
+
+    @property
+    def is_forward_only(self) -> bool:
+        """No backward anywhere: the schedule of a forward pass (``pm(x)``)."""
+        return not any(action.kind == B for program in self.actions for action in program)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages rank ``rank`` holds, in increasing order."""
@@ -345,7 +378,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     and their order on every rank, so the result deadlocks exactly when the
     input does; every SEND pairs with exactly one RECV.
     """
-    comm = [str(a) for program in schedule.actions for a in program if not a.is_compute]
+    comm = [str(a) for program in schedule.actions for a in program if not a.is_compute]  # (or step actions)
     if comm:
         raise ValueError(
             f"add_communication expects a compute-only schedule, but it already has {comm[0]} "

@@ -14,6 +14,13 @@ A schedule is accepted when:
   ``B(s, m)`` after ``B(s + 1, m)`` when those stages share the rank; a SEND
   after the compute whose result it sends; with communication, a compute
   after the RECV of its input;
+- step actions (``autopar.core.step_schedule``) sit where they mean something:
+  ``UNSHARD(s)`` before stage ``s``'s first action and ``RESHARD(s)`` after
+  its last, each rank-wide action (``REDUCE_GRAD``, ``OPTIMIZER``, ...) at most
+  once and after all of its rank's pipeline work. A rank-wide action is a
+  collective of the ranks whose programs hold it: it starts once all of them
+  have reached it;
+- a forward-only schedule (no ``B`` at all) needs only the ``F`` actions;
 - across ranks nothing deadlocks. In a compute-only schedule the dependencies
   between stages are waited on directly (``F(s, m)`` waits for ``F(s - 1, m)``
   to finish, ``B(s, m)`` for ``B(s + 1, m)``); in a schedule with
@@ -24,7 +31,7 @@ Time model (the semantics of `autopar.core.schedule`): ``F`` takes
 and never blocks; a RECV blocks until ``comm_time`` after the matching SEND
 was issued (in a compute-only schedule, a compute waits ``comm_time`` after
 the producing compute on another rank finished, so both forms of a schedule
-take the same time). Only ``F`` and ``B`` count as busy time, so
+take the same time). Step actions take no time. Only ``F`` and ``B`` count as busy time, so
 ``bubble_fraction = sum over ranks of (makespan - busy) / (ranks * makespan)``.
 """
 from __future__ import annotations
@@ -33,7 +40,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
+from autopar.core.schedule import (
+    B, F, RANK_KINDS, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, STAGE_KINDS, UNSHARD, Action, Schedule,
+)
+
+Key = tuple[int, Action]  # (rank, action): rank-wide actions have no stage, so the rank tells them apart
 
 
 class ScheduleError(ValueError):
@@ -66,12 +77,13 @@ class SimResult:
 
 
 def _check_complete(schedule: Schedule) -> None:
-    """Exactly one F and one B per (stage, microbatch)."""
+    """Exactly one F and one B per (stage, microbatch); no B at all in a forward-only schedule."""
     counts = Counter((a.kind, a.stage, a.microbatch) for program in schedule.actions for a in program)
+    kinds = (F,) if schedule.is_forward_only else (F, B)
     for stage in range(schedule.n_stages):
         rank = schedule.stage_to_rank[stage]
         for microbatch in range(schedule.n_microbatches):
-            for kind in (F, B):
+            for kind in kinds:
                 n = counts[(kind, stage, microbatch)]
                 if n != 1:
                     what = f"has no {kind}" if n == 0 else f"has {n} {kind} actions"
@@ -83,7 +95,7 @@ def _check_complete(schedule: Schedule) -> None:
 
 def _check_pairs(schedule: Schedule) -> None:
     """Every SEND/RECV crosses ranks, appears once and has its partner."""
-    counts = Counter(a for program in schedule.actions for a in program if not a.is_compute)
+    counts = Counter(a for program in schedule.actions for a in program if a.is_comm)
     for action, n in counts.items():
         rank = schedule.stage_to_rank[action.stage]
         if n > 1:
@@ -99,15 +111,35 @@ def _check_pairs(schedule: Schedule) -> None:
             raise ScheduleError(f"rank {rank}: {action} has no matching {partner} on rank {peer_rank}")
 
 
-def _needs(schedule: Schedule, action: Action, lowered: bool) -> tuple[list[Action], list[Action]]:
-    """What ``action`` consumes: (actions on its own rank, actions on other ranks)."""
+def _check_step_actions(schedule: Schedule) -> None:
+    """UNSHARD/RESHARD bracket their stage; rank-wide actions come once, after the rank's pipeline work."""
+    for rank, program in enumerate(schedule.actions):
+        pipeline = [i for i, a in enumerate(program) if a.is_compute or a.is_comm]
+        seen: set[Action] = set()
+        for i, action in enumerate(program):
+            if action.kind in RANK_KINDS:
+                if action in seen:
+                    raise ScheduleError(f"rank {rank} runs {action} twice; a step runs each of its collectives once")
+                seen.add(action)
+                if pipeline and i < pipeline[-1]:
+                    raise ScheduleError(f"rank {rank} runs {action} before {program[pipeline[-1]]}: the step's "
+                                        "collectives come after all of the rank's pipeline work")
+            elif action.kind in STAGE_KINDS:
+                mine = [j for j in pipeline if program[j].stage == action.stage]
+                if mine and ((action.kind == UNSHARD and i > mine[0]) or (action.kind == RESHARD and i < mine[-1])):
+                    where = "before its first action" if action.kind == UNSHARD else "after its last action"
+                    raise ScheduleError(f"rank {rank} runs {action} out of place: it belongs {where}")
+
+
+def _needs(schedule: Schedule, rank: int, i: int, lowered: bool) -> tuple[list[Key], list[Key]]:
+    """What action ``i`` of ``rank``'s program consumes: (actions on its own rank, actions on other ranks)."""
+    action = schedule.actions[rank][i]
     s, m = action.stage, action.microbatch
-    here = schedule.stage_to_rank[s]
     local: list[Action] = []
     remote: list[Action] = []
 
     def neighbour(peer: int, kind: str, recv_kind: str) -> None:
-        if schedule.stage_to_rank[peer] == here:
+        if schedule.stage_to_rank[peer] == rank:
             local.append(Action(peer, kind, m))
         elif lowered:
             local.append(Action(s, recv_kind, m))
@@ -124,7 +156,20 @@ def _needs(schedule: Schedule, action: Action, lowered: bool) -> tuple[list[Acti
         local.append(Action(s, F if action.kind == SEND_F else B, m))
     elif action.kind in (RECV_F, RECV_B):
         remote.append(action.matching())
-    return local, remote
+    elif action.kind == REDUCE_GRAD:
+        local += [a for a in schedule.actions[rank] if a.kind == B]
+    elif action.kind in RANK_KINDS:  # a collective: every rank holding it must have reached it
+        return [], [_reached(schedule, peer, action) for peer in range(schedule.n_ranks)
+                    if peer != rank and action in schedule.actions[peer]
+                    and schedule.actions[peer].index(action) > 0]
+    owner = schedule.stage_to_rank.__getitem__
+    return [(rank, a) for a in local], [(owner(a.stage), a) for a in remote]
+
+
+def _reached(schedule: Schedule, rank: int, action: Action) -> Key:
+    """What ``rank`` must have finished to be at ``action``: the action before it in its program."""
+    program = schedule.actions[rank]
+    return rank, program[program.index(action) - 1]
 
 
 def _out_of_order(rank: int, action: Action, missing: Action) -> ScheduleError:
@@ -139,27 +184,33 @@ def _out_of_order(rank: int, action: Action, missing: Action) -> ScheduleError:
     return ScheduleError(f"rank {rank} runs {action} before {missing}: {why}")
 
 
-def _deadlock(schedule: Schedule, pcs: list[int], waits: dict[int, Action]) -> ScheduleError:
+def _deadlock(schedule: Schedule, pcs: list[int], waits: dict[int, Key]) -> ScheduleError:
     lines = []
-    for rank, needed in sorted(waits.items()):
+    for rank, (owner, needed) in sorted(waits.items()):
         at = schedule.actions[rank][pcs[rank]]
-        owner = schedule.stage_to_rank[needed.stage]
-        lines.append(f"rank {rank} is stuck at {at} waiting for {needed} on rank {owner}")
+        if at.kind in RANK_KINDS:
+            lines.append(f"rank {rank} is stuck at {at} waiting for rank {owner} to reach it")
+        else:
+            lines.append(f"rank {rank} is stuck at {at} waiting for {needed} on rank {owner}")
     return ScheduleError("deadlock: " + "; ".join(lines))
 
 
 def _try_run(
-    schedule: Schedule, rank: int, action: Action, lowered: bool, finished: dict[Action, float],
+    schedule: Schedule, rank: int, i: int, lowered: bool, finished: dict[Key, float],
     clock: float, duration: dict[str, float], comm_time: float,
-) -> Event | Action:
-    """Run ``action`` on ``rank``, free from ``clock``: its `Event`, or the remote action it still waits for."""
-    local, remote = _needs(schedule, action, lowered)
+) -> Event | Key:
+    """Run action ``i`` of ``rank``, free from ``clock``: its `Event`, or the remote action it still waits for."""
+    action = schedule.actions[rank][i]
+    local, remote = _needs(schedule, rank, i, lowered)
     for needed in local:
         if needed not in finished:
-            raise _out_of_order(rank, action, needed)
+            raise _out_of_order(rank, action, needed[1])
     for needed in remote:
         if needed not in finished:
             return needed
+    if action.kind in RANK_KINDS:  # a collective starts when the last rank reaches it
+        start = max([clock, *(finished[needed] for needed in remote)])
+        return Event(rank, start, start, action)
     # A value from another rank arrives comm_time after it was produced or sent.
     ready = max((finished[needed] + comm_time for needed in remote), default=0.0)
     if action.kind in (RECV_F, RECV_B):  # posted at once, blocks until the value is there
@@ -179,24 +230,24 @@ def simulate(
         )
     _check_complete(schedule)
     _check_pairs(schedule)
-    lowered = not schedule.is_compute_only
+    _check_step_actions(schedule)
+    lowered = any(a.is_comm for program in schedule.actions for a in program) or schedule.n_ranks == 1
     duration = {F: forward_time, B: backward_time}
-    finished: dict[Action, float] = {}  # action -> the time it finished
+    finished: dict[Key, float] = {}  # (rank, action) -> the time it finished
     clocks = [0.0] * schedule.n_ranks
     pcs = [0] * schedule.n_ranks
     timeline: list[Event] = []
     progress = True
     while progress:  # run every rank as far as it can; stop when no rank can move
         progress = False
-        waits: dict[int, Action] = {}
+        waits: dict[int, Key] = {}
         for rank, program in enumerate(schedule.actions):
             while pcs[rank] < len(program):
-                action = program[pcs[rank]]
-                outcome = _try_run(schedule, rank, action, lowered, finished, clocks[rank], duration, comm_time)
-                if isinstance(outcome, Action):
+                outcome = _try_run(schedule, rank, pcs[rank], lowered, finished, clocks[rank], duration, comm_time)
+                if not isinstance(outcome, Event):
                     waits[rank] = outcome
                     break
-                finished[outcome.action] = clocks[rank] = outcome.end
+                finished[(rank, outcome.action)] = clocks[rank] = outcome.end
                 timeline.append(outcome)
                 pcs[rank] += 1
                 progress = True
