@@ -168,8 +168,8 @@ def _bubble_rank(args: argparse.Namespace, pp: int) -> dict:
             dist.barrier()
             pm.step(x, target=y)
             if i >= args.warmup:
-                timelines.append(list(pm._rt.pipeline.timeline))
-        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm._rt.pipeline.peak_in_flight)}
+                timelines.append(pm.timeline())
+        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm.runtime.pipeline.peak_in_flight)}
     return out
 
 

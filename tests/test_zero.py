@@ -12,6 +12,7 @@ from autopar import Mesh, parallelize
 from autopar.core.buckets import bucket_sizes
 from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
+from autopar.runtime.batch import split_batch
 from autopar.runtime.zero import check_optimizer
 from autopar.testing import assert_equivalent
 
@@ -234,8 +235,8 @@ def _overlap(zero: int) -> list:
     pm = parallelize(models.mlp((16,) * 6), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd, zero=zero,
                      bucket_mb=16 * 17 * 8 / 2**20, example_inputs=(x,), example_target=y)
     pm.step(x, target=y)
-    rt, program = pm._rt, pm.compile((x,), {}, y)
-    part = pm._local_parts(((x,), {}, y), rt)[0]
+    rt, program = pm.runtime, pm.compile((x,), {}, y)
+    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coord("dp")]  # this rank's microbatch
     before = rt.zero.queue.launched
     program.captured.run(rt.state, pytree.tree_leaves(part), program.graphs[rt.groups.rank]).backward()
     launched = rt.zero.queue.launched - before
