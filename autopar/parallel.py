@@ -158,6 +158,12 @@ class ParallelModel:
         rt = self._runtime(program)
         return checkpoint.load(path, rt, checkpoint_state(self.model, self.mesh, program, rt, rt.full_shapes))
 
+    @property
+    def runtime(self) -> RankRuntime | None:
+        """This rank's ``RankRuntime``, for inspection (None until the first ``step`` or forward call): its
+        process groups, parameters, optimizer, gradient sync, ZeRO state, pipeline runner and collective counts."""
+        return self._rt
+
 
 def parallelize(
     model: torch.nn.Module,

@@ -168,8 +168,8 @@ def _bubble_rank(args: argparse.Namespace, pp: int) -> dict:
             dist.barrier()
             pm.step(x, target=y)
             if i >= args.warmup:
-                timelines.append(list(pm._rt.pipeline.timeline))
-        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm._rt.pipeline.peak_in_flight)}
+                timelines.append(pm.timeline())
+        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm.runtime.pipeline.peak_in_flight)}
     return out
 
 
@@ -186,21 +186,24 @@ def _torch_stage_step(args: argparse.Namespace, pp: int, schedule_cls: type, m: 
     opt = sgd(module.parameters())
     x, y = chain_batch(args, m)
 
-    def step() -> float:
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(x, return_outputs=False)
-        elif rank == pp - 1:
-            schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
-        dist.broadcast(loss, src=pp - 1)  # autopar's step returns the global loss on every rank too
-        return float(loss)
+    return lambda: _torch_schedule_step(schedule, opt, rank, pp, x, y)
 
-    return step
+
+def _torch_schedule_step(schedule: Any, opt: torch.optim.Optimizer, rank: int, pp: int, inputs: torch.Tensor,
+                         target: torch.Tensor) -> float:
+    """One step of a torch.distributed.pipelining schedule and the optimizer; the mean loss, on every rank."""
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(inputs, return_outputs=False)
+    elif rank == pp - 1:
+        schedule.step(target=target, losses=losses, return_outputs=False)
+    else:
+        schedule.step(return_outputs=False)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    dist.broadcast(loss, src=pp - 1)  # autopar's step returns the global loss on every rank too
+    return float(loss)
 
 
 def _versus_torch_rank(args: argparse.Namespace, pp: int) -> dict:
@@ -252,21 +255,7 @@ def _skip_torch_rank(args: argparse.Namespace, pp: int) -> list[float]:
         module = pipe.get_stage_module(rank)
         schedule = ScheduleGPipe(build_stage(module, rank, pipe.info(), torch.device("cpu")), 4, loss_fn=lm_loss)
         opt = llama_sgd(module.parameters())
-        losses = []
-        for _ in range(args.llama_steps):
-            mb_losses: list[torch.Tensor] = []
-            if rank == 0:
-                schedule.step(ids, return_outputs=False)
-            elif rank == pp - 1:
-                schedule.step(target=target, losses=mb_losses, return_outputs=False)
-            else:
-                schedule.step(return_outputs=False)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = torch.stack(mb_losses).detach().mean() if mb_losses else torch.zeros((), dtype=torch.float64)
-            dist.broadcast(loss, src=pp - 1)
-            losses.append(float(loss))
-        return losses
+        return [_torch_schedule_step(schedule, opt, rank, pp, ids, target) for _ in range(args.llama_steps)]
     except Exception as e:
         raise RuntimeError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
 

@@ -1,7 +1,7 @@
 """How long the planner takes on large models built on the meta device (no memory).
 
 Plans GPT-3 175B for 1,024 DGX-A100 devices and the model families of
-``tests/test_planner_families.py`` (LLaMA-2 7B and 70B, Mistral-7B, Qwen2-7B,
+``tests/harness/families.py`` (LLaMA-2 7B and 70B, Mistral-7B, Qwen2-7B,
 Gemma-7B, Mixtral-8x7B, T5-3B and 11B, BERT-large, ViT-huge) for 64, and
 prints the seconds each takes (building the meta model, then ``plan``: the
 captures and the search). ``--check`` exits 1 when a plan takes longer than
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from autopar.planner import gpt3_175b, plan  # noqa: E402
-from test_planner_families import FAMILIES  # noqa: E402
+from harness.families import FAMILIES  # noqa: E402
 
 
 def jobs() -> dict[str, tuple[Callable[[], torch.nn.Module], int, int, int | None]]:

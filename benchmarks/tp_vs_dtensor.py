@@ -226,7 +226,8 @@ def _compare(name: str, args: argparse.Namespace) -> dict:
 
 def _autopar_collectives(pm: autopar.ParallelModel) -> Comm:
     """The step just run, as the collective binding counted it, and as the plan lists it."""
-    return Comm(calls={op: n for (op, _), n in pm._rt.binding.counts.items()}, bytes=sum(pm._rt.binding.bytes.values()),
+    calls = {key.split("@")[0]: n for key, n in pm.communication(calls=True).items()}  # "op@axis" -> calls
+    return Comm(calls=calls, bytes=sum(pm.communication().values()),
                 planned={(c.direction, c.op): c.count for c in pm.plan.collectives})
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
@@ -49,23 +49,24 @@ def local_val(val: Any, placement: Any, n: int) -> Any:
     return torch.empty(shape, dtype=val.dtype, device="meta")
 
 
-def _convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str) -> fx.Node:
-    """Nodes turning placement ``src`` into ``dst`` (identity when equal): the ops of ``comm.conversion``."""
+def convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str, *, val: Any = None, n: int = 1,
+            grad: bool = False) -> fx.Node:
+    """Appends to ``graph`` the nodes turning ``x`` (placement ``src``) into placement ``dst``: the ops of
+    ``comm.conversion``, then ``grad_all_reduce`` when ``grad``; the last one (``x`` when there are none).
+
+    Each gets ``meta["val"]``: ``val`` (the full value) at its placement on an axis of ``n`` ranks.
+    """
     ops = comm.conversion(src, dst)
     if ops is None:
         raise NotImplementedError(f"no redistribution from {src} to {dst}")
-    for op in ops:
-        x = graph.call_function(getattr(autopar_ops, op).default, (x, axis, *_dims(op, src, dst)))
+    placement = src
+    for name in ops + (("grad_all_reduce",) if grad else ()):
+        op = comm.OPS[name]
+        dims = op.dim_args(src, dst)
+        x = graph.call_function(getattr(autopar_ops, name).default, (x, axis, *dims))
+        placement = op.placement_after(placement, dims)
+        x.meta["val"] = local_val(val, placement, n)
     return x
-
-
-def _dims(op: str, src: Any, dst: Any) -> tuple[int, ...]:
-    """The tensor dims a conversion op takes after ``(x, axis)``."""
-    if op == "all_gather":
-        return (src.dim,)
-    if op in ("chunk", "reduce_scatter"):
-        return (dst.dim,)
-    return (src.dim, dst.dim) if op == "all_to_all" else ()
 
 
 def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, requires_grad: dict[fx.Node, bool],
@@ -79,12 +80,8 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
     def local_input(arg: fx.Node, dst: Any, grad: bool) -> fx.Node:
         key = (arg, dst, grad)
         if key not in converted:
-            x = _convert(graph, env[arg], placement[arg], dst, axis)
-            if grad:
-                x = graph.call_function(autopar_ops.grad_all_reduce.default, (x, axis))
-            converted[key] = x
-            for nd in _new_nodes(x, env[arg]):
-                nd.meta["val"] = local_val(arg.meta.get("val"), _placement_after(nd, placement[arg]), n)
+            converted[key] = convert(graph, env[arg], placement[arg], dst, axis, val=arg.meta.get("val"), n=n,
+                                     grad=grad)
         return converted[key]
 
     def finish(node: fx.Node, new: fx.Node, strategy_output: Any) -> None:
@@ -143,31 +140,6 @@ def propagate_shapes(gm: fx.GraphModule, example: list[Any], axis_sizes: dict[st
         fakes = [torch.empty(e[0], dtype=e[1], device=e[2]) if isinstance(e, tuple) else e for e in example]
     with coll.fake_axis_sizes(axis_sizes):
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-
-
-def _new_nodes(last: fx.Node, first: fx.Node) -> list[fx.Node]:
-    """The chain of nodes inserted between ``first`` and ``last`` (each takes the previous as input 0)."""
-    chain = []
-    while last is not first:
-        chain.append(last)
-        last = last.args[0]
-    return chain
-
-
-_AFTER = {"all_reduce": R, "all_gather": R, "to_partial": Partial()}
-
-
-def _placement_after(node: fx.Node, before: Any) -> Any:
-    """The placement a conversion node produces."""
-    name = node.target._opname
-    if name in ("chunk", "reduce_scatter"):
-        return Shard(node.args[2])
-    if name == "all_to_all":
-        return Shard(node.args[3])
-    if name == "grad_all_reduce":
-        return _placement_after(node.args[0], before) if node.args[0].op == "call_function" and \
-            getattr(node.args[0].target, "namespace", None) == "autopar" else before
-    return _AFTER[name]
 
 
 def _needs_sync(arg: fx.Node, strategy: Any, k: int, requires_grad: dict[fx.Node, bool]) -> bool:

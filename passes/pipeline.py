@@ -89,24 +89,34 @@ def choose_split_points(gm: fx.GraphModule, n_stages: int) -> list[str]:
             f"cannot cut the model into {n_stages} stages: its graph has only {len(candidates)} module boundaries "
             f"to cut at ({len(candidates) + 1} stages at most); use fewer stages (pp or stages per rank)"
         )
+    weights = [node.meta["autopar.cost"].flops for node in nodes]
+    chosen = balanced_cuts(weights, candidates, n_stages, _crossing_bytes(nodes))
+    return [by_position[c] for c in chosen]
+
+
+def balanced_cuts(weights: list[Any], candidates: list[int], n: int, crossing: list[int] | None = None) -> list[int]:
+    """``n - 1`` cut positions (indices into ``weights``, ascending, from ``candidates``): the ``k``-th nearest
+    ``k / n`` of the total weight before it, leaving a candidate for every later cut.
+
+    With ``crossing`` (the bytes that cross each position), among the candidates within a quarter of a
+    stage's weight of the ideal, the one where the fewest bytes cross.
+    """
     prefix = [0]
-    for node in nodes:
-        prefix.append(prefix[-1] + node.meta["autopar.cost"].flops)
+    for w in weights:
+        prefix.append(prefix[-1] + w)
     total = prefix[-1] or 1
-    crossing = _crossing_bytes(nodes)
     chosen: list[int] = []
-    for k in range(1, n_stages):
+    for k in range(1, n):
         lo = chosen[-1] if chosen else 0
         pool = [c for c in candidates if c > lo]
-        pool = pool[: len(pool) - (n_stages - 1 - k)]  # leave a candidate for every later cut
-        ideal = total * k / n_stages
-        window = [c for c in pool if abs(prefix[c] - ideal) <= 0.25 * total / n_stages]
+        pool = pool[: len(pool) - (n - 1 - k)]  # leave a candidate for every later cut
+        ideal = total * k / n
+        window = [c for c in pool if abs(prefix[c] - ideal) <= 0.25 * total / n] if crossing is not None else []
         if window:
-            best = min(window, key=lambda c: (crossing[c], abs(prefix[c] - ideal)))
+            chosen.append(min(window, key=lambda c: (crossing[c], abs(prefix[c] - ideal))))
         else:
-            best = min(pool, key=lambda c: abs(prefix[c] - ideal))
-        chosen.append(best)
-    return [by_position[c] for c in chosen]
+            chosen.append(min(pool, key=lambda c: abs(prefix[c] - ideal)))
+    return chosen
 
 
 def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, int]:

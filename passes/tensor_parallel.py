@@ -12,11 +12,12 @@ import dataclasses
 import operator
 from collections import Counter
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 import torch.fx as fx
 
-from autopar.core.comm import BACKWARD, FORWARD, LinkCost
+from autopar.core.comm import OPS, LinkCost
 from autopar.core.graph import Captured
 from autopar.core.layout import Interleave
 from autopar.core.plan import CollectiveRow, LayerLayout, MatmulRow
@@ -25,7 +26,9 @@ from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
+from autopar.passes.rules.base import BATCH_MEAN, VOCAB_PARALLEL
 from autopar.passes.sharding import DEFAULT_COST, solve_sharding
+
 
 @dataclass
 class TensorParallel:
@@ -53,7 +56,7 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     rg = requires_grad(cap.gm, leaves)
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
     inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"
-                     and ch.strategy.note in ("vocab-parallel", "batch-mean")
+                     and ch.strategy.note in (VOCAB_PARALLEL, BATCH_MEAN)
                      and nd.target is not torch.ops.aten.embedding.default  # masks ids; no communication
                      and replacement(nd.target, ch.strategy) is not None})
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
@@ -68,11 +71,6 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
 
 
 SHOWN = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "scaled_dot_product_attention", "embedding"}
-COLLECTIVE_ROLE = {"all_reduce": "all-reduce forward (partial sums -> replicated)",
-                   "grad_all_reduce": "identity forward, all-reduce backward",
-                   "all_gather": "all-gather forward", "chunk": "keep local chunk, all-gather backward",
-                   "reduce_scatter": "reduce-scatter forward",
-                   "all_to_all": "all-to-all forward and backward (one sharded dim for another)"}  # to_partial (a bias added once) communicates nothing
 
 
 def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerLayout | None:
@@ -96,8 +94,8 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerL
             continue
         if getattr(nd.target, "namespace", None) == "autopar":
             name = nd.target._opname
-            if name in COLLECTIVE_ROLE:
-                rows.append(CollectiveRow(name, COLLECTIVE_ROLE[name]))
+            if name in OPS and OPS[name].role:
+                rows.append(CollectiveRow(name, OPS[name].role))
             continue
         op = getattr(nd.target, "_opname", str(nd.target))
         if op not in SHOWN:
@@ -109,27 +107,33 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerL
     return LayerLayout(block, tuple(rows))
 
 
-def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tuple[Counter, Counter]:
-    """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes.
+def collective_calls(nodes: Iterable[fx.Node], needs_grad: dict[fx.Node, bool]) -> Iterator[tuple[fx.Node, str, str]]:
+    """``(node, direction, collective)`` for each collective that the tp ops among ``nodes`` perform in one
+    forward and backward (``comm.OPS``).
 
     A collective has a backward only where its input needs a gradient (``needs_grad``, from
     ``passes.cost.requires_grad``): not on user inputs, integer values or what frozen parameters compute.
     """
+    for nd in nodes:
+        if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "autopar":
+            continue
+        op = OPS.get(nd.target._opname)  # None: not a tp collective (ZeRO's ops)
+        if op is not None and op.forward:
+            yield nd, "forward", op.forward
+        if op is not None and op.backward and needs_grad.get(nd.args[0], False):
+            yield nd, "backward", op.backward
+
+
+def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tuple[Counter, Counter]:
+    """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes
+    (``collective_calls``)."""
     counts: Counter = Counter()
     nbytes: Counter = Counter()
-    for nd in gm.graph.nodes:
-        if nd.op == "call_function" and getattr(nd.target, "namespace", None) == "autopar":
-            name = nd.target._opname
-            # bytes each rank contributes (as the runtime counts them): the local piece of an all-gather
-            size = tensor_bytes(nd.meta.get("val"))
-            if name == "all_gather":
-                size = tensor_bytes(nd.args[0].meta.get("val"))
-            if FORWARD.get(name):
-                counts[("forward", FORWARD[name])] += 1
-                nbytes[("forward", FORWARD[name])] += size
-            if BACKWARD.get(name) and needs_grad.get(nd.args[0], False):
-                counts[("backward", BACKWARD[name])] += 1
-                nbytes[("backward", BACKWARD[name])] += size
+    for nd, direction, kind in collective_calls(gm.graph.nodes, needs_grad):
+        # bytes each rank contributes (as the runtime counts them): the local piece of an all-gather
+        source = nd.args[0] if nd.target._opname == "all_gather" else nd
+        counts[(direction, kind)] += 1
+        nbytes[(direction, kind)] += tensor_bytes(source.meta.get("val"))
     return counts, nbytes
 
 

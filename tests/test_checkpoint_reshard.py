@@ -16,6 +16,7 @@ import models
 from autopar import Mesh, parallelize
 from autopar.core.layout import Interleave, to_storage
 from autopar.runtime.reshard import Geometry
+from harness.training import scheduled_reference, scheduled_steps
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -29,33 +30,9 @@ def _leg(make: Callable, sizes: dict, zero: int, steps: int, path: str, opt: Cal
     options = {"microbatches": 2} if sizes.get("pp", 1) > 1 else {}
     pm = parallelize(make(seed=7 if load else 0), Mesh(**sizes), loss_fn=models.lm_loss, optimizer=opt, zero=zero,
                      example_inputs=(IDS,), example_target=TARGET, **options)
-    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.8)
-    if load:
-        sched.load_state_dict(pm.load(path)["scheduler"])
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.step(IDS, target=TARGET))
-        sched.step()
-    if save:
-        pm.save(path, extra={"scheduler": sched.state_dict()})
+    losses = scheduled_steps(pm, (IDS,), TARGET, steps, path=path, load=load, save=save)
     state = pm.state_dict()
     return {"losses": losses, "state": state if dist.get_rank() == 0 else None}
-
-
-def _reference(make: Callable, opt: Callable, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-device training with the same optimizer and LR schedule."""
-    model = make(seed=0)
-    optimizer = opt(list(model.parameters()))
-    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-    losses = []
-    for _ in range(steps):
-        loss = models.lm_loss(model(IDS), TARGET)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def _assert_chain_equals_one_device(launcher: Callable, path: str, make: Callable, legs: list[Leg],
@@ -66,7 +43,7 @@ def _assert_chain_equals_one_device(launcher: Callable, path: str, make: Callabl
         runs = launcher(job, Mesh(**sizes).size)
         assert all(run["losses"] == runs[0]["losses"] for run in runs)
         losses += runs[0]["losses"]
-    want_losses, want_state = _reference(make, opt, len(losses))
+    want_losses, want_state = scheduled_reference(make(seed=0), opt, models.lm_loss, (IDS,), TARGET, len(losses))
     assert losses == pytest.approx(want_losses, rel=RTOL, abs=ATOL)
     state = runs[0]["state"]
     assert state.keys() == want_state.keys()

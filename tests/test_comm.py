@@ -22,6 +22,15 @@ def test_every_conversion_is_made_of_named_ops() -> None:
                 assert op in OPS and hasattr(torch.ops.autopar, op)
 
 
+def test_each_conversion_ends_in_its_target_placement() -> None:
+    for src in PLACEMENTS:
+        for dst in PLACEMENTS:
+            placement = src
+            for name in conversion(src, dst):
+                placement = OPS[name].placement_after(placement, OPS[name].dim_args(src, dst))
+            assert placement == dst, (src, dst, conversion(src, dst))
+
+
 def test_a_cluster_axis_prices_collectives_as_the_planner_does() -> None:
     cluster = Cluster.preset("dgx-a100")
     cost = cluster.axis_cost(span=8)

@@ -55,16 +55,17 @@ def test_mlp_float32_realistic_tolerance(launcher) -> None:
                       models.mse, models.adamw, steps=3, rtol=1e-4, atol=1e-5, launcher=launcher)
 
 
-def test_equivalence_check_catches_a_wrong_run(launcher) -> None:
-    """The harness fails when the parallel run differs (here: a different model on the parallel side)."""
-    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
-    from autopar.testing import _compare, parallel_run, reference_run
+def _other_weights_on_the_ranks() -> torch.nn.Module:
+    """Seed 0 on the single-device side, seed 1 on every rank of the parallel side."""
+    return models.mlp((6, 2), seed=1 if dist.is_initialized() else 0)
 
-    ref = reference_run(models.factory(models.mlp, widths=(6, 2)), (x,), y, models.mse, models.sgd, 2)
-    runs = parallel_run(models.factory(models.mlp, widths=(6, 2), seed=1), Mesh(dp=2), (x,), y, models.mse,
-                        models.sgd, 2, launcher=launcher)
+
+def test_equivalence_check_catches_a_wrong_run(launcher) -> None:
+    """The harness fails when the parallel run differs (here: a model of other weights on the parallel side)."""
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     with pytest.raises(AssertionError, match="loss at step 0"):
-        _compare(ref, runs[0], 0, 1e-9, 1e-11)
+        assert_equivalent(_other_weights_on_the_ranks, Mesh(dp=2), (x,), y, models.mse, models.sgd, steps=2,
+                          rtol=1e-9, atol=1e-11, launcher=launcher)
 
 
 def _new_batch_size_and_state_dict() -> list:

@@ -199,12 +199,12 @@ def test_a_sharded_dim_changes_by_all_to_all_at_a_fraction_of_the_gather_cost() 
     import torch.fx as fx
     from torch.distributed.tensor import Replicate, Shard
 
-    from autopar.passes.lower import _convert
     from autopar.core.comm import LinkCost, conversion_time
+    from autopar.passes.lower import convert
 
     graph = fx.Graph()
     x = graph.placeholder("x")
-    node = _convert(graph, x, Shard(0), Shard(1), "tp")
+    node = convert(graph, x, Shard(0), Shard(1), "tp")
     assert node.target is torch.ops.autopar.all_to_all.default and node.args == (x, "tp", 0, 1)
     cost = LinkCost(bandwidth=1e9)
     direct = conversion_time(Shard(0), Shard(1), 2**20, 4, cost)

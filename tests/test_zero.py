@@ -12,8 +12,10 @@ from autopar import Mesh, parallelize
 from autopar.core.buckets import bucket_sizes
 from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
+from autopar.runtime.batch import split_batch
 from autopar.runtime.zero import check_optimizer
 from autopar.testing import assert_equivalent
+from harness.training import scheduled_reference, scheduled_steps
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -85,28 +87,13 @@ def test_drawn_transformers_equal_single_device(launcher, d_heads, layers, zero,
 def _scheduled(zero: int, x: torch.Tensor, y: torch.Tensor) -> list[float]:
     pm = parallelize(models.mlp((6, 8, 3)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.adamw, zero=zero,
                      example_inputs=(x,), example_target=y)
-    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.5)
-    losses = []
-    for _ in range(4):
-        losses.append(pm.step(x, target=y))
-        sched.step()
-    return losses
+    return scheduled_steps(pm, (x,), y, 4, gamma=0.5)
 
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_lr_scheduler_drives_the_shard_optimizer(launcher, zero: int) -> None:
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    model = models.mlp((6, 8, 3))
-    opt = models.adamw(list(model.parameters()))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    want = []
-    for _ in range(4):
-        loss = models.mse(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        want.append(loss.item())
+    want, _ = scheduled_reference(models.mlp((6, 8, 3)), models.adamw, models.mse, (x,), y, 4, gamma=0.5)
     for got in launcher(_scheduled, 2, zero, x, y):
         assert got == pytest.approx(want, rel=1e-10)
 
@@ -234,8 +221,8 @@ def _overlap(zero: int) -> list:
     pm = parallelize(models.mlp((16,) * 6), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd, zero=zero,
                      bucket_mb=16 * 17 * 8 / 2**20, example_inputs=(x,), example_target=y)
     pm.step(x, target=y)
-    rt, program = pm._rt, pm.compile((x,), {}, y)
-    part = pm._local_parts(((x,), {}, y), rt)[0]
+    rt, program = pm.runtime, pm.compile((x,), {}, y)
+    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coord("dp")]  # this rank's microbatch
     before = rt.zero.queue.launched
     program.captured.run(rt.state, pytree.tree_leaves(part), program.graphs[rt.groups.rank]).backward()
     launched = rt.zero.queue.launched - before

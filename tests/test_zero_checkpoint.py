@@ -12,6 +12,8 @@ import torch.distributed as dist
 import models
 from autopar import Mesh, RankError, parallelize
 from autopar.runtime import checkpoint
+from autopar.testing import reference_run
+from harness.training import scheduled_steps
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -23,17 +25,9 @@ def _train(zero: int, path: str, steps: int, *, load: bool, save: bool, seed: in
     """``steps`` steps (after loading ``path`` when asked), then a save; a scheduler's state rides in ``extra``."""
     pm = parallelize(models.mlp(WIDTHS, seed=seed), Mesh(dp=dp), loss_fn=models.mse, optimizer=models.adamw, zero=zero,
                      example_inputs=(X,), example_target=Y)
-    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.8)
-    if load:
-        sched.load_state_dict(pm.load(path)["scheduler"])
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.step(X, target=Y))
-        sched.step()
     if kill_in_save and dist.get_rank() == 0:
-        _die_after_writing_data()
-    if save:
-        pm.save(path, extra={"scheduler": sched.state_dict()})
+        _die_after_writing_data()  # only the save writes: the load and the steps run as usual
+    losses = scheduled_steps(pm, (X,), Y, steps, path=path, load=load, save=save)
     return {"losses": losses, "state": pm.state_dict()}
 
 
@@ -91,20 +85,16 @@ def _continue_from_full_state(state: dict, zero: int, dp: int) -> dict:
 
 def test_a_full_state_loads_into_the_single_device_model_and_into_another_mesh(launcher, tmp_path) -> None:
     trained = launcher(_job(load=False, save=False), 2, 3, str(tmp_path), 2)[0]["state"]
-    model = models.mlp(WIDTHS, seed=9)
-    model.load_state_dict(trained)  # strict: the original keys and shapes
-    opt = models.sgd(list(model.parameters()))
-    want = []
-    for _ in range(2):
-        loss = models.mse(model(X), Y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
+    def loaded() -> torch.nn.Module:
+        model = models.mlp(WIDTHS, seed=9)
+        model.load_state_dict(trained)  # strict: the original keys and shapes
+        return model
+
+    want = reference_run(loaded, (X,), Y, models.mse, models.sgd, 2)
     for zero, dp in [(1, 4), (2, 1), (0, 4)]:
         for run in launcher(_continue_from_full_state, dp, trained, zero, dp):
-            assert run["losses"] == pytest.approx(want, rel=1e-10)
-            for k, v in model.state_dict().items():
+            assert run["losses"] == pytest.approx(want.losses, rel=1e-10)
+            for k, v in want.state.items():
                 torch.testing.assert_close(run["state"][k], v, rtol=1e-10, atol=1e-12)
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import models
 from autopar import Mesh, parallelize
 from autopar.testing import assert_equivalent, reference_run
+from harness.training import scheduled_steps
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -99,15 +100,7 @@ def test_each_rank_gathers_its_own_stage_layers_over_its_dp_group() -> None:
 def _train(path: str, sizes: dict, zero: int, steps: int, *, load: bool, save: bool, seed: int = 0) -> dict:
     pm = parallelize(models.gpt2(seed=seed), Mesh(**sizes), loss_fn=models.lm_loss, optimizer=models.adamw,
                      zero=zero, example_inputs=(IDS,), example_target=TARGET)
-    sched = torch.optim.lr_scheduler.StepLR(pm.optimizer, step_size=1, gamma=0.8)
-    if load:
-        sched.load_state_dict(pm.load(path)["scheduler"])
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.step(IDS, target=TARGET))
-        sched.step()
-    if save:
-        pm.save(path, extra={"scheduler": sched.state_dict()})
+    losses = scheduled_steps(pm, (IDS,), TARGET, steps, path=path, load=load, save=save)
     return {"losses": losses, "state": pm.state_dict()}
 
 

@@ -16,6 +16,8 @@ Shard(d)):
 | all_to_all(x,ax,a,b)   | exchange chunks along b  | all_to_all(b,a) | Shard(a) -> Shard(b)   |
 | to_partial(x, axis)    | x on index 0, else zeros | identity        | Replicate -> Partial   |
 
+The same facts as data, for the solver, the lowering and the plan: ``OPS`` in ``autopar/core/comm.py``.
+
 The process group of each axis comes from ``bind(groups)``, which the runtime
 enters around every graph call; counts and bytes of every collective are kept
 on the binding for tests and plans.

@@ -7,9 +7,11 @@
 (``Link.cost()``); the tensor-parallel solver takes one as ``cost=``.
 
 The semantics of the named ops of ``autopar/core/collectives.py`` live here as
-data: ``OPS`` (the collective each op performs forward and backward) and
-``conversion`` (the ops that turn one placement into another). Both the
-solver's costs and the lowering's inserted nodes read them.
+data, written once: ``OPS`` (per op, the collective it performs forward and
+backward, the placement change it makes, the dims it takes, its name in the
+plan) and ``conversion`` (the ops that turn one placement into another, read
+off ``OPS``). The solver's costs, the lowering's inserted nodes, the plan's
+collective counts and the planner's profile all read them.
 
 Sizes may be sympy expressions (the planner's symbolic microbatch size).
 """
@@ -70,40 +72,72 @@ def p2p_time(nbytes: Any, cost: LinkCost) -> Any:
     return cost.launch + cost.latency + nbytes / cost.bandwidth
 
 
-# op of autopar/core/collectives.py -> (collective forward, collective backward); None: no communication
-OPS: dict[str, tuple[str | None, str | None]] = {
-    "all_reduce": ("all_reduce", None),  # Partial -> Replicate; identity backward
-    "grad_all_reduce": (None, "all_reduce"),  # identity forward; sums the partial gradient
-    "all_gather": ("all_gather", None),  # Shard(d) -> Replicate; local chunk backward
-    "chunk": (None, "all_gather"),  # Replicate -> Shard(d)
-    "reduce_scatter": ("reduce_scatter", "all_gather"),  # Partial -> Shard(d)
-    "to_partial": (None, None),  # Replicate -> Partial: x on index 0, zeros elsewhere
-    "all_reduce_max": ("all_reduce_max", None),  # a max over ranks (no gradient flows through it)
-    "all_to_all": ("all_to_all", "all_to_all"),  # Shard(a) -> Shard(b)
+@dataclass(frozen=True)
+class CollectiveOp:
+    """What one op of autopar/core/collectives.py does: its collectives, its arguments, its placement change."""
+
+    forward: str | None  # the collective it performs forward (one of KINDS); None: none
+    backward: str | None  # the collective its backward performs on the gradient; None: none
+    before: str  # the placement kind it converts from ("partial", "replicate", "shard"); "": not a conversion
+    after: str  # its output's placement kind; "same": its input's placement; a "shard" is on its last dim
+    dims: tuple[str, ...] = ()  # the tensor dims it takes after (x, axis): the "src" or "dst" placement's dim
+    role: str = ""  # how the plan's layer layout names it; "": not shown
+
+    @property
+    def sharded_output(self) -> bool:
+        """Its output is this rank's piece of a tensor ``n`` times larger along one dim."""
+        return self.after == "shard"
+
+    def dim_args(self, src: Any, dst: Any) -> tuple[int, ...]:
+        """The dims it takes after ``(x, axis)`` as a step of the conversion from ``src`` to ``dst``."""
+        return tuple({"src": src, "dst": dst}[which].dim for which in self.dims)
+
+    def placement_after(self, before: Any, dims: tuple[int, ...]) -> Any:
+        """The placement of its output, given its input's placement and the dims it was called with."""
+        if self.after == "shard":
+            return Shard(dims[-1])
+        return {"replicate": Replicate(), "partial": Partial(), "same": before}[self.after]
+
+
+OPS: dict[str, CollectiveOp] = {
+    "all_reduce": CollectiveOp("all_reduce", None, "partial", "replicate",  # identity backward
+                               role="all-reduce forward (partial sums -> replicated)"),
+    "grad_all_reduce": CollectiveOp(None, "all_reduce", "", "same",  # a Replicate input of sharded compute
+                                    role="identity forward, all-reduce backward"),
+    "all_gather": CollectiveOp("all_gather", None, "shard", "replicate", ("src",),  # local chunk backward
+                               role="all-gather forward"),
+    "chunk": CollectiveOp(None, "all_gather", "replicate", "shard", ("dst",),
+                          role="keep local chunk, all-gather backward"),
+    "reduce_scatter": CollectiveOp("reduce_scatter", "all_gather", "partial", "shard", ("dst",),
+                                   role="reduce-scatter forward"),
+    "to_partial": CollectiveOp(None, None, "replicate", "partial"),  # a bias added once: x on index 0, zeros elsewhere
+    "all_reduce_max": CollectiveOp("all_reduce_max", None, "", "replicate"),  # in local replacements; no gradient
+    "all_to_all": CollectiveOp("all_to_all", "all_to_all", "shard", "shard", ("src", "dst"),
+                               role="all-to-all forward and backward (one sharded dim for another)"),
 }
-FORWARD = {op: fwd for op, (fwd, _) in OPS.items()}
-BACKWARD = {op: bwd for op, (_, bwd) in OPS.items()}
+
+
+def _kind(placement: Any) -> str | None:
+    for cls, kind in ((Partial, "partial"), (Replicate, "replicate"), (Shard, "shard")):
+        if isinstance(placement, cls):
+            return kind
+    return None
 
 
 def conversion(src: Any, dst: Any) -> tuple[str, ...] | None:
-    """The ops (in order) that turn placement ``src`` into ``dst``; () when equal; None when none can."""
+    """The ops (in order) that turn placement ``src`` into ``dst``; () when equal; None when none can.
+
+    One op of ``OPS`` where one converts between the two kinds; otherwise two, through Replicate.
+    """
     if dst is None or src == dst:
         return ()
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return ("all_reduce",)
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return ("all_gather",)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return ("chunk",)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return ("reduce_scatter",)
-    if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return ("to_partial",)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return ("all_to_all",)
-    if isinstance(src, Shard) and isinstance(dst, Partial):
-        return ("all_gather", "to_partial")  # through Replicate
-    return None
+    kinds = (_kind(src), _kind(dst))
+    for name, op in OPS.items():
+        if op.before and (op.before, op.after) == kinds:
+            return (name,)
+    if None in kinds or "replicate" in kinds or kinds[0] == kinds[1]:
+        return None
+    return conversion(src, Replicate()) + conversion(Replicate(), dst)  # Shard -> Partial
 
 
 def conversion_time(src: Any, dst: Any, nbytes: Any, n: int, cost: LinkCost) -> float:
@@ -111,5 +145,5 @@ def conversion_time(src: Any, dst: Any, nbytes: Any, n: int, cost: LinkCost) -> 
     ops = conversion(src, dst)
     if ops is None:
         return float("inf")
-    kinds = [kind for op in ops for kind in OPS[op] if kind is not None]
+    kinds = [kind for op in ops for kind in (OPS[op].forward, OPS[op].backward) if kind is not None]
     return sum((collective_time(kind, nbytes, n, cost) for kind in kinds), 0.0)

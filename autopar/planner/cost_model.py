@@ -18,6 +18,7 @@ import torch
 
 from autopar.core.buckets import bucket_sizes
 from autopar.core.schedule import make_schedule
+from autopar.passes.pipeline import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
@@ -465,22 +466,9 @@ def _state_elements(units: list[_Values]) -> tuple[int, int]:
 
 
 def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]]:
-    """Cuts a sequence into ``n`` stages at positions in ``starts``, each cut nearest its share of the FLOPs.
-
-    The policy of ``passes.pipeline.choose_split_points``, on segment weights.
-    """
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    total = prefix[-1] or 1.0
-    chosen: list[int] = []
-    for k in range(1, n):
-        lo = chosen[-1] if chosen else 0
-        pool = [c for c in starts if c > lo]
-        pool = pool[: len(pool) - (n - 1 - k)]
-        ideal = total * k / n
-        chosen.append(min(pool, key=lambda c: abs(prefix[c] - ideal)))
-    bounds = [0, *chosen, len(weights)]
+    """The indices of each of ``n`` stages, cut at positions in ``starts`` balancing ``weights`` (FLOPs):
+    ``passes.pipeline``'s policy, on segments."""
+    bounds = [0, *balanced_cuts(weights, starts, n), len(weights)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 

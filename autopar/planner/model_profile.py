@@ -47,7 +47,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture
-from autopar.core.comm import BACKWARD, FORWARD
+from autopar.core.comm import OPS
 from autopar.core.graph import tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
@@ -57,7 +57,7 @@ from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nod
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
 from autopar.passes.cost import node_cost, requires_grad
-from autopar.passes.tensor_parallel import tensor_parallel
+from autopar.passes.tensor_parallel import collective_calls, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -269,15 +269,10 @@ def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[f
     """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape;
     a backward only where the collective's input needs a gradient (``grads``)."""
     out = []
-    for node in nodes:
-        if getattr(node.target, "namespace", None) != "autopar":
-            continue
-        name = node.target._opname
+    for node, direction, kind in collective_calls(nodes, grads):
         local = numel_of(node.meta.get("val"))
-        whole = local * n if name in ("chunk", "reduce_scatter", "all_to_all") else local  # unsharded elements
-        for direction, table in (("forward", FORWARD), ("backward", BACKWARD)):
-            if table.get(name) and (direction == "forward" or grads.get(node.args[0], False)):
-                out.append(Collective(table[name], direction, sympy.expand(whole * tokens)))
+        whole = local * n if OPS[node.target._opname].sharded_output else local  # unsharded elements
+        out.append(Collective(kind, direction, sympy.expand(whole * tokens)))
     return out
 
 

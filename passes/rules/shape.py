@@ -31,12 +31,7 @@ def _view(call: Call) -> list[Strategy] | None:
     sizes = list(call["shape" if call.op is aten.reshape.default else "size"])
     if not all(isinstance(s, int) for s in (*x.shape, *sizes)):
         return None
-    out = _infer_sizes(x.numel(), sizes)
-    found = [call.strategy(P, PARTIAL, self=P)] if summable(x) else []
-    for ins, outs in _view_groups(list(x.shape), out):
-        if divisible(x.shape[ins[0]], call.n) and divisible(out[outs[0]], call.n):
-            found.append(call.strategy(Shard(outs[0]), "", self=Shard(ins[0])))
-    return found
+    return _view_strategies(call, x, _infer_sizes(x.numel(), sizes))
 
 
 def _flatten(call: Call) -> list[Strategy] | None:
@@ -48,12 +43,7 @@ def _flatten(call: Call) -> list[Strategy] | None:
     merged = 1
     for size in x.shape[start : end + 1]:
         merged *= size
-    out = [*x.shape[:start], merged, *x.shape[end + 1 :]]
-    found = [call.strategy(P, PARTIAL, self=P)] if summable(x) else []
-    for ins, outs in _view_groups(list(x.shape), out):
-        if divisible(x.shape[ins[0]], call.n) and divisible(out[outs[0]], call.n):
-            found.append(call.strategy(Shard(outs[0]), "", self=Shard(ins[0])))
-    return found
+    return _view_strategies(call, x, [*x.shape[:start], merged, *x.shape[end + 1 :]])
 
 
 def _infer_sizes(numel: int, sizes: list[int]) -> list[int]:
@@ -63,6 +53,16 @@ def _infer_sizes(numel: int, sizes: list[int]) -> list[int]:
             known *= s if s != -1 else 1
         sizes = [numel // known if s == -1 else s for s in sizes]
     return sizes
+
+
+def _view_strategies(call: Call, x: torch.Tensor, out: list[int]) -> list[Strategy]:
+    """Strategies of a view of ``x`` as shape ``out``: Partial through, and each input group's leading dim
+    sharded onto the matching output group's leading dim where both divide."""
+    found = [call.strategy(P, PARTIAL, self=P)] if summable(x) else []
+    for ins, outs in _view_groups(list(x.shape), out):
+        if divisible(x.shape[ins[0]], call.n) and divisible(out[outs[0]], call.n):
+            found.append(call.strategy(Shard(outs[0]), "", self=Shard(ins[0])))
+    return found
 
 
 def _view_groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
