@@ -169,7 +169,7 @@ def _bubble_rank(args: argparse.Namespace, pp: int) -> dict:
             pm.step(x, target=y)
             if i >= args.warmup:
                 timelines.append(pm.timeline())
-        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm.runtime.pipeline.peak_in_flight)}
+        out[(schedule, m)] = {"timelines": timelines, "peak": dict(pm.runtime.executor.peak_in_flight)}
     return out
 
 
