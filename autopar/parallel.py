@@ -161,7 +161,7 @@ class ParallelModel:
     @property
     def runtime(self) -> RankRuntime | None:
         """This rank's ``RankRuntime``, for inspection (None until the first ``step`` or forward call): its
-        process groups, parameters, optimizer, gradient sync, ZeRO state, pipeline runner and collective counts."""
+        process groups, parameters, optimizer, gradient sync, ZeRO state, step executor and collective counts."""
         return self._rt
 
 
