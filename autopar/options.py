@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ brackets):
 
 Whether a backward runs with gradient hooks armed (so buckets launch during
 it) follows from the program too: the last ``B`` of a stage before
-``REDUCE_GRAD`` (`last_backwards`).
+``REDUCE_GRAD``, or its last ``W`` when the backward is split (`last_backwards`).
 
 Invariant: the lowering keeps every compute and communication action and their
 order, so a step deadlocks exactly when its pipeline does; the rank-wide
@@ -41,7 +41,7 @@ import dataclasses
 from typing import Iterable
 
 from autopar.core.schedule import (
-    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
+    B, W, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
     Schedule, add_communication, looped_placement, one_f_one_b,
 )
 
@@ -101,11 +101,12 @@ def _bracket_stages(program: Iterable[Action], unshard: bool) -> list[Action]:
 
 
 def last_backwards(program: Iterable[Action]) -> set[Action]:
-    """The ``B`` actions after which a stage computes no more gradient before the program's ``REDUCE_GRAD``."""
+    """The ``B`` (or ``W``) actions after which a stage computes no more gradient before the program's
+    ``REDUCE_GRAD``."""
     last: dict[int, Action] = {}
     for action in program:
         if action.kind == REDUCE_GRAD:
             return set(last.values())
-        if action.kind == B:
+        if action.kind in (B, W):
             last[action.stage] = action
     return set()
