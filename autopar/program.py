@@ -162,8 +162,10 @@ def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: b
     """The schedule of a whole training step (``training``) or forward pass of ``program``."""
     m, unshard = options.microbatches, options.zero == 3
     if not training:
-        n_stages = len(program.stages) if program.stages is not None else 1
-        return forward_step(mesh.pp, n_stages, m, unshard=unshard)
+        if program.schedule is None:
+            return forward_step(1, 1, m, unshard=unshard)
+        return forward_step(mesh.pp, program.schedule.n_stages, m, unshard=unshard,
+                            placement=program.schedule.stage_to_rank)
     compute = program.schedule if program.schedule is not None else local_schedule(m)
     holders = shared_parameters(program.stages, program.schedule) if program.stages is not None else {}
     return training_step(compute, reduce_grad=mesh.dp > 1 or options.zero > 0, unshard=unshard,

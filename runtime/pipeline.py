@@ -139,6 +139,8 @@ class Executor:
         if a.kind == RECV_F:
             ctx.inputs[key] = self._receive_forward(s, mb)
         elif a.kind == F:
+            if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
+                ctx.inputs[key] = self._hand_over(ctx, s, mb)
             outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
             k = len(stage.mutated)
             with torch.no_grad():
@@ -159,6 +161,8 @@ class Executor:
             metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
             ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
         elif a.kind == B:
+            if not stage.is_last and key not in ctx.grads:  # the next stage is on this rank too
+                ctx.grads[key] = _input_grads(ctx.inputs.pop((s + 1, mb)), self.stages[s + 1])
             handlers.arm(last)
             with weight_grad.collect() if ctx.split else contextlib.nullcontext() as deferred:
                 self._backward(ctx, stage, key, len(microbatches))
@@ -168,13 +172,20 @@ class Executor:
             handlers.arm(last)
             ctx.deferred.pop(key).run()
         elif a.kind == SEND_B:
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                     for t, b in zip(ctx.inputs[key], stage.recv) if b.requires_grad]
-            _send(grads, self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
+            _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
         if a.kind == B or (a.kind == SEND_F and not ctx.training):
             del ctx.outputs[key]  # (forward only: nothing comes back for it)
         if a.kind == SEND_B or (a.kind == F and not ctx.training):
             ctx.inputs.pop(key, None)
+
+    def _hand_over(self, ctx: _Ctx, s: int, mb: int) -> list[torch.Tensor]:
+        """Stage ``s - 1``'s outputs as stage ``s``'s inputs on one rank: detached, as if received, so that
+        ``B(s)`` ends at them and ``B(s - 1)`` starts from their gradients."""
+        previous = self.stages[s - 1]
+        sent = ctx.outputs[(s - 1, mb)][: len(previous.send)]
+        if not ctx.training:
+            del ctx.outputs[(s - 1, mb)]
+        return [t.detach().requires_grad_(b.requires_grad) for t, b in zip(sent, self.stages[s].recv)]
 
     @staticmethod
     def _backward(ctx: _Ctx, stage: StageGraph, key: tuple[int, int], m: int) -> None:
@@ -206,6 +217,11 @@ class Executor:
             ctx.returned = handlers.broadcast_loss(loss)
         elif a.kind == BROADCAST_OUTPUTS:
             ctx.returned = handlers.broadcast_outputs([ctx.results[i] for i in range(m)] if ctx.results else None)
+
+
+def _input_grads(inputs: list[torch.Tensor], stage: StageGraph) -> list[torch.Tensor]:
+    """The gradients of a stage's inputs that need one (zeros where backward produced none)."""
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t, b in zip(inputs, stage.recv) if b.requires_grad]
 
 
 def output_metas(stage: StageGraph) -> list[Boundary]:

@@ -6,9 +6,10 @@ import torch
 
 import models
 from autopar import Mesh, parallelize
-from autopar.core.schedule import W, Action, make_schedule, one_f_one_b, zb_h1
+from autopar.core.schedule import W, Action, add_communication, make_schedule, one_f_one_b, zb_h1
 from autopar.core.simulate import render, simulate
 from autopar.core.weight_grad import collect, split_linear
+from autopar.core.zero_bubble import zbv
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.testing import assert_equivalent
 
@@ -35,6 +36,26 @@ def test_zb_h1_picture() -> None:
         "rank 1 .  F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3",
     ]
     assert make_schedule("zb-h1", 2, 4).splits_backward
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (3, 5), (4, 8), (4, 16), (8, 16)])
+def test_zbv_bubble_and_memory(p: int, m: int) -> None:
+    """The V: under F=B=W, less bubble than ZB-H1 (which has a third of 1F1B's), within 1F1B's activation memory:
+    at most 2p half-size stages in flight on a rank (1F1B holds p whole ones on its first rank)."""
+    schedule = zbv(p, m)
+    assert schedule.stage_to_rank == tuple(range(p)) + tuple(reversed(range(p)))
+    v = simulate(add_communication(schedule), forward_time=1, backward_time=2, weight_time=1)
+    h1 = simulate(zb_h1(p, m), forward_time=1, backward_time=2, weight_time=1)
+    assert v.bubble_fraction <= h1.bubble_fraction
+    for rank in range(p):
+        assert sum(v.peak_in_flight[s] for s in schedule.stages_of(rank)) <= 2 * p + 1
+
+
+def test_zbv_picture() -> None:
+    assert render(zbv(2, 2)).splitlines()[1:] == [
+        "rank 0 0F0 0F1 .   3F0 3B0 3F1 3B1 0B0 3W0 0B1 3W1 0W0 0W1",
+        "rank 1 .   1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 2W1 1W1",
+    ]
 
 
 # --- the ops and the pass -------------------------------------------------------------------------
@@ -74,8 +95,8 @@ def test_the_pass_splits_trainable_weight_matmuls_only() -> None:
 
 def _run(launcher, name: str, mesh: Mesh, **kw) -> None:
     make = models.factory(getattr(models, name), layers=4)
-    assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2, launcher=launcher,
-                      schedule="zb-h1", **kw)
+    kw.setdefault("schedule", "zb-h1")
+    assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2, launcher=launcher, **kw)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
@@ -87,10 +108,28 @@ def test_zb_h1_pp4_tied_embeddings(launcher) -> None:
     _run(launcher, "gpt2", Mesh(pp=4), microbatches=8)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_zbv_pp2_is_exact(launcher, name: str) -> None:
+    """The V puts the first and the last stage on rank 0: GPT-2's tied embedding is used by two of its stages."""
+    _run(launcher, name, Mesh(pp=2), microbatches=4, schedule="zbv")
+
+
 @pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, pp=2), 0), (Mesh(dp=2, pp=2), 1), (Mesh(dp=2, pp=2), 2),
                                         (Mesh(pp=2, tp=2), 0)])
 def test_zb_h1_with_dp_zero_and_tp(launcher, mesh: Mesh, zero: int) -> None:
     _run(launcher, "llama", mesh, microbatches=2, zero=zero)
+
+
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, pp=2), 2), (Mesh(pp=2, tp=2), 0)])
+def test_zbv_with_dp_zero_and_tp(launcher, mesh: Mesh, zero: int) -> None:
+    _run(launcher, "gpt2", mesh, microbatches=2, zero=zero, schedule="zbv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_zero_bubble_pp4(launcher, name: str, schedule: str) -> None:
+    _run(launcher, name, Mesh(pp=4), microbatches=8, schedule=schedule)
 
 
 def test_zero3_is_refused_with_a_split_backward() -> None:
@@ -105,7 +144,7 @@ def _peak() -> tuple[dict[int, int], list[str]]:
     pm = parallelize(models.factory(models.gpt2, layers=2)(), Mesh(pp=2), loss_fn=models.lm_loss,
                      optimizer=models.adamw, schedule="zb-h1", microbatches=4)
     pm.step(IDS, target=TARGET)
-    return pm._rt.executor.peak_in_flight, [a for a, _, _ in pm.timeline()]
+    return pm.runtime.executor.peak_in_flight, [a for a, _, _ in pm.timeline()]
 
 
 def test_the_runtime_runs_the_simulated_program(launcher) -> None:

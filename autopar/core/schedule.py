@@ -371,18 +371,31 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "1f1b": lambda p, v, m: one_f_one_b(p, m),
     "interleaved-1f1b": lambda p, v, m: interleaved_1f1b(p, v, m),
     "zb-h1": lambda p, v, m: zb_h1(p, m),
+    "zbv": lambda p, v, m: _zbv(p, m),
 }
 
 
-def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int = 1) -> Schedule:
-    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b" or "zb-h1")."""
+def _zbv(n_ranks: int, n_microbatches: int) -> Schedule:
+    from autopar.core.zero_bubble import zbv  # a list scheduler in a module of its own, which imports this one
+
+    return zbv(n_ranks, n_microbatches)
+
+
+STAGES_PER_RANK = {"zbv": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
+
+
+def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int | None = None) -> Schedule:
+    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zbv")."""
     if name not in SCHEDULES:
         known = ", ".join(map(repr, SCHEDULES))
         raise ValueError(f"unknown pipeline schedule {name!r}; the known schedules are {known}")
-    if name != "interleaved-1f1b" and n_stages_per_rank != 1:
+    fixed = STAGES_PER_RANK.get(name, 1)
+    if n_stages_per_rank is None:
+        n_stages_per_rank = 2 if name == "interleaved-1f1b" else fixed
+    if name != "interleaved-1f1b" and n_stages_per_rank != fixed:
         raise ValueError(
-            f"schedule {name!r} places one stage per rank, got n_stages_per_rank={n_stages_per_rank}; "
-            f"use schedule='interleaved-1f1b' for several stages per rank"
+            f"schedule {name!r} places {fixed} stage{'s' * (fixed > 1)} per rank, got "
+            f"n_stages_per_rank={n_stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank"
         )
     return SCHEDULES[name](n_ranks, n_stages_per_rank, n_microbatches)
 

@@ -70,9 +70,13 @@ def training_step(schedule: Schedule, *, reduce_grad: bool, unshard: bool,
     return dataclasses.replace(lowered, actions=tuple(programs))
 
 
-def forward_step(n_ranks: int, n_stages: int, n_microbatches: int, *, unshard: bool) -> Schedule:
-    """A forward pass: every rank runs its stages microbatch by microbatch, then the outputs go to every rank."""
-    placement = looped_placement(n_ranks, n_stages)
+def forward_step(n_ranks: int, n_stages: int, n_microbatches: int, *, unshard: bool,
+                 placement: tuple[int, ...] | None = None) -> Schedule:
+    """A forward pass: every rank runs its stages microbatch by microbatch, then the outputs go to every rank.
+
+    Stages are placed by ``placement`` (default looped, as the training schedules place them).
+    """
+    placement = placement or looped_placement(n_ranks, n_stages)
     programs = [[Action(s, F, m) for m in range(n_microbatches) for s in range(n_stages) if placement[s] == rank]
                 for rank in range(n_ranks)]
     lowered = add_communication(Schedule(n_ranks, n_stages, n_microbatches, placement, programs))
