@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+FIXED_STAGES_PER_RANK = {"zbv": 2}  # (the V holds two stages on every rank)
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class Options:
             raise ValueError(f"microbatches={self.microbatches!r} must be an integer >= 1")
         if self.stages_per_rank is not None and self.stages_per_rank < 1:
             raise ValueError(f"stages_per_rank={self.stages_per_rank} must be >= 1")
-        if self.stages_per_rank not in (None, 1) and self.schedule != "interleaved-1f1b":
-            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
+        fixed = FIXED_STAGES_PER_RANK.get(self.schedule, 1)
+        if self.stages_per_rank not in (None, fixed) and self.schedule != "interleaved-1f1b":
+            raise ValueError(f"schedule={self.schedule!r} places {fixed} stage(s) per rank, got stages_per_rank="
+                             f"{self.stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.bucket_mb <= 0:
@@ -43,7 +46,7 @@ class Options:
         """Stages per pipeline rank."""
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 2 if self.schedule == "interleaved-1f1b" else 1
+        return 2 if self.schedule == "interleaved-1f1b" else FIXED_STAGES_PER_RANK.get(self.schedule, 1)
 
     @property
     def bucket_bytes(self) -> int:

@@ -25,6 +25,7 @@ from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
+from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
@@ -127,6 +128,8 @@ def compile_program(
                       else cut[id(c.gm)] for c in lowered]
         info["nodes"] = " + ".join(str(len(st.gm.graph.nodes)) for st in stage_sets[0])
         info["detail"] = "cuts before " + ", ".join(split_points)
+    if schedule.splits_backward:
+        stage_sets = _split_backward(stage_sets, trainable, options)
     graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
@@ -134,12 +137,35 @@ def compile_program(
                    model, mesh, options, trainable, with_loss)
 
 
+def _split_backward(stage_sets: list[list[StageGraph]], trainable: set[str],
+                    options: Options) -> list[list[StageGraph]]:
+    """Stages whose weight matmuls can leave their weight gradients to the schedule's ``W`` actions."""
+    if options.zero == 3:
+        raise ValueError(
+            f"schedule={options.schedule!r} splits each backward into input and weight gradients, but zero=3 "
+            "reduce-scatters a layer's gradients as soon as its backward ends, before the deferred weight "
+            "gradients exist; use zero=1 or zero=2 with it, or schedule='1f1b' with zero=3"
+        )
+    with log_pass("split backward (B: input gradients, W: weight gradients)") as info:
+        out, done, count = [], {}, 0
+        for stages in stage_sets:  # tp ranks may share one list of stages: rewrite each once
+            if id(stages) not in done:
+                split = [defer_weight_gradients(st.gm, st.slots, trainable) for st in stages]
+                done[id(stages)] = [dataclasses.replace(st, gm=gm) for st, (gm, _) in zip(stages, split)]
+                count = count or sum(n for _, n in split)
+            out.append(done[id(stages)])
+        info["detail"] = f"{count} weight matmuls defer their weight gradient"
+    return out
+
+
 def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: bool) -> Schedule:
     """The schedule of a whole training step (``training``) or forward pass of ``program``."""
     m, unshard = options.microbatches, options.zero == 3
     if not training:
-        n_stages = len(program.stages) if program.stages is not None else 1
-        return forward_step(mesh.pp, n_stages, m, unshard=unshard)
+        if program.schedule is None:
+            return forward_step(1, 1, m, unshard=unshard)
+        return forward_step(mesh.pp, program.schedule.n_stages, m, unshard=unshard,
+                            placement=program.schedule.stage_to_rank)
     compute = program.schedule if program.schedule is not None else local_schedule(m)
     holders = shared_parameters(program.stages, program.schedule) if program.stages is not None else {}
     return training_step(compute, reduce_grad=mesh.dp > 1 or options.zero > 0, unshard=unshard,

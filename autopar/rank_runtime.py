@@ -51,7 +51,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None:
         sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
-    executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(stage % mesh.pp), groups.device)
+    placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
+    executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(placement[stage]), groups.device)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))

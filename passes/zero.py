@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
-from autopar.core.graph import Slot
+from autopar.core.graph import Slot, copy_module
 from autopar.core.plan import FlatShard, ParamPlan, ZeroShard
 from autopar.core.zero_layout import FlatGroup, ZeroLayout, zero_layout
 
@@ -41,7 +41,7 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
     ``prefetch`` layers ahead are gathered asynchronously as soon as a layer's own gather is issued.
     """
     ops = _ops()
-    gm = _copy(gm)
+    gm = copy_module(gm)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(slots):
@@ -131,15 +131,6 @@ def _may_alias(node: fx.Node) -> bool:
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is None or any(r.alias_info is not None for r in schema.returns)
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule with a copy of ``gm``'s graph (node meta shared, not deep-copied)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    graph._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, graph)
 
 
 def memory_estimate(*, param_bytes: int, trainable_bytes: int, optimizer_factor: int, stage: int, n: int,

@@ -15,6 +15,7 @@ of the mean loss over the rank's batch.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -22,9 +23,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.core import weight_grad
 from autopar.core.graph import Boundary, StageGraph
 from autopar.core.schedule import (
-    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, RECV_B, RECV_F, REDUCE_GRAD, REDUCE_SHARED, RESHARD, SEND_B,
+    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, W, RECV_B, RECV_F, REDUCE_GRAD, REDUCE_SHARED, RESHARD, SEND_B,
     SEND_F, UNSHARD, Action,
 )
 from autopar.core.step_schedule import last_backwards
@@ -81,6 +83,8 @@ class _Ctx:
     results: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # forward: the last stage's outputs
     works: list = field(default_factory=list)
     training: bool = True  # the program has backward actions
+    split: bool = False  # backwards are split: B leaves weight gradients to W
+    deferred: dict[tuple[int, int], weight_grad.WeightGradients] = field(default_factory=dict)
     returned: Any = None
 
 
@@ -115,7 +119,7 @@ class Executor:
             constants: dict, handlers: StepHandlers) -> Any:
         """Runs ``program``; returns what its ``BROADCAST_LOSS`` or ``BROADCAST_OUTPUTS`` returned."""
         self.stages = stages
-        ctx = _Ctx(training=any(a.kind == B for a in program))
+        ctx = _Ctx(training=any(a.kind == B for a in program), split=any(a.kind == W for a in program))
         armed = last_backwards(program)
         self.timeline = []
         self.peak_in_flight = {a.stage: 0 for a in program if a.kind == F}
@@ -135,6 +139,8 @@ class Executor:
         if a.kind == RECV_F:
             ctx.inputs[key] = self._receive_forward(s, mb)
         elif a.kind == F:
+            if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
+                ctx.inputs[key] = self._hand_over(ctx, s, mb)
             outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
             k = len(stage.mutated)
             with torch.no_grad():
@@ -147,7 +153,7 @@ class Executor:
                 ctx.results[mb] = outs[len(stage.send):]
             if ctx.training or not stage.is_last:
                 ctx.outputs[key] = outs
-            held = sum(1 for k in ctx.outputs if k[0] == s)
+            held = len({k for k in [*ctx.outputs, *ctx.deferred] if k[0] == s})  # (W still needs a B's inputs)
             self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
         elif a.kind == SEND_F:
             _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
@@ -155,22 +161,41 @@ class Executor:
             metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
             ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
         elif a.kind == B:
+            if not stage.is_last and key not in ctx.grads:  # the next stage is on this rank too
+                ctx.grads[key] = _input_grads(ctx.inputs.pop((s + 1, mb)), self.stages[s + 1])
             handlers.arm(last)
-            if stage.is_last:
-                (ctx.losses[mb] / len(microbatches)).backward()
-            else:
-                outs = [o for o, b in zip(ctx.outputs[key], stage.send) if b.requires_grad]
-                pairs = [(o, g) for o, g in zip(outs, ctx.grads.pop(key)) if o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            with weight_grad.collect() if ctx.split else contextlib.nullcontext() as deferred:
+                self._backward(ctx, stage, key, len(microbatches))
+            if deferred is not None:
+                ctx.deferred[key] = deferred
+        elif a.kind == W:
+            handlers.arm(last)
+            ctx.deferred.pop(key).run()
         elif a.kind == SEND_B:
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                     for t, b in zip(ctx.inputs[key], stage.recv) if b.requires_grad]
-            _send(grads, self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
+            _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
         if a.kind == B or (a.kind == SEND_F and not ctx.training):
             del ctx.outputs[key]  # (forward only: nothing comes back for it)
         if a.kind == SEND_B or (a.kind == F and not ctx.training):
             ctx.inputs.pop(key, None)
+
+    def _hand_over(self, ctx: _Ctx, s: int, mb: int) -> list[torch.Tensor]:
+        """Stage ``s - 1``'s outputs as stage ``s``'s inputs on one rank: detached, as if received, so that
+        ``B(s)`` ends at them and ``B(s - 1)`` starts from their gradients."""
+        previous = self.stages[s - 1]
+        sent = ctx.outputs[(s - 1, mb)][: len(previous.send)]
+        if not ctx.training:
+            del ctx.outputs[(s - 1, mb)]
+        return [t.detach().requires_grad_(b.requires_grad) for t, b in zip(sent, self.stages[s].recv)]
+
+    @staticmethod
+    def _backward(ctx: _Ctx, stage: StageGraph, key: tuple[int, int], m: int) -> None:
+        if stage.is_last:
+            (ctx.losses[key[1]] / m).backward()
+            return
+        outs = [o for o, b in zip(ctx.outputs[key], stage.send) if b.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, ctx.grads.pop(key)) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     def _step_action(self, a: Action, ctx: _Ctx, m: int, handlers: StepHandlers) -> None:
         if a.kind in (REDUCE_GRAD, BROADCAST_LOSS, BROADCAST_OUTPUTS):  # sends complete before the collectives
@@ -192,6 +217,11 @@ class Executor:
             ctx.returned = handlers.broadcast_loss(loss)
         elif a.kind == BROADCAST_OUTPUTS:
             ctx.returned = handlers.broadcast_outputs([ctx.results[i] for i in range(m)] if ctx.results else None)
+
+
+def _input_grads(inputs: list[torch.Tensor], stage: StageGraph) -> list[torch.Tensor]:
+    """The gradients of a stage's inputs that need one (zeros where backward produced none)."""
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t, b in zip(inputs, stage.recv) if b.requires_grad]
 
 
 def output_metas(stage: StageGraph) -> list[Boundary]:

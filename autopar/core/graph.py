@@ -93,3 +93,12 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
         if canonical != name:
             aliases[name] = canonical
     return aliases
+
+
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with a copy of ``gm``'s graph (node meta shared, not deep-copied), for a pass to rewrite."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph)

@@ -2,9 +2,10 @@
 
 A pipeline cuts the model into ``n_stages`` stages, spread over ``n_ranks``
 pipeline ranks; every rank runs a plain list of `Action` values in order. The
-generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`) are pure functions of
+generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`) are pure functions of
 the sizes and return *compute-only* schedules: each rank's list holds one ``F``
-and one ``B`` per (stage it owns, microbatch), and nothing else.
+and one ``B`` (and, for `zb_h1`, one ``W``) per (stage it owns, microbatch), and
+nothing else.
 `add_communication` lowers such a schedule to one that also says where values
 cross ranks. `autopar.core.simulate` checks a schedule (deadlock, completeness, data
 dependencies) and measures its bubble before anything runs.
@@ -13,6 +14,11 @@ Placement. Stage ``s`` lives on rank ``s % n_ranks`` (`looped_placement`): with
 ``v`` stages per rank, rank ``r`` holds stages ``r, r + p, r + 2p, ...``, the
 placement of Megatron's interleaved 1F1B. `Schedule` itself accepts any
 placement in which every rank holds at least one stage.
+
+A schedule may split a backward in two: then ``B(s, m)`` computes only the
+gradient of the stage's input (what the previous stage waits for) and
+``W(s, m)`` the gradients of its weights, which can wait (zero-bubble
+schedules, Qi et al. 2023). A schedule has a ``W`` for every ``B`` or none.
 
 Communication actions carry the stage *of the rank that runs them*:
 
@@ -43,12 +49,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 UNSHARD, RESHARD = "UNSHARD", "RESHARD"
 REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = "REDUCE_GRAD", "REDUCE_SHARED", "OPTIMIZER"
 BROADCAST_LOSS, BROADCAST_OUTPUTS = "BROADCAST_LOSS", "BROADCAST_OUTPUTS"
-COMPUTE_KINDS = (F, B)
+COMPUTE_KINDS = (F, B, W)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 STAGE_KINDS = (UNSHARD, RESHARD)  # of one stage, for no microbatch (see autopar.core.step_schedule)
 RANK_KINDS = (REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER, BROADCAST_LOSS, BROADCAST_OUTPUTS)  # of the whole rank
@@ -208,6 +214,11 @@ class Schedule:
         return all(action.is_compute for program in self.actions for action in program)
 
     @property
+    def splits_backward(self) -> bool:
+        """Backwards are split into ``B`` (input gradients) and ``W`` (weight gradients)."""
+        return any(action.kind == W for program in self.actions for action in program)
+
+    @property
     def is_forward_only(self) -> bool:
         """No backward anywhere: the schedule of a forward pass (``pm(x)``)."""
         return not any(action.kind == B for program in self.actions for action in program)
@@ -328,22 +339,63 @@ def interleaved_1f1b(n_ranks: int, n_stages_per_rank: int, n_microbatches: int) 
     return _compute_only(p, p * v, m, programs)
 
 
+def zb_h1(n_ranks: int, n_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into ``B`` and a deferred ``W``.
+
+    Rank ``r`` runs 1F1B's warm-up forwards and then its forward/backward
+    alternation, where ``B`` computes only the input gradient the previous
+    rank waits for; the weight gradients ``W`` follow their ``B`` in order,
+    at most ``r`` of them held back. The held-back ``W`` fill the waits of
+    the cool-down, so with ``W`` as long as ``B`` the bubble is a third of
+    1F1B's, while every rank holds at most ``p`` microbatches (1F1B's peak).
+    """
+    _check_positive("zb-h1", n_ranks=n_ranks, n_microbatches=n_microbatches)
+    programs = []
+    for rank in range(n_ranks):
+        forwards = [Action(rank, F, m) for m in range(n_microbatches)]
+        backwards = [Action(rank, B, m) for m in range(n_microbatches)]
+        program: list[Action] = []
+        held: list[Action] = []
+        for action in _warmup_then_1f1b(forwards, backwards, min(n_ranks - rank - 1, n_microbatches)):
+            program.append(action)
+            if action.kind == B:
+                held.append(Action(rank, W, action.microbatch))
+                if len(held) > rank:
+                    program.append(held.pop(0))
+        programs.append(program + held)
+    return _compute_only(n_ranks, n_ranks, n_microbatches, programs)
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": lambda p, v, m: gpipe(p, m),
     "1f1b": lambda p, v, m: one_f_one_b(p, m),
     "interleaved-1f1b": lambda p, v, m: interleaved_1f1b(p, v, m),
+    "zb-h1": lambda p, v, m: zb_h1(p, m),
+    "zbv": lambda p, v, m: _zbv(p, m),
 }
 
 
-def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int = 1) -> Schedule:
-    """The compute-only schedule called ``name`` ("gpipe", "1f1b" or "interleaved-1f1b")."""
+def _zbv(n_ranks: int, n_microbatches: int) -> Schedule:
+    from autopar.core.zero_bubble import zbv  # a list scheduler in a module of its own, which imports this one
+
+    return zbv(n_ranks, n_microbatches)
+
+
+STAGES_PER_RANK = {"zbv": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
+
+
+def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int | None = None) -> Schedule:
+    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zbv")."""
     if name not in SCHEDULES:
         known = ", ".join(map(repr, SCHEDULES))
         raise ValueError(f"unknown pipeline schedule {name!r}; the known schedules are {known}")
-    if name != "interleaved-1f1b" and n_stages_per_rank != 1:
+    fixed = STAGES_PER_RANK.get(name, 1)
+    if n_stages_per_rank is None:
+        n_stages_per_rank = 2 if name == "interleaved-1f1b" else fixed
+    if name != "interleaved-1f1b" and n_stages_per_rank != fixed:
         raise ValueError(
-            f"schedule {name!r} places one stage per rank, got n_stages_per_rank={n_stages_per_rank}; "
-            f"use schedule='interleaved-1f1b' for several stages per rank"
+            f"schedule {name!r} places {fixed} stage{'s' * (fixed > 1)} per rank, got "
+            f"n_stages_per_rank={n_stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank"
         )
     return SCHEDULES[name](n_ranks, n_stages_per_rank, n_microbatches)
 
@@ -360,6 +412,8 @@ def _crosses_ranks(schedule: Schedule, stage: int, peer: int) -> bool:
 def _lower_action(schedule: Schedule, action: Action) -> list[Action]:
     """``action`` with the receive it waits on before it and the send of its result after it."""
     s, m = action.stage, action.microbatch
+    if action.kind == W:  # weight gradients stay on the rank
+        return [action]
     if action.kind == F:
         before = [Action(s, RECV_F, m)] if _crosses_ranks(schedule, s, s - 1) else []
         after = [Action(s, SEND_F, m)] if _crosses_ranks(schedule, s, s + 1) else []

@@ -10,7 +10,7 @@ A schedule is accepted when:
 - every SEND has exactly one matching RECV on the peer stage's (other) rank,
   and every RECV one matching SEND;
 - on one rank, nothing runs before what it consumes from that rank:
-  ``B(s, m)`` after ``F(s, m)``; ``F(s, m)`` after ``F(s - 1, m)`` and
+  ``B(s, m)`` after ``F(s, m)``, ``W(s, m)`` after ``B(s, m)``; ``F(s, m)`` after ``F(s - 1, m)`` and
   ``B(s, m)`` after ``B(s + 1, m)`` when those stages share the rank; a SEND
   after the compute whose result it sends; with communication, a compute
   after the RECV of its input;
@@ -27,11 +27,11 @@ A schedule is accepted when:
   communication they go through the receives.
 
 Time model (the semantics of `autopar.core.schedule`): ``F`` takes
-``forward_time``, ``B`` ``backward_time``; a SEND takes no time on its rank
+``forward_time``, ``B`` ``backward_time`` (split: ``B`` and ``W`` share it); a SEND takes no time on its rank
 and never blocks; a RECV blocks until ``comm_time`` after the matching SEND
 was issued (in a compute-only schedule, a compute waits ``comm_time`` after
 the producing compute on another rank finished, so both forms of a schedule
-take the same time). Step actions take no time. Only ``F`` and ``B`` count as busy time, so
+take the same time). Step actions take no time. Only ``F``, ``B`` and ``W`` count as busy time, so
 ``bubble_fraction = sum over ranks of (makespan - busy) / (ranks * makespan)``.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from autopar.core.schedule import (
-    B, F, RANK_KINDS, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, STAGE_KINDS, UNSHARD, Action, Schedule,
+    B, F, W, RANK_KINDS, RECV_B, RECV_F, REDUCE_GRAD, RESHARD, SEND_B, SEND_F, STAGE_KINDS, UNSHARD, Action, Schedule,
 )
 
 Key = tuple[int, Action]  # (rank, action): rank-wide actions have no stage, so the rank tells them apart
@@ -66,7 +66,8 @@ class SimResult:
 
     ``busy_time[rank]`` is that rank's compute time; ``peak_in_flight[stage]``
     the most microbatches whose ``F`` had run on that stage while their ``B``
-    had not (what the stage must hold activations for).
+    (their ``W``, when the backward is split) had not (what the stage must hold
+    activations for).
     """
 
     makespan: float
@@ -77,9 +78,10 @@ class SimResult:
 
 
 def _check_complete(schedule: Schedule) -> None:
-    """Exactly one F and one B per (stage, microbatch); no B at all in a forward-only schedule."""
+    """Exactly one F and one B per (stage, microbatch), and one W or none at all; no B or W in a forward-only
+    schedule."""
     counts = Counter((a.kind, a.stage, a.microbatch) for program in schedule.actions for a in program)
-    kinds = (F,) if schedule.is_forward_only else (F, B)
+    kinds = (F,) if schedule.is_forward_only else (F, B, W) if schedule.splits_backward else (F, B)
     for stage in range(schedule.n_stages):
         rank = schedule.stage_to_rank[stage]
         for microbatch in range(schedule.n_microbatches):
@@ -152,12 +154,14 @@ def _needs(schedule: Schedule, rank: int, i: int, lowered: bool) -> tuple[list[K
         local.append(Action(s, F, m))
         if s < schedule.n_stages - 1:
             neighbour(s + 1, B, RECV_B)
+    elif action.kind == W:
+        local.append(Action(s, B, m))
     elif action.kind in (SEND_F, SEND_B):
         local.append(Action(s, F if action.kind == SEND_F else B, m))
     elif action.kind in (RECV_F, RECV_B):
         remote.append(action.matching())
     elif action.kind == REDUCE_GRAD:
-        local += [a for a in schedule.actions[rank] if a.kind == B]
+        local += [a for a in schedule.actions[rank] if a.kind in (B, W)]
     elif action.kind in RANK_KINDS:  # a collective: every rank holding it must have reached it
         return [], [_reached(schedule, peer, action) for peer in range(schedule.n_ranks)
                     if peer != rank and action in schedule.actions[peer]
@@ -220,19 +224,27 @@ def _try_run(
 
 
 def simulate(
-    schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0, comm_time: float = 0.0
+    schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0, comm_time: float = 0.0,
+    weight_time: float | None = None,
 ) -> SimResult:
-    """Run ``schedule`` in a dry run; raise `ScheduleError` if it is broken (see the module docstring)."""
-    if not (forward_time > 0 and backward_time > 0 and comm_time >= 0):
+    """Run ``schedule`` in a dry run; raise `ScheduleError` if it is broken (see the module docstring).
+
+    ``backward_time`` is a whole backward's; in a schedule that splits it, ``W``
+    takes ``weight_time`` (default half of it) and ``B`` the rest.
+    """
+    weight_time = backward_time / 2 if weight_time is None else weight_time
+    if not (forward_time > 0 and backward_time > 0 and comm_time >= 0 and 0 < weight_time < backward_time):
         raise ValueError(
-            f"durations must be forward_time > 0, backward_time > 0, comm_time >= 0; "
-            f"got {forward_time}, {backward_time}, {comm_time}"
+            f"durations must be forward_time > 0, backward_time > weight_time > 0, comm_time >= 0; "
+            f"got {forward_time}, {backward_time}, {weight_time}, {comm_time}"
         )
     _check_complete(schedule)
     _check_pairs(schedule)
     _check_step_actions(schedule)
     lowered = any(a.is_comm for program in schedule.actions for a in program) or schedule.n_ranks == 1
     duration = {F: forward_time, B: backward_time}
+    if schedule.splits_backward:
+        duration = {F: forward_time, B: backward_time - weight_time, W: weight_time}
     finished: dict[Key, float] = {}  # (rank, action) -> the time it finished
     clocks = [0.0] * schedule.n_ranks
     pcs = [0] * schedule.n_ranks
@@ -260,9 +272,10 @@ def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most microbatches forwarded and not yet backwarded, along its rank's program."""
     in_flight = [0] * schedule.n_stages
     peak = [0] * schedule.n_stages
+    done = W if schedule.splits_backward else B  # a microbatch's activations are freed by its last backward part
     for program in schedule.actions:
         for action in program:
-            if action.is_compute:
+            if action.kind in (F, done):
                 in_flight[action.stage] += 1 if action.kind == F else -1
                 peak[action.stage] = max(peak[action.stage], in_flight[action.stage])
     return tuple(peak)
@@ -311,12 +324,14 @@ def check_channel_order(schedule: Schedule) -> None:
 
 
 def render(schedule: Schedule) -> str:
-    """A rank x time-step table of the compute, every ``F`` and ``B`` taking one step.
+    """A rank x time-step table of the compute, every ``F``, ``B`` and ``W`` taking one step.
 
     Cells read ``F0`` / ``B3`` (with the stage in front, ``2F0``, when ranks
     hold several stages); ``.`` is an idle step. Communication is not shown.
     """
-    result = simulate(schedule, forward_time=1.0, backward_time=1.0, comm_time=0.0)
+    split = schedule.splits_backward  # then B and W take one step each
+    result = simulate(schedule, forward_time=1.0, backward_time=2.0 if split else 1.0, comm_time=0.0,
+                      weight_time=1.0 if split else None)
     n_steps = round(result.makespan)
     show_stage = schedule.n_stages > schedule.n_ranks
     grid = [["."] * n_steps for _ in range(schedule.n_ranks)]

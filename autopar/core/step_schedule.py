@@ -28,7 +28,7 @@ brackets):
 
 Whether a backward runs with gradient hooks armed (so buckets launch during
 it) follows from the program too: the last ``B`` of a stage before
-``REDUCE_GRAD`` (`last_backwards`).
+``REDUCE_GRAD``, or its last ``W`` when the backward is split (`last_backwards`).
 
 Invariant: the lowering keeps every compute and communication action and their
 order, so a step deadlocks exactly when its pipeline does; the rank-wide
@@ -41,7 +41,7 @@ import dataclasses
 from typing import Iterable
 
 from autopar.core.schedule import (
-    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
+    B, W, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
     Schedule, add_communication, looped_placement, one_f_one_b,
 )
 
@@ -70,9 +70,13 @@ def training_step(schedule: Schedule, *, reduce_grad: bool, unshard: bool,
     return dataclasses.replace(lowered, actions=tuple(programs))
 
 
-def forward_step(n_ranks: int, n_stages: int, n_microbatches: int, *, unshard: bool) -> Schedule:
-    """A forward pass: every rank runs its stages microbatch by microbatch, then the outputs go to every rank."""
-    placement = looped_placement(n_ranks, n_stages)
+def forward_step(n_ranks: int, n_stages: int, n_microbatches: int, *, unshard: bool,
+                 placement: tuple[int, ...] | None = None) -> Schedule:
+    """A forward pass: every rank runs its stages microbatch by microbatch, then the outputs go to every rank.
+
+    Stages are placed by ``placement`` (default looped, as the training schedules place them).
+    """
+    placement = placement or looped_placement(n_ranks, n_stages)
     programs = [[Action(s, F, m) for m in range(n_microbatches) for s in range(n_stages) if placement[s] == rank]
                 for rank in range(n_ranks)]
     lowered = add_communication(Schedule(n_ranks, n_stages, n_microbatches, placement, programs))
@@ -101,11 +105,12 @@ def _bracket_stages(program: Iterable[Action], unshard: bool) -> list[Action]:
 
 
 def last_backwards(program: Iterable[Action]) -> set[Action]:
-    """The ``B`` actions after which a stage computes no more gradient before the program's ``REDUCE_GRAD``."""
+    """The ``B`` (or ``W``) actions after which a stage computes no more gradient before the program's
+    ``REDUCE_GRAD``."""
     last: dict[int, Action] = {}
     for action in program:
         if action.kind == REDUCE_GRAD:
             return set(last.values())
-        if action.kind == B:
+        if action.kind in (B, W):
             last[action.stage] = action
     return set()
