@@ -152,3 +152,19 @@ def test_the_runtime_runs_the_simulated_program(launcher) -> None:
     for rank, (peak, timeline) in enumerate(launcher(_peak, 2)):
         assert peak == {rank: expected[rank]}
         assert sorted(str(a) for a in map(Action.parse, timeline) if a.kind == W) == [f"{rank}W{m}" for m in range(4)]
+
+
+# --- the planner ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_planners_zero_bubble_formulas_are_the_simulators(p: int) -> None:
+    from autopar.planner.cost_model import zero_bubble_units
+
+    for m in range(1, 3 * p + 1):
+        h1 = simulate(zb_h1(p, m), forward_time=1, backward_time=2, weight_time=1)
+        assert h1.makespan - 3 * m == zero_bubble_units("zb-h1", p, m)
+        assert max(h1.peak_in_flight) == min(p, m)
+    for m in range(2 * p, 4 * p + 1):
+        v = simulate(zbv(p, m), forward_time=1, backward_time=2, weight_time=1)
+        assert v.makespan - 6 * m == zero_bubble_units("zbv", p, m)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.core.schedule import B, F, Schedule
+from autopar.core.schedule import B, F, W, Schedule
 
 
 @dataclass(frozen=True)
@@ -147,15 +147,17 @@ def _advance(r: _Rank, ranks: list[_Rank], finished: dict[tuple, float], now: fl
 
 
 def step_programs(schedule: Schedule | None, forward: list[Phase], backward: list[Phase], into_forward: list[Comm],
-                  into_backward: list[Comm], tails: list[list[Phase]], microbatches: int) -> list[list[Task]]:
+                  into_backward: list[Comm], tails: list[list[Phase]], microbatches: int,
+                  weight: list[Phase] | None = None) -> list[list[Task]]:
     """Every pipeline rank's tasks for one training step.
 
     ``forward[s]`` and ``backward[s]``: one microbatch of stage ``s``;
     ``into_forward[s]``: the message that brings stage ``s`` its input from
     ``s - 1``, ``into_backward[s]`` its output's gradient from ``s + 1``;
     ``tails[r]``: what rank ``r`` runs after its last backward (gradient
-    reduction, the optimizer step). Without a schedule, one rank runs
-    forward and backward of each microbatch in turn.
+    reduction, the optimizer step); ``weight[s]``: stage ``s``'s ``W`` when
+    the schedule splits backwards (``backward[s]`` is then its ``B``). Without
+    a schedule, one rank runs forward and backward of each microbatch in turn.
     """
     if schedule is None:
         programs = [[Task((0, kind, i), ((forward if kind == F else backward)[0],))
@@ -169,6 +171,8 @@ def step_programs(schedule: Schedule | None, forward: list[Phase], backward: lis
                 if a.kind == F:
                     after = (((a.stage - 1, F, a.microbatch), into_forward[a.stage]),) if a.stage > 0 else ()
                     program.append(Task((a.stage, F, a.microbatch), (forward[a.stage],), after))
+                elif a.kind == W:
+                    program.append(Task((a.stage, W, a.microbatch), (weight[a.stage],)))
                 else:
                     after = (((a.stage + 1, B, a.microbatch), into_backward[a.stage]),) if a.stage < last else ()
                     program.append(Task((a.stage, B, a.microbatch), (backward[a.stage],), after))

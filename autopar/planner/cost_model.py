@@ -18,6 +18,7 @@ import torch
 
 from autopar.core.buckets import bucket_sizes
 from autopar.core.schedule import make_schedule
+from autopar.core.zero_bubble import v_placement
 from autopar.passes.pipeline import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
@@ -56,7 +57,8 @@ PRECISIONS = {
     "fp64": Precision("fp64", 8, 8, 0, 8, 8),
 }
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W; their bubble and memory come from the simulator
 
 
 def precision_of(dtype: torch.dtype) -> Precision:
@@ -89,7 +91,9 @@ class Config:
             raise ValueError(f"zero={self.zero} must be 0, 1, 2 or 3")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULE_NAMES)}")
-        if self.stages_per_rank > 1 and self.schedule != "interleaved-1f1b":
+        if self.schedule == "zbv" and self.stages_per_rank != 2:
+            raise ValueError(f"schedule='zbv' holds 2 stages per rank, got stages_per_rank={self.stages_per_rank}")
+        if self.stages_per_rank > 1 and self.schedule not in ("interleaved-1f1b", "zbv"):
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
 
     @property
@@ -210,6 +214,12 @@ class CostModel:
             self._cuts[key] = _balanced(weights, starts, n)
         return self._cuts[key]
 
+    def placement(self, config: Config) -> tuple[int, ...]:
+        """The pp rank of every stage: looped, or the V of ``zbv``."""
+        if config.schedule == "zbv":
+            return v_placement(config.pp)
+        return tuple(s % config.pp for s in range(config.pp * config.stages_per_rank))
+
     # the estimate ---------------------------------------------------------------
     def estimate(self, config: Config, *, symbolic: bool = False) -> Estimate:
         """Memory per device and step time of ``config``; with ``symbolic``, sympy in the microbatch size ``b``."""
@@ -219,7 +229,8 @@ class CostModel:
         b = b_sym if symbolic else config.microbatch_size
         seq = self.profile.sequence()
         stages = self.stages(config)
-        ranks = [[s for s in range(len(stages)) if s % config.pp == r] for r in range(config.pp)]
+        placement = self.placement(config)
+        ranks = [[s for s in range(len(stages)) if placement[s] == r] for r in range(config.pp)]
         memories = [self._memory(config, [[self.values(seq[i], config.tp, b) for i in stages[s]] for s in mine], r)
                     for r, mine in enumerate(ranks)]
         worst = max(range(config.pp), key=lambda r: _number(sum(memories[r].values())))
@@ -248,6 +259,8 @@ class CostModel:
             held = per_stage[0]  # microbatches run one after another (gradient accumulation)
         elif c.schedule == "gpipe":
             held = sum(per_stage) * c.microbatches
+        elif c.schedule in ZERO_BUBBLE:  # every rank holds up to p microbatches (a W keeps its activations)
+            held = sum(per_stage) * min(c.pp, c.microbatches)
         elif c.stages_per_rank == 1:
             held = per_stage[0] * min(c.pp - rank, c.microbatches)
         else:  # interleaved: warm-up forwards of chunks, each a 1/v share of the rank's layers
@@ -291,7 +304,7 @@ class CostModel:
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
             "pipeline_p2p": m * p2p_t + sync,
-            "bubble": (c.pp - 1) / v * per_microbatch,
+            "bubble": self._bubble(c, per_microbatch),
             "shared_cores": 0,
             "data_parallel": self._data_parallel(c, ranks, forward, backward, links[2]),
             "optimizer": max(optimizer),
@@ -304,6 +317,12 @@ class CostModel:
                 cl.cores * nodes)
             out["shared_cores"] = _max([work - sum(out.values()) + out["data_parallel"], 0])
         return out
+
+    def _bubble(self, c: Config, per_microbatch: Any) -> Any:
+        """Idle time of the busiest rank: (p - 1) / v microbatches, or a zero-bubble schedule's (`zero_bubble_units`)."""
+        if c.schedule not in ZERO_BUBBLE or c.pp == 1:
+            return (c.pp - 1) / c.stages_per_rank * per_microbatch
+        return zero_bubble_units(c.schedule, c.pp, c.microbatches) / (3 * c.stages_per_rank) * per_microbatch
 
     def _stage(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
         """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds."""
@@ -335,19 +354,23 @@ class CostModel:
         """
         cl = self.cluster
         tp_link, pp_link = cl.link(c.tp), cl.link(c.tp * c.pp)
-        stages = [st for k in range(c.stages_per_rank) for rank_stages in ranks for st in rank_stages[k:k + 1]]
+        placement = self.placement(c)
+        stages = [ranks[r][placement[:s].count(r)] for s, r in enumerate(placement)]  # in pipeline order
         hops = [Comm(self._hop(c, st, tp_link, pp_link), self._hop(c, st, tp_link, pp_link.p2p())) for st in stages]
-        forward, backward = [], []
+        forward, backward, weight = [], [], []
+        split = c.schedule in ZERO_BUBBLE  # B computes input gradients, W weight gradients (a forward's work)
         for st in stages:
             work, _, _, f_time, b_time = self._stage(c, st, tp_link, pp_link)
             f = work / (4 if c.recompute else 3)  # a forward's work
-            b = f * (3 if c.recompute else 2)
+            b = f * (3 if c.recompute else 2) - (f if split else 0)
             forward.append(Phase(f, Comm(f_time - f, f_time - f)))
-            backward.append(Phase(b, Comm(b_time - b, b_time - b)))
+            backward.append(Phase(b, Comm(b_time - b - f * split, b_time - b - f * split)))
+            weight.append(Phase(f))
         after = out["data_parallel"] + sync
         tails = [[Phase(a, Comm(after, after)), Phase(o)] for a, o in zip(accumulate, optimizer)]
         schedule = make_schedule(c.schedule, c.pp, c.microbatches, c.stages_per_rank) if c.pp > 1 else None
-        programs = step_programs(schedule, forward, backward, hops, hops[1:] + [Comm()], tails, c.microbatches)
+        programs = step_programs(schedule, forward, backward, hops, hops[1:] + [Comm()], tails, c.microbatches,
+                                 weight)
         nodes = math.ceil(c.devices / cl.devices_per_node)
         alone = makespan(programs, replicas=c.dp * c.tp)
         on_cores = makespan(programs, replicas=c.dp * c.tp, cores=cl.cores * nodes)
@@ -463,6 +486,15 @@ def _state_elements(units: list[_Values]) -> tuple[int, int]:
         trainable += sum(e for k, e in u.params.items() if k not in common and k in u.trainable)
         shared.update({k: (e, k in u.trainable) for k, e in common.items()})
     return total + sum(e for e, _ in shared.values()), trainable + sum(e for e, t in shared.values() if t)
+
+
+def zero_bubble_units(schedule: str, pp: int, microbatches: int) -> int:
+    """Idle steps of a rank when F, B and W of one stage take a step each: ZB-H1 idles ``p - 1`` (a third of
+    1F1B's ``3(p - 1)``) once ``m >= p``, more below; ZBV ``p - 1`` steps of half-size stages. The simulator
+    (``autopar.core.simulate``) measures the same for the generated schedules (tests/test_zero_bubble.py)."""
+    if schedule == "zbv":
+        return pp - 1
+    return 2 * (pp - 1) - (min(microbatches, pp) - 1)
 
 
 def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
-from autopar.planner.cost_model import b_sym
+from autopar.planner.cost_model import ZERO_BUBBLE, b_sym
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
@@ -89,7 +89,12 @@ def explain(result: PlanResult) -> list[str]:
     total = best.step_time
     parts = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)} ({v / total:.0%})" for k, v in t.items() if v > 0)
     out.append(f"step time {_seconds(total)}: {parts}")
-    if c.pp > 1:
+    if c.pp > 1 and c.schedule in ZERO_BUBBLE:
+        share = float(e.time["bubble"]) / float(e.time["compute"])
+        out.append(f"pipeline bubble {share:.1%} of the compute time: {c.schedule} splits each backward into input "
+                   f"and weight gradients and fills the pipeline's waits with the weight gradients (simulated; "
+                   f"1F1B's (pp-1)/m would be {(c.pp - 1) / c.microbatches:.1%})")
+    elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
                    f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
     peak = result.cluster.peak(prec.name)

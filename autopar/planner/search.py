@@ -23,7 +23,7 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
+from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, ZERO_BUBBLE, Config, CostModel, Estimate, Precision, precision_of
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
 
@@ -145,7 +145,7 @@ def plan(
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
     zero: tuple[int, ...] = (0, 1, 2, 3),
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
     recompute: tuple[bool, ...] = (False, True),
     tp: tuple[int, ...] | None = None,
     pp: tuple[int, ...] | None = None,
@@ -210,7 +210,7 @@ def plan(
 
 
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
-                 schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
+                 schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
                  recompute: tuple[bool, ...] = (False, True), tp: tuple[int, ...] | None = None,
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
@@ -240,6 +240,7 @@ def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tup
     out = [(n, 1) for n in names if n in ("gpipe", "1f1b")]
     if "interleaved-1f1b" in names:
         out += [("interleaved-1f1b", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
+    out += [("zb-h1", 1)] * ("zb-h1" in names) + [("zbv", 2)] * ("zbv" in names and 2 * pp <= layers)
     return out
 
 
@@ -257,6 +258,8 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
+    if config.zero == 3 and config.schedule in ZERO_BUBBLE and config.pp > 1:
+        return "zero=3 with a split backward (zero-bubble schedules) is not run: use zero=1 or 2 with it"
     if config.recompute:
         return "activation recomputation is planned, not yet run"
     if prec != precision_of(profile.dtype):
