@@ -129,7 +129,7 @@ def compile_program(
         info["nodes"] = " + ".join(str(len(st.gm.graph.nodes)) for st in stage_sets[0])
         info["detail"] = "cuts before " + ", ".join(split_points)
     if schedule.splits_backward:
-        stage_sets = _split_backward(stage_sets, trainable, options)
+        stage_sets = _split_backward(stage_sets, trainable)
     graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
@@ -137,15 +137,8 @@ def compile_program(
                    model, mesh, options, trainable, with_loss)
 
 
-def _split_backward(stage_sets: list[list[StageGraph]], trainable: set[str],
-                    options: Options) -> list[list[StageGraph]]:
+def _split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> list[list[StageGraph]]:
     """Stages whose weight matmuls can leave their weight gradients to the schedule's ``W`` actions."""
-    if options.zero == 3:
-        raise ValueError(
-            f"schedule={options.schedule!r} splits each backward into input and weight gradients, but zero=3 "
-            "reduce-scatters a layer's gradients as soon as its backward ends, before the deferred weight "
-            "gradients exist; use zero=1 or zero=2 with it, or schedule='1f1b' with zero=3"
-        )
     with log_pass("split backward (B: input gradients, W: weight gradients)") as info:
         out, done, count = [], {}, 0
         for stages in stage_sets:  # tp ranks may share one list of stages: rewrite each once

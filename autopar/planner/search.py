@@ -23,7 +23,7 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, ZERO_BUBBLE, Config, CostModel, Estimate, Precision, precision_of
+from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
 
@@ -258,8 +258,6 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
-    if config.zero == 3 and config.schedule in ZERO_BUBBLE and config.pp > 1:
-        return "zero=3 with a split backward (zero-bubble schedules) is not run: use zero=1 or 2 with it"
     if config.recompute:
         return "activation recomputation is planned, not yet run"
     if prec != precision_of(profile.dtype):
