@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import autopar
-from fsdp2_compare import AutoparStep, FSDP2Step, add_arguments, batch, compare, loss_fn, make_model, optimizer, report
+from fsdp2_compare import AutoparStep, FSDP2Step, batch, compare, loss_fn, main, make_model, optimizer
 
 
 def _rank(args: argparse.Namespace) -> dict:
@@ -29,15 +29,6 @@ def _rank(args: argparse.Namespace) -> dict:
     return {**out, "account": pm.memory()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    args = p.parse_args()
-    report(autopar.launch(_rank, args.ranks, args),
-           f"GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}, {args.ranks} gloo "
-           f"ranks, {args.steps} interleaved steps; bf16: autopar zero=3 (prefetch {args.prefetch}) vs FSDP2 "
-           "MixedPrecisionPolicy(bf16, reduce fp32) per block")
-
-
 if __name__ == "__main__":
-    main()
+    main(_rank, __doc__, "bf16: autopar zero=3 (prefetch {prefetch}) vs FSDP2 MixedPrecisionPolicy(bf16, reduce fp32) "
+         "per block")

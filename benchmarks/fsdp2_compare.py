@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import autopar
 from autopar.runtime.memory import optimizer_tensors, storage_bytes
 
 
@@ -154,6 +155,17 @@ def compare(steps: dict[str, Any], args: argparse.Namespace) -> dict:
             "losses": {name: fn.losses for name, fn in steps.items()}}
 
 
+def main(rank: Callable[[argparse.Namespace], dict], doc: str, what: str) -> None:
+    """Parses the shared options, runs ``rank`` on ``--ranks`` local ranks and reports; ``what`` (formatted with
+    the options) says what is compared."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args()
+    report(autopar.launch(rank, args.ranks, args),
+           f"GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}, {args.ranks} gloo "
+           f"ranks, {args.steps} interleaved steps; " + what.format(**vars(args)))
+
+
 def report(results: list[dict], title: str) -> None:
     """Prints autopar against FSDP2: median step times, peak bytes per rank and their ratios, losses."""
     a = statistics.median(r["median"]["autopar"] for r in results)
@@ -167,5 +179,8 @@ def report(results: list[dict], title: str) -> None:
     print(f"peak bytes per rank: autopar {pa:,} B   FSDP2 {pf:,} B   ratio {pa / pf:.4f} (target <= 1.0)")
     if "account" in results[0]:
         print(f"autopar account after a step: {results[0]['account']}")
-    print("loss at step 1, 5, last: autopar " + ", ".join(f"{first['autopar'][i]:.5f}" for i in (0, 4, -1))
-          + "   FSDP2 " + ", ".join(f"{first['fsdp2'][i]:.5f}" for i in (0, 4, -1)))
+    n = len(first["autopar"])
+    at = sorted({0, min(4, n - 1), n - 1})
+    print(f"loss at step {', '.join(str(i + 1) for i in at)}: autopar "
+          + ", ".join(f"{first['autopar'][i]:.5f}" for i in at)
+          + "   FSDP2 " + ", ".join(f"{first['fsdp2'][i]:.5f}" for i in at))
