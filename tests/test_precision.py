@@ -162,6 +162,20 @@ def test_zero3_moves_half_the_bytes_in_its_gathers(launcher) -> None:
     assert fp32[scatter] == bf16[scatter] == 2 * both[scatter]
 
 
+def _bucket_dtypes(reduce_dtype: str | None) -> tuple[set, set]:
+    pm = parallelize(models.gpt2(dtype=FP32), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
+                     precision="bf16", reduce_dtype=reduce_dtype, example_inputs=(IDS,), example_target=TARGET)
+    grads = []
+    pm.optimizer.register_step_pre_hook(lambda opt, *_: grads.extend(p.grad.dtype for p in pm.parameters()))
+    pm.step(IDS, target=TARGET)
+    return {b.flat.dtype for b in pm._rt.grad_sync.buckets}, set(grads)
+
+
+def test_dp_buckets_reduce_in_reduce_dtype_into_fp32_gradients(launcher) -> None:
+    assert launcher(_bucket_dtypes, 2, None)[0] == ({FP32}, {FP32})
+    assert launcher(_bucket_dtypes, 2, "bf16")[0] == ({torch.bfloat16}, {FP32})
+
+
 # --- options and bad input ----------------------------------------------------------------------------------
 def test_fp16_asks_for_bf16_and_a_loss_scaler() -> None:
     with pytest.raises(ValueError, match="precision='fp16' needs a loss scaler.*use precision='bf16'"):
