@@ -10,6 +10,7 @@ keep the signature.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
 from autopar.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
+from autopar.precision import in_compute_dtype, widened
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -34,13 +36,16 @@ class _Forward(torch.nn.Module):
 
 
 class _ForwardLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None, output_dtype: torch.dtype | None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.output_dtype = output_dtype
 
     def forward(self, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
         out = self.model(*args, **kwargs)
+        if self.output_dtype is not None:  # mixed precision: the loss is computed in float32
+            out = widened(out, self.output_dtype)
         return self.loss_fn(out, target) if self.loss_fn is not None else model_loss(out)
 
 
@@ -66,26 +71,43 @@ def capture(
     with_loss: bool = False,
     loss_fn: LossFn | None = None,
     target: Any = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Captured:
-    """Exports ``model(*args, **kwargs)`` (then ``loss_fn(out, target)`` when ``with_loss``)."""
+    """Exports ``model(*args, **kwargs)`` (then ``loss_fn(out, target)`` when ``with_loss``).
+
+    ``compute_dtype``: capture with the floating parameters and inputs in that dtype (fake tensors, nothing
+    allocated), so the model's own dtype logic runs as it will in mixed precision (``autopar/precision.py``);
+    the model's floating outputs are then cast to float32 before the loss.
+    """
     kwargs = kwargs or {}
-    wrapper: torch.nn.Module
-    if with_loss:
-        wrapper, export_args = _ForwardLoss(model, loss_fn), (args, kwargs, target)
-    else:
-        wrapper, export_args = _Forward(model), (args, kwargs)
-    check_inputs(export_args)
-    try:
-        ep = torch.export.export(wrapper, export_args, strict=False)
-    except CaptureError:
-        raise
-    except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError with a hint
-        raise CaptureError(f"torch.export could not capture {type(model).__name__}", cause=e, hint=_hint(e)) from e
+    check_inputs((args, kwargs, target))
+    fed = [x.dtype if isinstance(x, torch.Tensor) else None
+           for x in pytree.tree_leaves((args, kwargs, target) if with_loss else (args, kwargs))]
+    with in_compute_dtype(model, compute_dtype, (args, kwargs), target) if compute_dtype is not None \
+            else contextlib.nullcontext(((args, kwargs), target)) as ((args, kwargs), target):
+        ep = _export(model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn, target=target,
+                     output_dtype=torch.float32 if compute_dtype is not None else None)
     captured = _dedupe_tied(_from_exported(ep), model)
+    captured.input_dtypes = fed
     with log_pass("constant attention masks -> is_causal", len(captured.gm.graph.nodes)) as info:
         info["detail"] = f"{fold_constant_masks(captured.gm)} attention calls rewritten"
         info["nodes"] = len(captured.gm.graph.nodes)
     return captured
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, with_loss: bool, loss_fn: LossFn | None,
+            target: Any, output_dtype: torch.dtype | None) -> torch.export.ExportedProgram:
+    wrapper: torch.nn.Module
+    if with_loss:
+        wrapper, export_args = _ForwardLoss(model, loss_fn, output_dtype), (args, kwargs, target)
+    else:
+        wrapper, export_args = _Forward(model), (args, kwargs)
+    try:
+        return torch.export.export(wrapper, export_args, strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError with a hint
+        raise CaptureError(f"torch.export could not capture {type(model).__name__}", cause=e, hint=_hint(e)) from e
 
 
 def check_inputs(tree: Any) -> None:

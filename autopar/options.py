@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autopar.precision import Policy, policy
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 FIXED_STAGES_PER_RANK = {"zbv": 2}  # (the V holds two stages on every rank)
 
@@ -20,6 +22,8 @@ class Options:
     split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
     stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
     max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step
+    precision: str = "fp32"  # "fp32": the model's own dtype; "bf16": fp32 masters, bf16 compute (autopar/precision.py)
+    reduce_dtype: Any = None  # precision="bf16": dtype of gradient reductions over dp ("fp32" when None, or "bf16")
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -40,6 +44,12 @@ class Options:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        policy(self.precision, self.reduce_dtype)  # raises on an unknown or unsupported precision
+
+    @property
+    def policy(self) -> Policy | None:
+        """The mixed-precision policy (None: the model's own dtype)."""
+        return policy(self.precision, self.reduce_dtype)
 
     @property
     def virtual_stages(self) -> int:

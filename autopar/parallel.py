@@ -20,6 +20,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.model_storage import released
 from autopar.options import Options
+from autopar.precision import check_model, configure_runtime
 from autopar.program import Program, check_supported
 from autopar.rank_runtime import check_ownership, seed_rng, start_runtime
 from autopar.rank_state import checkpoint_state, full_state, local_state
@@ -58,6 +59,7 @@ class ParallelModel:
     def _runtime(self, program: Program) -> RankRuntime:
         if self._rt is None:
             self._rt = start_runtime(self.model, self.mesh, self.options, program)
+            configure_runtime(self._rt, self.options.policy)
         return self._rt
 
     def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[Any]]:
@@ -94,9 +96,9 @@ class ParallelModel:
         return list(self._rt.executor.timeline) if self._rt is not None else []
 
     def communication(self, *, calls: bool = False) -> dict[str, int]:
-        """Tensor-parallel collective bytes (or, with ``calls``, calls) counted since the runtime started,
-        by ``op@axis``."""
-        if self._rt is None or self.mesh.tp == 1:
+        """Bytes (or, with ``calls``, calls) of the tensor-parallel collectives and ZeRO's gathers and
+        reduce-scatters (``zero_all_gather@dp``, ...) counted since the runtime started, by ``op@axis``."""
+        if self._rt is None:
             return {}
         b = self._rt.binding
         return {f"{op}@{axis}": (b.counts if calls else b.bytes)[(op, axis)] for op, axis in b.counts}
@@ -182,6 +184,8 @@ def parallelize(
     split_points: list[str] | None = None,
     stages_per_rank: int | None = None,
     max_grad_norm: float | None = None,
+    precision: str = "fp32",
+    reduce_dtype: str | torch.dtype | None = None,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -192,22 +196,28 @@ def parallelize(
     ``max_grad_norm``: clip the gradient to this global 2-norm before each optimizer
     step (as ``torch.nn.utils.clip_grad_norm_`` on one device); ``pm.grad_norm`` is
     the last step's norm.
+    ``precision="bf16"``: float32 master parameters and optimizer state, bfloat16
+    compute, activations, tp collectives, pipeline hops and ZeRO-3 gathers, gradients
+    reduced in ``reduce_dtype`` ("fp32" by default, or "bf16"), float32 loss
+    (``autopar/precision.py``); "fp32" (the default) runs the model in its own dtype.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
 
         chosen = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                             optimizer=optimizer)
+                             optimizer=optimizer, precision=precision)
         mesh, auto = chosen.mesh, chosen.parallelize_options()
         zero, schedule, microbatches, stages_per_rank = (auto["zero"], auto["schedule"], auto["microbatches"],
                                                          auto["stages_per_rank"])
+        precision = auto["precision"]
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
                       microbatches=microbatches, bucket_mb=bucket_mb,
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
-                      max_grad_norm=max_grad_norm)
+                      max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype)
     check_supported(mesh, options)
+    check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)
     if example_inputs is not None:
         with_loss = example_target is not None  # without a target, the forward graph is compiled for inspection

@@ -27,6 +27,7 @@ from autopar.passes.cost import tensor_bytes
 from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
+from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
 
@@ -95,9 +96,11 @@ def compile_program(
     must agree with how the runtime stores them).
     """
     check_supported(mesh, options)
+    check_model(model, options.policy)
     args, kwargs, target = local
     with log_pass("capture (torch.export)") as info:
-        cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target)
+        cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target,
+                      compute_dtype=options.policy.compute if options.policy else None)
         info["nodes"] = len(cap.gm.graph.nodes)
     plan = _plan(model, mesh, options, cap, args)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -112,7 +115,7 @@ def compile_program(
     if mesh.pp == 1:
         graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
         return _finish(Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts),
-                       model, mesh, options, trainable, with_loss)
+                       model, mesh, options, trainable, with_loss=with_loss)
     n_stages = mesh.pp * options.virtual_stages
     schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
     simulate(add_communication(schedule))  # raises on a deadlock before anything runs
@@ -134,7 +137,7 @@ def compile_program(
     add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
     return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
                            split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts),
-                   model, mesh, options, trainable, with_loss)
+                   model, mesh, options, trainable, with_loss=with_loss)
 
 
 def _split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> list[list[StageGraph]]:
@@ -180,10 +183,14 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
     return sum(sizes.values()), trainable
 
 
-def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str],
+def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str], *,
             with_loss: bool) -> Program:
     """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages);
     the step schedule, checked by the simulator."""
+    if options.policy is not None:
+        with log_pass(f"mixed precision ({options.precision})") as info:
+            apply_to_program(program, model, options.policy, with_loss=with_loss)
+            info["detail"] = "fp32 placeholders cast at their first use"
     program.step = step_schedule(program, mesh, options, training=with_loss)
     simulate(program.step)  # raises on a broken or deadlocking step before anything runs
     placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
@@ -196,9 +203,8 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
             collectives = apply_zero(program, model, mesh, options, factor=factor,
                                      frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
             info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
-        program.plan.collectives = ([c for c in program.plan.collectives if c.axis != "dp"]
-                                    + [Collective(*c) for c in collectives])
-        return program
+        program.plan.collectives = [c for c in program.plan.collectives if c.axis != "dp"] + collectives
+        return describe_reductions(program, options.policy)
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
@@ -206,7 +212,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
         Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
         for c in program.plan.collectives
     ]
-    return program
+    return describe_reductions(program, options.policy)
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:

@@ -20,11 +20,12 @@ import torch
 
 from autopar.core.layout import local_shape
 from autopar.core.mesh import Mesh
-from autopar.core.plan import memory
+from autopar.core.plan import Collective, memory
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
 from autopar.passes.pipeline import shared_parameters
 from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
+from autopar.precision import Policy
 
 
 def held_names(program: Any, rank: int) -> set[str] | None:
@@ -57,15 +58,16 @@ def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: in
 
 
 def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
-               frozen_bytes: dict[int, int]) -> list[tuple[str, str, int, int, str]]:
+               frozen_bytes: dict[int, int]) -> list[Collective]:
     """Adds every rank's layout and the worst rank's memory estimate to ``program``; under zero=3
     rewrites each rank's graphs to gather its layers (``passes.zero.insert_gathers``). Returns the
-    worst rank's dp collectives ``(axis, op, count, bytes, what)``.
+    worst rank's dp collectives. Under mixed precision stage 3 gathers the compute dtype (half the bytes
+    of fp32 for bf16) and gradients are reduced in the policy's reduce dtype.
 
     ``factor``: optimizer-state elements per parameter element; ``frozen_bytes``: bytes of
     parameters without gradients each rank holds.
     """
-    plan = program.plan
+    plan, pol = program.plan, options.policy
     firsts = {tuple(ranks): ranks[0] for ranks in mesh.groups("dp")}  # one representative per dp group
     layouts = {rep: rank_layout(program, model, options, rep) for rep in firsts.values()}
     program.zero_layouts = {r: layouts[firsts[tuple(ranks)]] for ranks in mesh.groups("dp") for r in ranks}
@@ -74,7 +76,7 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
         trainable = sum(g.nbytes for g in layout.groups)
         estimates[rep] = memory_estimate(param_bytes=frozen_bytes.get(rep, 0) + trainable, trainable_bytes=trainable,
                                          optimizer_factor=factor, stage=options.zero, n=mesh.dp,
-                                         gathered=layout.largest_gathered(options.zero_prefetch)
+                                         gathered=gathered_bytes(layout, options.zero_prefetch, pol)
                                          if options.zero == 3 else 0)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
     plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
@@ -82,7 +84,18 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
     plan.params = zero_placements(plan.params, ZeroLayout(options.zero, mesh.dp, tuple(merged.values())))
     if options.zero == 3:
         _gather_layers(program, mesh, options)
-    return zero_collectives(layouts[worst], microbatches=options.microbatches)
+    return zero_collectives(layouts[worst], microbatches=options.microbatches,
+                            gather_dtype=pol.compute if pol and options.zero == 3 else None,
+                            reduce_dtype=pol.reduce if pol else None)
+
+
+def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int:
+    """The most bytes of gathered layers alive at once: stored bytes, or the compute dtype's under ``pol``."""
+    stored = layout.largest_gathered(prefetch)
+    dtypes = {g.dtype for g in layout.groups}
+    if pol is None or dtypes != {pol.master}:
+        return stored
+    return stored * pol.compute.itemsize // pol.master.itemsize
 
 
 class PerDpGroup(dict):

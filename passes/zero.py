@@ -24,8 +24,9 @@ import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.graph import Slot, copy_module
-from autopar.core.plan import FlatShard, ParamPlan, ZeroShard
+from autopar.core.plan import Collective, FlatShard, ParamPlan, ZeroShard
 from autopar.core.zero_layout import FlatGroup, ZeroLayout, zero_layout
+from autopar.passes.mixed_precision import CAST, COMPUTE, retyped
 
 
 def _ops() -> dict[str, object]:
@@ -54,19 +55,44 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
         with graph.inserting_before(next(n for n in graph.nodes if n.op == "output")):
             graph.call_function(ops["end"], ())
     prefetched: set[str] = set()
+    dtypes = {group.name: _gather_dtype(group, by_name) for _, group, _ in firsts}
     for i, (first, group, carrier) in enumerate(firsts):
         with graph.inserting_before(first):
-            flat = graph.call_function(ops["gather"], (carrier, axis, list(ranks)))  # (padded,)
+            flat = graph.call_function(ops["gather"], (carrier, axis, list(ranks)), _dtype_arg(dtypes[group.name]))
             flat.meta["autopar.zero"] = group.name
+            flat.meta["val"] = retyped(carrier.meta["val"], dtypes[group.name] or group.dtype, (group.padded,))
             for _, ahead, ahead_carrier in firsts[i + 1 : i + 1 + prefetch]:
                 if ahead.name not in prefetched:
                     prefetched.add(ahead.name)
-                    graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)))
+                    graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)),
+                                        _dtype_arg(dtypes[ahead.name]))
             pieces = _split_into_parameters(graph, flat, group, by_name, set(ops.values()))
+        if dtypes[group.name] is not None:
+            _drop_casts(graph, pieces)
         _free_after_last_use(graph, flat, pieces, ops["free"])
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _gather_dtype(group: FlatGroup, by_name: dict[str, fx.Node]) -> torch.dtype | None:
+    """The compute dtype of every parameter of ``group`` here (``passes.mixed_precision``), or None (as stored)."""
+    found = {by_name[p].meta.get(COMPUTE) for p in group.params if p in by_name}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
+def _dtype_arg(dtype: torch.dtype | None) -> dict:
+    return {"dtype": dtype} if dtype is not None else {}
+
+
+def _drop_casts(graph: fx.Graph, pieces: list[fx.Node]) -> None:
+    """The mixed-precision casts of a layer's parameters now read views of the buffer gathered in the compute
+    dtype: their uses read the views, and the casts go."""
+    for piece in pieces:
+        for view in list(piece.users):
+            for cast in [u for u in view.users if CAST in u.meta]:
+                cast.replace_all_uses_with(view)
+                graph.erase_node(cast)
 
 
 def _first_uses(graph: fx.Graph, layout: ZeroLayout,
@@ -96,13 +122,17 @@ def _split_into_parameters(graph: fx.Graph, flat: fx.Node, group: FlatGroup, by_
     """Views of the gathered ``flat`` shaped like the group's parameters, replacing their placeholders' uses."""
     parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, group.split_sizes()))
     pieces = []
+    flat_val = flat.meta["val"]
+    parts.meta["val"] = [retyped(flat_val, flat_val.dtype, (k,)) for k in group.split_sizes()]
     for j, (name, shape) in enumerate(zip(group.params, group.shapes)):
         node = by_name.get(name)
         if node is None or not [u for u in node.users if u.target not in zero_ops]:
             continue
         piece = graph.call_function(operator.getitem, (parts, j))
+        piece.meta["val"] = parts.meta["val"][j]
         pieces.append(piece)
         view = graph.call_function(torch.ops.aten.view.default, (piece, list(shape)))
+        view.meta["val"] = retyped(flat_val, flat_val.dtype, tuple(shape))
         node.replace_all_uses_with(view, delete_user_cb=lambda u: u.target not in zero_ops)
     return pieces
 
@@ -150,27 +180,40 @@ def memory_estimate(*, param_bytes: int, trainable_bytes: int, optimizer_factor:
     return out
 
 
-def zero_collectives(layout: ZeroLayout, *, microbatches: int) -> list[tuple[str, str, int, int, str]]:
-    """``(axis, op, count, bytes, what)`` per kind of collective a ZeRO step runs on one rank."""
-    total = sum(g.nbytes for g in layout.groups)
-    k = len(layout.groups)
+def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None) -> list[Collective]:
+    """The kinds of collective a ZeRO step runs on one rank, with their counts and bytes.
+
+    ``gather_dtype`` / ``reduce_dtype``: what stage 3 gathers and every stage reduces, when not the
+    parameters' dtype (mixed precision); the collectives then show their dtypes.
+    """
     if layout.n == 1:
         return []
+    k, m = len(layout.groups), microbatches
+    stored = tuple(dict.fromkeys(g.dtype for g in layout.groups))
+    shown = gather_dtype is not None or reduce_dtype is not None
+
+    def kind(op: str, count: int, dtype: torch.dtype | None, what: str, times: int = 1) -> Collective:
+        nbytes = sum(g.padded * (dtype or g.dtype).itemsize for g in layout.groups)
+        dtypes = ((dtype,) if dtype else stored) if shown else ()
+        return Collective("dp", op, count, times * nbytes, what, dtypes=dtypes)
+
+    gather_after_step = kind("all_gather", k, None, "updated parameter shards after the optimizer step")
     if layout.stage == 1:
-        return [("dp", "reduce_scatter", k, total, "gradient buckets after the last microbatch, in place"),
-                ("dp", "all_gather", k, total, "updated parameter shards after the optimizer step")]
+        return [kind("reduce_scatter", k, reduce_dtype, "gradient buckets after the last microbatch, in place"),
+                gather_after_step]
     if layout.stage == 2:
-        return [("dp", "reduce_scatter", k * microbatches, total * microbatches,
-                 "gradient buckets during every microbatch's backward; full gradients freed"),
-                ("dp", "all_gather", k, total, "updated parameter shards after the optimizer step")]
-    return [("dp", "all_gather", 2 * k * microbatches, 2 * total * microbatches,
-             "each layer before its forward and again for its backward"),
-            ("dp", "reduce_scatter", k * microbatches, total * microbatches, "each layer's gradients in backward")]
+        return [kind("reduce_scatter", k * m, reduce_dtype,
+                     "gradient buckets during every microbatch's backward; full gradients freed", m),
+                gather_after_step]
+    return [kind("all_gather", 2 * k * m, gather_dtype, "each layer before its forward and again for its backward",
+                 2 * m),
+            kind("reduce_scatter", k * m, reduce_dtype, "each layer's gradients in backward", m)]
 
 
 def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_bytes: int, stage: int, n: int,
               bucket_bytes: int, microbatches: int, optimizer_factor: int,
-              prefetch: int) -> tuple[ZeroLayout, dict[str, int], list[tuple[str, str, int, int, str]]]:
+              prefetch: int) -> tuple[ZeroLayout, dict[str, int], list[Collective]]:
     """The layout, the per-rank memory estimate and the collectives of ZeRO ``stage`` for a plan."""
     layout = zero_layout(params, stage=stage, n=n, bucket_bytes=bucket_bytes)
     trainable = sum(g.nbytes for g in layout.groups)

@@ -14,6 +14,11 @@ others ``bucket_bytes``. The first step's buckets follow reverse parameter
 order; its ``finish`` rebuilds them in the order the gradients actually
 arrived, as rank 0 of the group saw it (broadcast, so every rank agrees).
 
+With ``reduce_dtype`` other than the parameters' dtype (mixed precision's
+``reduce_dtype="bf16"``), the buffers are of ``reduce_dtype``: each gradient is
+divided into its slot (rounded there), and ``finish`` copies the averages back
+into the parameters' own ``.grad``.
+
 Invariant: after ``finish`` each parameter that got a gradient on this step
 holds the average over the group of the ranks' gradients, computed as the sum
 of ``grad / size`` (bitwise what dividing before an all-reduce gives);
@@ -51,8 +56,10 @@ class _Bucket:
 class BucketedAllReduce:
     """Averages the gradients of ``params`` over ``group`` during backward."""
 
-    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.size = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
         self.enabled = True  # off for all but the last microbatch of an accumulation
@@ -65,6 +72,11 @@ class BucketedAllReduce:
         self.arrival: list[int] | None = []  # indices into ``params`` as gradients arrive; None once rebuilt
         self._done = False  # the last step finished: the next launch starts a new step's bookkeeping
 
+    def reduce_in(self, dtype: torch.dtype) -> None:
+        """Reduces in ``dtype`` from the next step on (the buckets' buffers are laid out again in it)."""
+        self.reduce_dtype = dtype
+        self.buckets = self._layout([p for b in self.buckets for p in b.params])
+
     def _layout(self, order: list[torch.Tensor]) -> list[_Bucket]:
         """Buckets over ``order`` (parameters as their gradients arrive), each with a zeroed flat buffer."""
         spans = assign_buckets([p.numel() * p.element_size() for p in order], [(p.dtype, p.device) for p in order],
@@ -72,7 +84,8 @@ class BucketedAllReduce:
         buckets = []
         for index, span in enumerate(spans):
             members = [order[i] for i in span]
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+            dtype = self.reduce_dtype or members[0].dtype
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=members[0].device)
             views = list(torch.split(flat, [p.numel() for p in members]))
             buckets.append(_Bucket(index, members, flat, [v.view_as(p) for v, p in zip(views, members)],
                                    [False] * len(members)))
@@ -101,7 +114,8 @@ class BucketedAllReduce:
             view.div_(self.size)
         else:  # neither tensor requires grad: nothing for autograd to record, in backward or after it
             torch.div(p.grad, self.size, out=view)
-        p.grad = view
+        if view.dtype == p.dtype:
+            p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
         if self._done:
@@ -122,6 +136,9 @@ class BucketedAllReduce:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+                for p, view, placed in zip(bucket.params, bucket.views, bucket.placed):
+                    if placed and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                        p.grad.copy_(view)  # averaged in ``reduce_dtype``: back into the parameter's dtype
             bucket.clear()
         self._done = True
         if self.arrival:

@@ -81,11 +81,13 @@ class ZeroRuntime:
         self.queue = ReduceQueue()
         by_name = dict(named)
         ranks = mesh.group_of(groups.rank, "dp")
+        policy = getattr(options, "policy", None)  # mixed precision: gradients reduced in its reduce dtype
+        reduce_dtype = policy.reduce if policy is not None else None
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
             fs = FlatShard(spec, index=groups.coord("dp"), group=groups["dp"], ranks=ranks, device=groups.device,
-                           stage=self.stage, tracker=self.tracker, queue=self.queue)
+                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)

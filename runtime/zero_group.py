@@ -8,8 +8,11 @@ allocate it during backward and drop it after the optimizer step, as torch's
 2 keep the full flat parameters (``full``) and the shard is a view into it, so
 the optimizer's in-place update needs no copy; stage 1 also keeps the full flat
 gradient (``grad_full``) with ``grad`` a view into it. Stage 3 keeps only the
-shard; ``gather``/``prefetch`` materialise the full flat parameters on demand,
-and ``GatheredBytes`` measures how many bytes of them are alive.
+shard; ``gather``/``prefetch`` materialise the full flat parameters on demand
+(in another dtype when asked: mixed precision gathers bf16 copies of fp32
+shards), and ``GatheredBytes`` measures how many bytes of them are alive.
+Gradients are reduced in ``reduce_dtype`` (default the parameters') and
+accumulate into ``grad`` in the parameters' dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autopar.core.collectives import record
 from autopar.core.zero_layout import FlatGroup
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the first names
@@ -49,6 +53,7 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, index: int,
     is overwritten: pass a tensor nothing else reads) and the slice copied
     when the work is waited on.
     """
+    record("zero_reduce_scatter", "dp", flat)
     if dist.get_backend(group) != "gloo":
         return reduce_scatter_flat(out, flat, group=group, async_op=True)
     n = out.numel()
@@ -80,13 +85,19 @@ class _Prefetch:
     full: torch.Tensor
     version: int
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype
+
 
 class FlatShard:
     """The state of one ``FlatGroup`` on dp rank ``index`` of ``group`` (``None`` when dp has one rank)."""
 
     def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
-                 device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue) -> None:
+                 device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.spec = spec
+        self.reduce_dtype = reduce_dtype or spec.dtype
         self.queue = queue
         self.index = index
         self.group = group
@@ -127,32 +138,38 @@ class FlatShard:
         """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""
         if self.group is None:
             return None
+        record("zero_all_gather", "dp", self.shard)
         return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
 
     # stage 3 ------------------------------------------------------------------
-    def _start_gather(self) -> _Prefetch:
-        full = torch.empty(self.spec.padded, dtype=self.spec.dtype, device=self.shard.device)
+    def _start_gather(self, dtype: torch.dtype) -> _Prefetch:
+        full = torch.empty(self.spec.padded, dtype=dtype, device=self.shard.device)
         self.tracker.add(full)
+        local = self.shard.detach().to(dtype)
         if self.group is None:
-            full.copy_(self.shard.detach())
+            full.copy_(local)
             return _Prefetch(None, full, self.shard._version)
-        work = all_gather_flat(full, self.shard.detach(), group=self.group, async_op=True)
+        record("zero_all_gather", "dp", local)
+        work = all_gather_flat(full, local, group=self.group, async_op=True)
         return _Prefetch(work, full, self.shard._version)
 
-    def prefetch(self) -> None:
-        """Starts gathering the full flat parameters; the next ``gather`` waits for it."""
+    def prefetch(self, dtype: torch.dtype | None = None) -> None:
+        """Starts gathering the full flat parameters (in ``dtype``); the next ``gather`` waits for it."""
         if self._prefetched is None:
-            self._prefetched = self._start_gather()
+            self._prefetched = self._start_gather(dtype or self.spec.dtype)
 
-    def gather(self) -> torch.Tensor:
-        """The full flat parameters (padded), from a prefetch when one is pending and still current."""
+    def gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full flat parameters (padded, in ``dtype``), from a prefetch when one is pending and current."""
+        dtype = dtype or self.spec.dtype
         pending, self._prefetched = self._prefetched, None
-        if pending is None:
-            pending = self._start_gather()
+        if pending is None or pending.dtype != dtype:
+            if pending is not None and pending.work is not None:
+                pending.work.wait()
+            pending = self._start_gather(dtype)
         if pending.work is not None:
             pending.work.wait()
         if pending.version != self.shard._version:  # the shard changed after the prefetch was issued
-            return self.gather()
+            return self.gather(dtype)
         return pending.full
 
     def drop_prefetch(self) -> None:
@@ -162,22 +179,28 @@ class FlatShard:
 
     # gradients ----------------------------------------------------------------
     def reduce_gradient(self, flat: torch.Tensor, *, wait: bool = True, owned: bool = False) -> None:
-        """Stages 2-3: reduce-scatters the group's padded flat gradient; the average lands in ``grad``.
+        """Stages 2-3: reduce-scatters the group's padded flat gradient (in ``reduce_dtype``); the average lands
+        in ``grad``.
 
         ``owned``: nothing else reads ``flat``, so the reduction may overwrite it.
         """
+        if flat.dtype != self.reduce_dtype:
+            flat, owned = flat.to(self.reduce_dtype), True
         self.queue.reduce_scatter(self, flat, wait=wait, owned=owned)
 
     def accumulate(self, reduced: torch.Tensor, *, in_place: bool) -> None:
-        """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average."""
+        """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average, in the
+        parameters' dtype."""
         n = len(self.ranks)
         with torch.no_grad():
             if in_place:  # stage 1: ``reduced`` is ``grad`` itself
                 reduced.div_(n)
+            elif self.grad_full is not None:  # stage 1 reduced in another dtype: back into the view
+                self.grad.copy_(reduced).div_(n)
             elif self.fresh or self.grad is None:
-                self.grad = reduced.div_(n)
+                self.grad = reduced.to(self.spec.dtype).div_(n)
             else:
-                self.grad.add_(reduced, alpha=1.0 / n)
+                self.grad.add_(reduced.to(self.spec.dtype), alpha=1.0 / n)
         self.fresh = False
 
 
@@ -207,9 +230,13 @@ class ReduceQueue:
             self.limit()
 
     def reduce_scatter_in_place(self, shard: FlatShard) -> None:
-        """Stage 1: reduce-scatters ``grad_full`` into its own slice ``grad``."""
+        """Stage 1: reduce-scatters ``grad_full`` into its own slice ``grad`` (through a copy in the shard's
+        ``reduce_dtype`` when that differs)."""
         if shard.group is None:
             shard.accumulate(shard.grad, in_place=True)
+            return
+        if shard.reduce_dtype != shard.grad_full.dtype:
+            self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
             return
         work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group)
         self._push(shard, work, shard.grad, shard.grad_full, True)

@@ -1,6 +1,7 @@
 """How the stage-3 graph ops (``torch.ops.autopar.zero_*``, declared in ``core.zero_ops``) run, and the re-gather of saved parameters for backward.
 
-``zero_all_gather(shard, axis, ranks)`` returns a layer's full flat parameters;
+``zero_all_gather(shard, axis, ranks, dtype)`` returns a layer's full flat parameters (in
+``dtype`` when given: mixed precision gathers bf16 copies of the fp32 shards);
 its backward reduce-scatters the layer's gradient over the same ranks
 (asynchronously; the averaged slice lands in the shard's gradient buffer when
 the step's gradient sync finishes). ``zero_prefetch`` starts a later layer's
@@ -62,6 +63,7 @@ def release(full: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class _Handle:
     group: FlatShard
+    dtype: torch.dtype  # of the gathered buffer
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -73,8 +75,10 @@ class _ForwardRun:
     def __init__(self, prefetch: int) -> None:
         self.prefetch = prefetch
         self.buffers: dict[int, tuple[weakref.ref, FlatShard]] = {}  # storage address -> (storage, group)
+        self.dtypes: dict[int, torch.dtype] = {}  # storage address -> the gathered buffer's dtype
         self.kept: set[int] = set()  # buffers autograd saved as themselves: never freed early
         self.order: list[FlatShard] = []  # groups in forward gather order
+        self.gather_dtype: dict[FlatShard, torch.dtype] = {}  # what each group was gathered as
         self.outstanding: Counter[FlatShard] = Counter()  # handles saved and not yet used
         self.regathered: dict[FlatShard, torch.Tensor] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -82,8 +86,10 @@ class _ForwardRun:
     def track(self, group: FlatShard, full: torch.Tensor) -> None:
         storage = full.untyped_storage()
         self.buffers[storage.data_ptr()] = (weakref.ref(storage), group)
+        self.dtypes[storage.data_ptr()] = full.dtype
         if group not in self.order:
             self.order.append(group)
+        self.gather_dtype[group] = full.dtype
 
     def _entry(self, t: torch.Tensor) -> tuple[int, FlatShard] | None:
         storage = t.untyped_storage()
@@ -116,11 +122,11 @@ class _ForwardRun:
         if entry is None:
             return t
         address, group = entry
-        if t.dtype != group.spec.dtype:  # a reinterpreting view: keep the buffer alive instead
+        if t.dtype != self.dtypes[address]:  # a reinterpreting view: keep the buffer alive instead
             self.kept.add(address)
             return t
         self.outstanding[group] += 1
-        return _Handle(group, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return _Handle(group, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Handle):
@@ -128,7 +134,7 @@ class _ForwardRun:
         group = saved.group
         full = self.regathered.get(group)
         if full is None:
-            full = group.gather()  # (usually prefetched while the previous layer's gradient reduced)
+            full = group.gather(saved.dtype)  # (usually prefetched while the previous layer's gradient reduced)
             group.queue.drain()  # that gradient's buffer is freed before this layer's backward computes
             self.regathered[group] = full
         self.outstanding[group] -= 1
@@ -150,7 +156,7 @@ class _ForwardRun:
         i = self.order.index(group)
         for earlier in reversed(self.order[max(0, i - self.prefetch) : i]):
             if self.outstanding[earlier] > 0 and earlier not in self.regathered:
-                earlier.prefetch()
+                earlier.prefetch(self.gather_dtype.get(earlier))
 
 
 def _stack() -> list[_ForwardRun]:
@@ -184,10 +190,12 @@ def zero_end() -> None:
 
 
 @torch.library.impl("autopar::zero_all_gather", "CompositeExplicitAutograd")
-def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.Tensor:
-    """The full flat parameters of ``shard``'s layer, all-gathered over ``axis`` (the dp ranks ``ranks``)."""
+def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int],
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full flat parameters of ``shard``'s layer, all-gathered over ``axis`` (the dp ranks ``ranks``),
+    in ``dtype`` (default: the shard's)."""
     group = owner(shard, axis, ranks)
-    full = group.gather()
+    full = group.gather(dtype)
     run = _current()
     if run is not None:
         run.track(group, full)
@@ -195,11 +203,11 @@ def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int]) -> torch.T
 
 
 def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.group = owner(*inputs)
+    ctx.group = owner(*inputs[:3])
     ctx.run = _current()
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
     run, group = ctx.run, ctx.group
     if run is not None:
         run.release_regathered(group)
@@ -207,7 +215,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
     if run is not None:
         run.prefetch_before(group)  # the layers backward reaches next, gathered while this one reduces
     group.queue.limit()
-    return None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
+    return None, None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
 
 
 torch.library.register_autograd("autopar::zero_all_gather", _backward, setup_context=_setup)
@@ -222,6 +230,6 @@ def zero_free(full: torch.Tensor, pieces: list[torch.Tensor]) -> None:
 
 
 @torch.library.impl("autopar::zero_prefetch", "CompositeExplicitAutograd")
-def zero_prefetch(shard: torch.Tensor, axis: str, ranks: list[int]) -> None:
-    """Starts all-gathering ``shard``'s layer; the layer's ``zero_all_gather`` waits for it."""
-    owner(shard, axis, ranks).prefetch()
+def zero_prefetch(shard: torch.Tensor, axis: str, ranks: list[int], dtype: torch.dtype | None = None) -> None:
+    """Starts all-gathering ``shard``'s layer (in ``dtype``); the layer's ``zero_all_gather`` waits for it."""
+    owner(shard, axis, ranks).prefetch(dtype)

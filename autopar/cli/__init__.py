@@ -102,7 +102,7 @@ def plan(argv: list[str]) -> int:
     p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100 or cpu")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per device)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (models with a sequence dim)")
-    p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    p.add_argument("--precision", default="mixed", choices=["mixed", "bf16", "fp32"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
     p.add_argument("--top", type=int, default=10, help="rows of the table (and of the JSON)")
     p.add_argument("--runnable", action="store_true", help="only configurations autopar runs today")

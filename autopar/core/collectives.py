@@ -80,6 +80,13 @@ def current() -> Binding:
     return b
 
 
+def record(op: str, axis: str, t: torch.Tensor) -> None:
+    """Counts a collective the runtime runs outside these ops (ZeRO's) on the current binding, if any."""
+    b = _BINDING.get() or (_PROCESS[0] if _PROCESS else None)
+    if b is not None:
+        b.record(op, axis, t)
+
+
 def _size_index(axis: str) -> tuple[int, int, dist.ProcessGroup]:  # noqa: D103
     g = current().group(axis)
     return dist.get_world_size(g), dist.get_rank(g), g

@@ -37,6 +37,7 @@ class Captured:
     out_spec: pytree.TreeSpec  # unflattens the remaining outputs
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
+    input_dtypes: list[torch.dtype | None] = field(default_factory=list)  # each flat user input's, as fed
 
     @property
     def param_names(self) -> list[str]:

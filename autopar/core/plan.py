@@ -6,9 +6,11 @@ the text of ``print(pm.plan)`` is made from them and never parsed back.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
@@ -51,19 +53,21 @@ class ParamPlan:
     placements: tuple[Placement, ...]
     interleave: int | None = None  # stored as this many blocks interleaved per tp rank
     zero: ZeroShard | None = None
+    dtypes: tuple[torch.dtype, torch.dtype] | None = None  # mixed precision: (stored, computed in)
 
     def placement(self, axis: str) -> Placement:
         return self.placements[self.axes.index(axis)]
 
     def with_placement(self, axis: str, placement: Placement) -> ParamPlan:
         i = self.axes.index(axis)
-        return ParamPlan(self.name, self.shape, self.axes, self.placements[:i] + (placement,) + self.placements[i + 1:],
-                         self.interleave, self.zero)
+        return dataclasses.replace(self, placements=self.placements[:i] + (placement,) + self.placements[i + 1:])
 
     def render_placement(self) -> str:
         # the tp axis prints DTensor's short form (S(0), R), the others the long one
         text = "(" + ", ".join(f"{axis}: {p if axis == 'tp' else repr(p)}"
                                for axis, p in zip(self.axes, self.placements)) + ")"
+        if self.dtypes is not None:
+            text = f"{dtype_name(self.dtypes[0])}, computed in {dtype_name(self.dtypes[1])}  " + text
         if self.interleave is not None:
             text += f" (stored as {self.interleave} blocks interleaved per rank)"
         if self.zero is not None:
@@ -85,6 +89,11 @@ class Collective:
     bytes: int
     what: str
     direction: str | None = None  # "forward" | "backward" where the kind is one direction's
+    dtypes: tuple[torch.dtype, ...] = ()  # what travels, when the plan shows dtypes (mixed precision)
+
+    def render(self) -> str:
+        dtypes = f" in {', '.join(dtype_name(d) for d in self.dtypes)}" if self.dtypes else ""
+        return f"{self.op:<14} on {self.axis}: {self.count} x, {mib(self.bytes)} total{dtypes}  ({self.what})"
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,12 @@ class StagePlan:
     nodes: int
     sends: int  # tensors sent per microbatch
     send_bytes: int
+    dtypes: tuple[torch.dtype, ...] = ()  # of the tensors sent, when the plan shows dtypes (mixed precision)
+
+    def render(self) -> str:
+        dtypes = ", ".join(dict.fromkeys(dtype_name(d) for d in self.dtypes))
+        return (f"stage {self.index} on pp rank {self.rank}: {self.params} parameters, {self.nodes} nodes, "
+                f"sends {self.sends} tensors ({dtypes + ', ' if dtypes else ''}{mib(self.send_bytes)}) per microbatch")
 
 
 @dataclass(frozen=True)
@@ -111,8 +126,7 @@ class PipelinePlan:
         lines = [f"{self.n_stages} stages over {self.pp_ranks} pp ranks, {self.microbatches} microbatches; "
                  f"bubble {self.bubble:.1%} (simulated, backward = 2 x forward)",
                  "cuts before: " + (", ".join(self.cuts) or "-")]
-        lines += [f"stage {st.index} on pp rank {st.rank}: {st.params} parameters, {st.nodes} nodes, "
-                  f"sends {st.sends} tensors ({mib(st.send_bytes)}) per microbatch" for st in self.stages]
+        lines += [st.render() for st in self.stages]
         lines += [f"{name} is used on pp ranks {list(ranks)}: gradients all-reduced among them"
                   for name, ranks in self.shared]
         return lines
@@ -192,6 +206,7 @@ class Plan:
     tied: dict[str, str] = field(default_factory=dict)
     pipeline: PipelinePlan | None = None
     tensor_parallel: LayerLayout | None = None  # one layer's tensor-parallel layout
+    precision: str | None = None  # mixed precision: what each dtype is (None: the model's own dtype throughout)
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -208,6 +223,8 @@ class Plan:
             f"{self.microbatches} microbatch(es) per step",
             f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
         ]
+        if self.precision is not None:
+            lines.insert(2, f"  precision: {self.precision}")
         for alias, canonical in self.tied.items():
             lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
         width = max((len(p.name) for p in self.params), default=0)
@@ -223,7 +240,7 @@ class Plan:
             lines += layer[1:]
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
-            lines.append(f"    {c.op:<14} on {c.axis}: {c.count} x, {mib(c.bytes)} total  ({c.what})")
+            lines.append(f"    {c.render()}")
         if not self.collectives:
             lines.append("    none")
         if self.fallbacks:
@@ -231,6 +248,12 @@ class Plan:
         note = f", largest on rank {self.memory.largest_on}" if self.memory.largest_on is not None else ""
         lines.append(f"  memory per rank (estimate{note}): " + ", ".join(f"{k} {mib(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a floating dtype (fp32, bf16, ...), else torch's."""
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+    return short.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -2,7 +2,7 @@
 
 ``auto_choice`` plans for the job's world size on a cluster preset that
 resembles this machine (the local GPU model, or CPU ranks sharing its cores),
-for the model's own dtype and optimizer, and keeps only configurations
+for the model's own dtype (or ``precision="bf16"``) and optimizer, and keeps only configurations
 autopar's runtime runs today.
 
 Invariant: every rank gets the same choice (rank 0's is broadcast when a
@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import precision_of
+from autopar.planner.cost_model import PRECISIONS, precision_of
 from autopar.planner.example_inputs import sequence_of
 from autopar.planner.search import Candidate, evaluate, plan
 
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
-                optimizer: Callable | None) -> Candidate:
+                optimizer: Callable | None, precision: str = "fp32") -> Candidate:
     """The best configuration autopar runs for the job's world size (``parallelize(model, "auto")``).
 
     Every rank plans the same way; under a running job rank 0's choice is
@@ -46,7 +46,8 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     states = _optimizer_states(optimizer)
     cluster = _local_cluster(devices)
     result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
-                  precision=precision_of(next(model.parameters()).dtype), optimizer=states,
+                  precision=PRECISIONS["bf16"] if precision == "bf16" else precision_of(next(model.parameters()).dtype),
+                  optimizer=states,
                   example_inputs=small, example_kwargs=small_kwargs, runnable_only=True, recompute=(False,))
     chosen = result.best
     if dist.is_available() and dist.is_initialized():

@@ -118,8 +118,8 @@ class Cluster:
                              f"cores={self.cores} and op_overhead={self.op_overhead} must be >= 0")
 
     def peak(self, precision: str) -> float:
-        """Peak FLOP/s for a precision's name: the bf16 units for "mixed" (and "half"), else fp32."""
-        return self.peak_flops if precision in ("mixed", "half") else self.peak_flops_fp32
+        """Peak FLOP/s for a precision's name: the bf16 units for "mixed", "bf16" (and "half"), else fp32."""
+        return self.peak_flops if precision in ("mixed", "bf16", "half") else self.peak_flops_fp32
 
     def link(self, span: int) -> Link:
         """The link of a group whose ranks spread over ``span`` consecutive ranks (stride x size)."""

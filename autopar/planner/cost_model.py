@@ -38,6 +38,8 @@ class Precision:
     master: int  # the optimizer's fp32 copy of the parameters (mixed precision), 0 when it steps the params
     state: int  # one optimizer-state element (Adam keeps two per parameter)
     activation: int
+    gather: int = 0  # a ZeRO-3 gathered parameter element (0: ``param``)
+    copy: int = 0  # the compute copy of a parameter element each microbatch's forward makes and backward keeps
 
     def step_bytes(self, optimizer_states: int) -> int:
         """Bytes the optimizer step reads and writes per trainable element.
@@ -55,6 +57,9 @@ PRECISIONS = {
     # bf16 weights, gradients and activations; fp32 master weights and Adam moments (the ZeRO paper's K = 12)
     "mixed": Precision("mixed", 2, 2, 4, 4, 2),
     "fp64": Precision("fp64", 8, 8, 0, 8, 8),
+    # autopar's precision="bf16" (FSDP2's policy): the fp32 parameters are the masters, fp32 gradients, bf16
+    # activations and ZeRO-3 gathers; below stage 3 each microbatch in flight keeps bf16 copies of the weights
+    "bf16": Precision("bf16", 4, 4, 0, 4, 2, gather=2, copy=2),
 }
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -251,7 +256,8 @@ class CostModel:
     def _activations(self, c: Config, stages: list[list[_Values]], rank: int) -> Any:
         def kept(st: list[_Values]) -> Any:
             if not c.recompute:
-                return sum(u.activations for u in st)
+                copies = self.precision.copy * sum(sum(u.params.values()) for u in st) if c.zero < 3 else 0
+                return sum(u.activations for u in st) + copies
             return sum(u.entering for u in st)  # each layer keeps only its input; recomputed in backward
 
         per_stage = [kept(st) for st in stages]
@@ -276,7 +282,7 @@ class CostModel:
         out: Any = 0
         if c.zero == 3 and c.dp > 1:  # gathered layers: the one in use and those prefetched
             sizes = sorted((sum(u.params.values()) for st in stages for u in st), reverse=True)
-            out += sum(sizes[: 1 + c.zero_prefetch]) * p.param
+            out += sum(sizes[: 1 + c.zero_prefetch]) * (p.gather or p.param)
         elif c.dp > 1:
             out += _min([self.bucket_bytes, trainable * p.grad])  # the gradient bucket being reduced
         if c.pp > 1:  # a received activation and a received gradient per stage
@@ -395,6 +401,7 @@ class CostModel:
         elements, groups = max((_state_elements(units)[1], len(units))
                                for units in ([u for st in stages for u in st] for stages in ranks))
         grads, params = elements * p.grad, elements * p.param
+        gathered = elements * (p.gather or p.param)  # what stage 3 gathers per layer
         sizes = bucket_sizes(grads, self.bucket_bytes)  # a small first bucket, as the runtime cuts them
         buckets, last = len(sizes), sizes[-1]
         hide = self.cluster.overlap if self.overlap else 0.0
@@ -412,8 +419,8 @@ class CostModel:
             return loss + reduce + gather_params
         if c.zero == 2:
             return loss + m * reduce + gather_params
-        gather, scatter = ring_gather(params, n, link, groups), ring_scatter(grads, n, link, groups)
-        first = ring_gather(params / groups, n, link)  # the first layer's gather has nothing to hide behind
+        gather, scatter = ring_gather(gathered, n, link, groups), ring_scatter(grads, n, link, groups)
+        first = ring_gather(gathered / groups, n, link)  # the first layer's gather has nothing to hide behind
         return loss + m * (exposed(gather, forward, first) + exposed(gather + scatter, backward, first))
 
     def _pipeline_sync(self, c: Config, ranks: list[list[list[_Values]]], link: Any) -> Any:

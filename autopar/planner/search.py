@@ -37,6 +37,7 @@ class Candidate:
     fits: bool
     runnable: bool  # autopar's runtime runs this configuration today
     not_runnable: str = ""  # why not, when it does not
+    precision: str = ""  # the planner's precision name ("fp32", "bf16", "mixed", ...)
 
     @property
     def mesh(self) -> Mesh:
@@ -60,7 +61,8 @@ class Candidate:
         """Keyword arguments of ``autopar.parallelize`` that run this configuration."""
         c = self.config
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
-                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None}
+                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
+                "precision": "bf16" if self.precision == "bf16" else "fp32"}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
@@ -159,8 +161,10 @@ def plan(
 
     ``model`` may live on the meta device. ``seq_len``: tokens per sequence
     (``None`` for a model whose inputs have no sequence dim). ``precision``:
-    ``"fp32"`` or ``"mixed"`` (bf16 weights, gradients and activations; fp32
-    master weights and optimizer state). ``optimizer``: ``"adam"`` (2 state
+    ``"fp32"``, ``"mixed"`` (bf16 weights, gradients and activations; fp32
+    master weights and optimizer state: the ZeRO paper's 2 + 2 + 12 bytes) or
+    ``"bf16"`` (what ``parallelize(precision="bf16")`` runs: fp32 parameters as
+    the masters and fp32 gradients, bf16 activations and ZeRO-3 gathers). ``optimizer``: ``"adam"`` (2 state
     elements per parameter), ``"sgd-momentum"`` (1) or ``"sgd"`` (0).
     ``tp`` / ``pp``: restrict the sizes searched. ``overlap_grad_sync``: the
     dp gradient reduction overlaps backward (DDP, autopar) rather than
@@ -253,15 +257,18 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
         return None
     reason = not_runnable(config, prec, profile)
     return Candidate(config=config, estimate=est, fits=float(est.total_memory) <= cluster.memory,
-                     runnable=not reason, not_runnable=reason)
+                     runnable=not reason, not_runnable=reason, precision=prec.name)
 
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
     if config.recompute:
         return "activation recomputation is planned, not yet run"
+    if prec.name == "bf16" and profile.dtype == torch.float32:
+        return ""  # precision="bf16": the fp32 parameters are the masters
     if prec != precision_of(profile.dtype):
-        return f"autopar runs the model in its own dtype ({profile.dtype}), not {prec.name} precision"
+        return (f"autopar runs the model in its own dtype ({profile.dtype}) or, for a float32 model, in bf16 with "
+                f"float32 masters (precision='bf16'), not {prec.name} precision")
     return ""
 
 

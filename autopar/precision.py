@@ -1,0 +1,245 @@
+"""Mixed precision: the policy, its checks, the capture in the compute dtype, and the rewrite of every rank's graph.
+
+``precision="bf16"`` trains as FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` does: the model's parameters stay float32 and are the
+master copy the optimizer steps (its state float32 too, sharded as ZeRO says);
+forward and backward compute in bfloat16, so saved activations, tensor-parallel
+collectives and pipeline hops are bfloat16; ZeRO-3 all-gathers bfloat16 copies;
+gradients reach the parameters in float32, where microbatches accumulate, and
+are reduced over dp in ``reduce_dtype`` (float32 by default); the loss is float32.
+
+How: the model is captured with fake bfloat16 parameters (and floating inputs),
+so its own dtype logic (a norm's ``.to(float32)`` and back) runs as it does
+under FSDP2; tensor parallelism and pipeline cuts work on that graph; then
+``passes/mixed_precision.py`` gives every rank's graph float32 parameter
+placeholders with a cast at their first use, and a float32 loss.
+
+``precision="fp32"`` (the default) runs the model in its own dtype, unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from autopar.core.comm import BACKWARD, FORWARD
+from autopar.core.plan import dtype_name
+from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
+from autopar.runtime.grad_sync import BucketedAllReduce
+
+NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16 = ("precision='fp16' needs a loss scaler (fp16 gradients underflow without one), which autopar does not have; "
+        "use precision='bf16' (the same memory and speed on GPUs since Ampere, and no scaling needed)")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What each dtype is: parameters as stored (``master``), compute, and gradient reduction over dp."""
+
+    compute: torch.dtype
+    reduce: torch.dtype
+    master: torch.dtype = torch.float32
+
+    def describe(self) -> str:
+        compute, master = dtype_name(self.compute), dtype_name(self.master)
+        return (f"{compute} compute, activations, tp collectives and pipeline hops; {master} master parameters, "
+                f"gradients and optimizer state; gradients reduced over dp in {dtype_name(self.reduce)}; ZeRO-3 "
+                f"gathers {compute}; loss {master}")
+
+
+def _dtype(value: Any, option: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in NAMES:
+        raise ValueError(f"{option}={value!r} must be one of {', '.join(map(repr, NAMES))}")
+    return NAMES[value]
+
+
+def policy(precision: str, reduce_dtype: Any = None) -> Policy | None:
+    """The policy of ``parallelize(precision=, reduce_dtype=)``; None for "fp32" (the model's own dtype)."""
+    compute = _dtype(precision, "precision")
+    if compute == torch.float16:
+        raise ValueError(FP16)
+    if compute == torch.float32:
+        if reduce_dtype is not None:
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} applies to precision='bf16'; with precision='fp32' "
+                             "gradients are reduced in the model's own dtype")
+        return None
+    reduce = torch.float32 if reduce_dtype is None else _dtype(reduce_dtype, "reduce_dtype")
+    if reduce not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}: gradients are reduced in 'fp32' (the default) or 'bf16'")
+    return Policy(compute=compute, reduce=reduce)
+
+
+def training_device(model: torch.nn.Module) -> torch.device:
+    """The device the ranks will compute on: a GPU per rank where NCCL runs the job, else the model's device."""
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively (CUDA: compute capability 8.0 and later)."""
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return bool((x @ x).sum().item() == 8)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def check_model(model: torch.nn.Module, pol: Policy | None, device: torch.device | None = None) -> None:
+    """Raises unless ``model`` can train under ``pol``: float32 parameters to keep as masters, a bf16 device."""
+    if pol is None:
+        return
+    wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != pol.master]
+    if wrong:
+        name, dtype = wrong[0]
+        compute, master = dtype_name(pol.compute), dtype_name(pol.master)
+        raise ValueError(
+            f"precision='{compute}' keeps {master} master parameters, but {name!r} (and {len(wrong) - 1} more) is "
+            f"{dtype}; call model.float() first to train in {compute} with {master} masters, or keep "
+            "precision='fp32', which trains in the model's own dtype")
+    device = device if device is not None else training_device(model)
+    if pol.compute == torch.bfloat16 and not bf16_supported(device):
+        what = device.type
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            what = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+        raise ValueError(f"precision='bf16' needs bfloat16 support on the training device, and {what} has none; "
+                         "use precision='fp32' (the default), or a device with bfloat16 (CPU, or a GPU of compute "
+                         "capability 8.0 or later: A100, H100, ...)")
+
+
+def _fake(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype) -> torch.Tensor:
+    with mode:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake
+
+
+@contextlib.contextmanager
+def in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, inputs: Any,
+                     target: Any) -> Iterator[tuple[Any, Any]]:
+    """Inside the block ``model`` has fake ``dtype`` parameters (buffers fake, their own dtype); yields fake
+    ``inputs`` (floating ones in ``dtype``, as FSDP2 casts forward inputs) and a fake ``target`` (its own dtype).
+
+    Nothing is allocated; the model is itself again (the same tensor objects) when the block ends.
+    """
+    mode = FakeTensorMode()
+    fakes: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    for module in model.modules():
+        for table, cast in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is not None:
+                    saved.append((table, name, t))
+                    to = dtype if cast and t.is_floating_point() else t.dtype
+                    table[name] = fakes.setdefault(id(t), _fake(t, mode, to))
+
+    def fake(x: Any, cast: bool) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return _fake(x, mode, dtype if cast and x.is_floating_point() else x.dtype)
+
+    try:
+        yield (pytree.tree_map(lambda x: fake(x, True), inputs), pytree.tree_map(lambda x: fake(x, False), target))
+    finally:
+        for table, name, t in saved:
+            table[name] = t
+
+
+def widened(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating tensors narrower than ``dtype`` cast to ``dtype`` (model outputs before a loss)."""
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                           and x.dtype.itemsize < dtype.itemsize else x, tree)
+
+
+def apply_to_program(program: Any, model: torch.nn.Module, pol: Policy, *, with_loss: bool) -> None:
+    """Every graph of ``program`` takes its parameters and inputs as fed (float32 masters, the user's inputs)
+    and casts them where they are used; a loss graph returns a float32 loss (``passes/mixed_precision.py``)."""
+    params = {n: p.dtype for n, p in model.named_parameters()}
+    inputs = program.captured.input_dtypes
+    done: set[int] = set()
+    for gm, slots, last in _graphs(program):
+        if id(gm) in done:
+            continue
+        done.add(id(gm))
+        fed = []
+        for i, slot in enumerate(slots):
+            if slot.kind == "param":
+                fed.append(params.get(slot.name))
+            elif slot.kind == "input":
+                index = int(slot.name) if program.stages is not None else _input_index(slots, i)
+                fed.append(inputs[index] if index < len(inputs) else None)
+            else:
+                fed.append(None)
+        cast_placeholders(gm, fed)
+        if with_loss and last:
+            cast_outputs(gm, torch.float32, skip=len(program.captured.mutated_buffers))
+    _describe_graphs(program, model, pol)
+
+
+def _describe_graphs(program: Any, model: torch.nn.Module, pol: Policy) -> None:
+    """The plan shows each parameter's dtypes, the dtypes of the tp collectives and of the pipeline's hops."""
+    plan = program.plan
+    params = dict(model.named_parameters())
+    plan.precision = pol.describe()
+    plan.params = [dataclasses.replace(p, dtypes=(params[p.name].dtype, pol.compute))
+                   if params[p.name].is_floating_point() else p for p in plan.params]
+    graphs = [st.gm for st in program.stages] if program.stages is not None else [program.graphs[0]]
+    found: dict[tuple[str, str], dict[torch.dtype, None]] = {}
+    for gm in graphs:
+        for nd in gm.graph.nodes:
+            val = nd.meta.get("val")
+            if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "autopar" \
+                    or not isinstance(val, torch.Tensor):
+                continue
+            for direction, ops in (("forward", FORWARD), ("backward", BACKWARD)):
+                if ops.get(nd.target._opname):
+                    found.setdefault((direction, ops[nd.target._opname]), {})[val.dtype] = None
+    plan.collectives = [dataclasses.replace(c, dtypes=tuple(found.get((c.direction, c.op), ())))
+                        if c.axis == "tp" else c for c in plan.collectives]
+    if plan.pipeline is not None:
+        sends = {st.index: tuple(b.dtype for b in st.send) for st in program.stages}
+        stages = tuple(dataclasses.replace(sp, dtypes=sends[sp.index]) for sp in plan.pipeline.stages)
+        plan.pipeline = dataclasses.replace(plan.pipeline, stages=stages)
+
+
+def describe_reductions(program: Any, pol: Policy | None) -> Any:
+    """Data-parallel gradient all-reduces travel in ``pol.reduce`` (their bytes scaled to it); returns ``program``."""
+    if pol is None:
+        return program
+    program.plan.collectives = [
+        dataclasses.replace(c, bytes=c.bytes * pol.reduce.itemsize // pol.master.itemsize, dtypes=(pol.reduce,))
+        if c.axis == "dp" and c.op == "all_reduce" and not c.dtypes else c for c in program.plan.collectives]
+    return program
+
+
+def _input_index(slots: list, i: int) -> int:
+    return sum(s.kind == "input" for s in slots[:i])
+
+
+def _graphs(program: Any) -> Iterator[tuple[torch.fx.GraphModule, list, bool]]:
+    if program.stages is None:
+        for gm in program.graphs.values():
+            yield gm, program.captured.slots, True
+        return
+    for stages in program.stage_sets:
+        for st in stages:
+            yield st.gm, st.slots, st.is_last
+
+
+def configure_runtime(rt: Any, pol: Policy | None) -> None:
+    """Data-parallel gradient buckets reduce in ``pol.reduce`` (ZeRO's flat groups read it from the options)."""
+    if pol is not None and pol.reduce != pol.master and isinstance(rt.grad_sync, BucketedAllReduce):
+        rt.grad_sync.reduce_in(pol.reduce)

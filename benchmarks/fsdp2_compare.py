@@ -1,0 +1,186 @@
+"""What the autopar-against-FSDP2 benchmarks share: model, FSDP2 setup, interleaved timing, peak bytes, report.
+
+``zero3_vs_fsdp2.py`` (fp32) and ``bf16_vs_fsdp2.py`` (mixed precision) each build an autopar step and an
+FSDP2 step (``fully_shard`` per GPT-2 block, then the root) on the same gloo ranks and global batch and hand
+them to ``compare``: steps alternate which runs first, medians are kept, and peak bytes are measured, not
+estimated: the persistent state (parameter shards, gradients, optimizer state) from its tensors at the start
+of a step, plus the most bytes of tensors allocated during the step alive at once (a dispatch mode sees
+every allocation; storages are checked when each op returns, so a buffer freed early counts as freed).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import autopar
+from autopar.runtime.memory import optimizer_tensors, storage_bytes
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=args.vocab, n_positions=args.seq,
+                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).train()
+
+
+def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy in float32 (bf16 logits are widened first, as torchtitan does)."""
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
+
+
+def optimizer(params: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=1, help="zero_prefetch: layers autopar gathers ahead")
+
+
+def batch(args: argparse.Namespace) -> torch.Tensor:
+    return torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+
+class FSDP2Step:
+    """FSDP2 on this rank: ``fully_shard`` per block, then the root (``mp_policy`` on each); one step per call."""
+
+    def __init__(self, args: argparse.Namespace, ids: torch.Tensor, mp_policy: Any = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.ranks = args.ranks
+        self.model = make_model(args)
+        mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("dp",))
+        extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh, **extra)
+        fully_shard(self.model, mesh=mesh, **extra)
+        self.optimizer = optimizer(list(self.model.parameters()))
+        self.local = ids.chunk(args.ranks)[dist.get_rank()]
+        self.losses: list[float] = []
+
+    def __call__(self) -> None:
+        loss = loss_fn(self.model(self.local), self.local)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)  # autopar's step returns the global loss too
+        self.losses.append(float(total) / self.ranks)
+
+    def persistent(self) -> int:
+        return persistent_bytes(list(self.model.parameters()), self.optimizer)
+
+
+class AutoparStep:
+    """One ``pm.step`` on the global batch per call."""
+
+    def __init__(self, pm: Any, ids: torch.Tensor) -> None:
+        self.pm, self.ids = pm, ids
+        self.losses: list[float] = []
+
+    def __call__(self) -> None:
+        self.losses.append(self.pm.step(self.ids, target=self.ids))
+
+    def persistent(self) -> int:
+        return persistent_bytes(self.pm.parameters(), self.pm.optimizer)
+
+
+class PeakNewBytes(TorchDispatchMode):
+    """The most bytes of storages allocated inside the mode that were alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: list[weakref.ref] = []
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        known = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in known and t.untyped_storage().nbytes():
+                self.live.append(weakref.ref(t.untyped_storage()))
+        alive = [(ref, ref()) for ref in self.live]
+        self.live = [ref for ref, s in alive if s is not None and s.nbytes()]
+        self.peak = max(self.peak, sum(s.nbytes() for ref, s in alive if s is not None))
+        return out
+
+
+def persistent_bytes(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer state that exist between steps (DTensors: local shards)."""
+    def local(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return (storage_bytes([local(p) for p in params]) + storage_bytes([local(p.grad) for p in params])
+            + storage_bytes([local(t) for t in optimizer_tensors(opt)]))
+
+
+def peak_bytes(step: Callable[[], None], persistent: int) -> int:
+    mode = PeakNewBytes()
+    with mode:
+        step()
+    return persistent + mode.peak
+
+
+def compare(steps: dict[str, Any], args: argparse.Namespace) -> dict:
+    """Runs ``steps`` (name -> a step object) interleaved; this rank's medians, peaks and losses."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(args.warmup + args.steps):
+        order = list(steps.items())
+        for name, fn in order if i % 2 == 0 else reversed(order):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t)
+    peaks = {name: peak_bytes(fn, fn.persistent()) for name, fn in steps.items()}
+    return {"median": {k: statistics.median(v) for k, v in times.items()}, "peak": peaks,
+            "losses": {name: fn.losses for name, fn in steps.items()}}
+
+
+def main(rank: Callable[[argparse.Namespace], dict], doc: str, what: str) -> None:
+    """Parses the shared options, runs ``rank`` on ``--ranks`` local ranks and reports; ``what`` (formatted with
+    the options) says what is compared."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args()
+    report(autopar.launch(rank, args.ranks, args),
+           f"GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}, {args.ranks} gloo "
+           f"ranks, {args.steps} interleaved steps; " + what.format(**vars(args)))
+
+
+def report(results: list[dict], title: str) -> None:
+    """Prints autopar against FSDP2: median step times, peak bytes per rank and their ratios, losses."""
+    a = statistics.median(r["median"]["autopar"] for r in results)
+    f = statistics.median(r["median"]["fsdp2"] for r in results)
+    pa = max(r["peak"]["autopar"] for r in results)
+    pf = max(r["peak"]["fsdp2"] for r in results)
+    first = results[0]["losses"]
+    print(title)
+    print(f"median step: autopar {a * 1e3:.1f} ms   FSDP2 {f * 1e3:.1f} ms   ratio autopar/FSDP2 {a / f:.3f} "
+          "(target <= 1.0)")
+    print(f"peak bytes per rank: autopar {pa:,} B   FSDP2 {pf:,} B   ratio {pa / pf:.4f} (target <= 1.0)")
+    if "account" in results[0]:
+        print(f"autopar account after a step: {results[0]['account']}")
+    n = len(first["autopar"])
+    at = sorted({0, min(4, n - 1), n - 1})
+    print(f"loss at step {', '.join(str(i + 1) for i in at)}: autopar "
+          + ", ".join(f"{first['autopar'][i]:.5f}" for i in at)
+          + "   FSDP2 " + ", ".join(f"{first['fsdp2'][i]:.5f}" for i in at))
