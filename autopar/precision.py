@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.core.comm import BACKWARD, FORWARD
+from autopar.core.comm import OPS
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
 from autopar.runtime.grad_sync import BucketedAllReduce
@@ -204,9 +204,10 @@ def _describe_graphs(program: Any, model: torch.nn.Module, pol: Policy) -> None:
             if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "autopar" \
                     or not isinstance(val, torch.Tensor):
                 continue
-            for direction, ops in (("forward", FORWARD), ("backward", BACKWARD)):
-                if ops.get(nd.target._opname):
-                    found.setdefault((direction, ops[nd.target._opname]), {})[val.dtype] = None
+            op = OPS.get(nd.target._opname)
+            for direction, collective in (("forward", op and op.forward), ("backward", op and op.backward)):
+                if collective:
+                    found.setdefault((direction, collective), {})[val.dtype] = None
     plan.collectives = [dataclasses.replace(c, dtypes=tuple(found.get((c.direction, c.op), ())))
                         if c.axis == "tp" else c for c in plan.collectives]
     if plan.pipeline is not None:

@@ -199,7 +199,8 @@ class ZeroRuntime:
             return
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         name = slots[placeholders.index(node.args[0])].name
-        next(fs for fs in self.shards if name in fs.spec.params).prefetch()
+        dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")  # what the graph gathers in
+        next(fs for fs in self.shards if name in fs.spec.params).prefetch(dtype)
 
     def drop_pending(self, params: list[str]) -> None:
         """Completes and drops the pending gathers of the groups holding ``params`` (a stage's parameters)."""
