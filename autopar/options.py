@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autopar.core.recompute import Choice, check_choice
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
@@ -19,6 +21,7 @@ class Options:
     split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
     stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
     max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step
+    recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -37,6 +40,7 @@ class Options:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        object.__setattr__(self, "recompute", check_choice(self.recompute))  # a mapping is kept as (key, mode) pairs
 
     @property
     def virtual_stages(self) -> int:

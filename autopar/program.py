@@ -25,6 +25,7 @@ from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
+from autopar.recompute_compile import apply_recompute
 from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
 
@@ -149,7 +150,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
             info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
         program.plan.collectives = ([c for c in program.plan.collectives if c.axis != "dp"]
                                     + [Collective(*c) for c in collectives])
-        return program
+        return apply_recompute(program, options)
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
@@ -157,7 +158,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
         Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
         for c in program.plan.collectives
     ]
-    return program
+    return apply_recompute(program, options)
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:
