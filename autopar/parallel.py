@@ -177,6 +177,7 @@ def parallelize(
     split_points: list[str] | None = None,
     stages_per_rank: int | None = None,
     max_grad_norm: float | None = None,
+    recompute: str | dict[str, str] | Callable[[str], str] | None = None,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -187,21 +188,28 @@ def parallelize(
     ``max_grad_norm``: clip the gradient to this global 2-norm before each optimizer
     step (as ``torch.nn.utils.clip_grad_norm_`` on one device); ``pm.grad_norm`` is
     the last step's norm.
+    ``recompute``: activation recomputation per layer (entry of a module list):
+    ``"none"`` (default), ``"selective"`` (keep matmul and attention outputs,
+    recompute the rest) or ``"full"`` (keep each layer's inputs), the same for
+    every layer, or ``{layer or fnmatch pattern: mode}`` (first match; others
+    ``"none"``), or a function ``layer -> mode``. Under ``mesh="auto"`` the
+    planner chooses it unless given.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
 
         chosen = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                             optimizer=optimizer)
+                             optimizer=optimizer, recompute=recompute)
         mesh, auto = chosen.mesh, chosen.parallelize_options()
         zero, schedule, microbatches, stages_per_rank = (auto["zero"], auto["schedule"], auto["microbatches"],
                                                          auto["stages_per_rank"])
+        recompute = auto["recompute"] if recompute is None else recompute
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
                       microbatches=microbatches, bucket_mb=bucket_mb,
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
-                      max_grad_norm=max_grad_norm)
+                      max_grad_norm=max_grad_norm, recompute="none" if recompute is None else recompute)
     check_supported(mesh, options)
     pm = ParallelModel(model, mesh, options)
     if example_inputs is not None:

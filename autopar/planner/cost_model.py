@@ -19,6 +19,7 @@ import torch
 from autopar.core.buckets import bucket_sizes
 from autopar.core.schedule import make_schedule
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
+from autopar.planner import recompute_cost
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 
@@ -56,6 +57,7 @@ PRECISIONS = {
 }
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
 
 
 def precision_of(dtype: torch.dtype) -> Precision:
@@ -77,7 +79,7 @@ class Config:
     stages_per_rank: int = 1
     microbatches: int = 1
     microbatch_size: int = 1
-    recompute: bool = False
+    recompute: str | bool = "none"  # "none" | "selective" | "full" (True: "full", False: "none")
     zero_prefetch: int = 1
 
     def __post_init__(self) -> None:
@@ -90,6 +92,10 @@ class Config:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULE_NAMES)}")
         if self.stages_per_rank > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
 
     @property
     def devices(self) -> int:
@@ -104,7 +110,7 @@ class Config:
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"
-                + (" recompute" if self.recompute else ""))
+                + ("" if self.recompute == "none" else f" recompute={self.recompute}"))
 
 
 @dataclass
@@ -146,6 +152,9 @@ class _Values:
     traffic: Any  # forward bytes read and written by memory-bound operators
     activations: Any  # bytes saved for backward per microbatch
     entering: Any  # bytes received per microbatch
+    entering_head: Any  # the part of ``entering`` the head made (read by every layer, one tensor)
+    kept_selective: Any  # bytes of matmul and attention outputs (kept by selective recomputation)
+    communicated: Any  # bytes of tp collectives' forward outputs (kept by recomputation)
     collectives: tuple[tuple[str, str, Any], ...]  # (op, direction, bytes)
     ops: int
     params: dict[str, int]
@@ -164,7 +173,7 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
                  optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True,
-                 scatter_gather: bool = False) -> None:
+                 scatter_gather: bool = False, recompute_collectives: bool = False) -> None:
         self.profile = profile
         self.cluster = cluster
         self.precision = precision
@@ -173,6 +182,7 @@ class CostModel:
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap_grad_sync  # dp gradient reduction overlaps backward (DDP, autopar) or follows it
         self.scatter_gather = scatter_gather  # pipeline hops send 1/tp per rank, then all-gather (Megatron-LM)
+        self.recompute_collectives = recompute_collectives  # full recomputation re-runs tp all-reduces (Megatron-LM)
         self._values: dict[tuple, _Values] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}
 
@@ -189,7 +199,8 @@ class CostModel:
                 flops=ev(part.flops + self.cluster.narrow * part.narrow),
                 traffic=ev(part.traffic * act_bytes),
                 activations=ev((part.saved + attention) * act_bytes + part.saved_other),
-                entering=ev(seg.entering * act_bytes),
+                entering=ev(seg.entering * act_bytes), entering_head=ev(seg.entering_head * act_bytes),
+                kept_selective=ev(part.kept_selective * act_bytes), communicated=ev(part.communicated * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
                 ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind,
                 owner=seg.name.removesuffix(".*") + ".")
@@ -237,12 +248,10 @@ class CostModel:
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[_Values]], rank: int) -> Any:
-        def kept(st: list[_Values]) -> Any:
-            if not c.recompute:
-                return sum(u.activations for u in st)
-            return sum(u.entering for u in st)  # each layer keeps only its input; recomputed in backward
-
-        per_stage = [kept(st) for st in stages]
+        """Bytes of activations held on pp rank ``rank``: each stage's kept bytes (``recompute_cost.kept``) times
+        its microbatches in flight, plus one layer's recomputation while backward re-runs it."""
+        again = self.recompute_collectives
+        per_stage = [recompute_cost.kept(c.recompute, st, recompute_collectives=again) for st in stages]
         if c.pp == 1:
             held = per_stage[0]  # microbatches run one after another (gradient accumulation)
         elif c.schedule == "gpipe":
@@ -253,9 +262,7 @@ class CostModel:
             v = c.stages_per_rank
             chunks = min((c.pp - rank - 1) * 2 + (v - 1) * c.pp + 1, c.microbatches * v)
             held = sum(per_stage) / v * chunks
-        if c.recompute:  # backward re-runs one layer's forward at a time: that layer's activations exist once
-            held += _max([u.activations for st in stages for u in st] or [0])
-        return held
+        return held + recompute_cost.rebuilt(c.recompute, [u for st in stages for u in st], recompute_collectives=again)
 
     def _buffers(self, c: Config, stages: list[list[_Values]], trainable: int) -> Any:
         p = self.precision
@@ -282,7 +289,7 @@ class CostModel:
         shared = bool(cl.cores) and numeric
         links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
         per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
-        compute, tp, p2p_t, forward, backward = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
+        compute, tp, p2p_t, forward, backward, _ = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
         per_microbatch = compute + tp + p2p_t
         m, v = c.microbatches, c.stages_per_rank
         sync = self._pipeline_sync(c, ranks, links[1])
@@ -305,16 +312,19 @@ class CostModel:
         return out
 
     def _stage(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
-        """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds."""
+        """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds,
+        and the forward compute backward repeats (recomputation)."""
         cl = self.cluster
-        f = (sum(u.flops for u in st) / (cl.peak(self.precision.name) * cl.efficiency)
-             + sum(u.traffic for u in st) / cl.memory_bandwidth + sum(u.ops for u in st) * cl.op_overhead)
+        matmul = [u.flops / (cl.peak(self.precision.name) * cl.efficiency) for u in st]
+        other = [u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead for u in st]
+        f = sum(matmul) + sum(other)
+        redo = sum(recompute_cost.redo(c.recompute, u, a, b) for u, a, b in zip(st, matmul, other))
         comm = {d: sum(collective(op, nbytes, c.tp, tp_link) for u in st for op, dd, nbytes in u.collectives
                        if dd == d) for d in ("forward", "backward")}
-        again = (f + comm["forward"]) if c.recompute else 0
+        comm_again = comm["forward"] if c.recompute != "none" and self.recompute_collectives else 0
         hops = 2 * self._hop(c, st, tp_link, pp_link.p2p()) if c.pp > 1 else 0
-        return (3 * f + (f if c.recompute else 0), comm["forward"] + comm["backward"] + (comm["forward"] if c.recompute
-                else 0), hops, f + comm["forward"], 2 * f + comm["backward"] + again)
+        return (3 * f + redo, comm["forward"] + comm["backward"] + comm_again, hops, f + comm["forward"],
+                2 * f + comm["backward"] + redo + comm_again, redo)
 
     def _hop(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> Any:
         """A stage's input arriving: whole from every tp rank, or Megatron's 1/tp then an all-gather."""
@@ -338,9 +348,9 @@ class CostModel:
         hops = [Comm(self._hop(c, st, tp_link, pp_link), self._hop(c, st, tp_link, pp_link.p2p())) for st in stages]
         forward, backward = [], []
         for st in stages:
-            work, _, _, f_time, b_time = self._stage(c, st, tp_link, pp_link)
-            f = work / (4 if c.recompute else 3)  # a forward's work
-            b = f * (3 if c.recompute else 2)
+            work, _, _, f_time, b_time, redo = self._stage(c, st, tp_link, pp_link)
+            f = (work - redo) / 3  # a forward's work
+            b = 2 * f + redo
             forward.append(Phase(f, Comm(f_time - f, f_time - f)))
             backward.append(Phase(b, Comm(b_time - b, b_time - b)))
         after = out["data_parallel"] + sync

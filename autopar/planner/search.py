@@ -60,7 +60,8 @@ class Candidate:
         """Keyword arguments of ``autopar.parallelize`` that run this configuration."""
         c = self.config
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
-                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None}
+                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
+                "recompute": c.recompute}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
@@ -98,7 +99,7 @@ class PlanResult:
             need = min((c.total_memory for c in self.candidates), default=0.0)
             raise ValueError(f"no configuration of {self.model} fits {gb(self.cluster.memory)} per device on "
                              f"{self.devices} devices; the smallest needs {gb(need)}. Use more devices, a smaller "
-                             f"global batch or sequence, or recompute=(True,)")
+                             f"global batch or sequence, or recompute=('full',)")
         return self.candidates[0]
 
     def memory_expr(self, config: Config) -> sympy.Expr:
@@ -146,13 +147,14 @@ def plan(
     example_kwargs: dict | None = None,
     zero: tuple[int, ...] = (0, 1, 2, 3),
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
-    recompute: tuple[bool, ...] = (False, True),
+    recompute: tuple[str | bool, ...] = ("none", "selective", "full"),
     tp: tuple[int, ...] | None = None,
     pp: tuple[int, ...] | None = None,
     max_microbatch: int = 16,
     runnable_only: bool = False,
     overlap_grad_sync: bool = True,
     scatter_gather: bool = False,
+    recompute_collectives: bool = False,
     profile: ModelProfile | None = None,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
@@ -167,7 +169,11 @@ def plan(
     following it (Megatron-LM in 2021). ``scatter_gather``: a pipeline hop
     between tp groups sends ``1/tp`` of the activation from each rank and
     all-gathers it inside the node (Megatron-LM) rather than the whole
-    activation from every tp rank (autopar). ``profile``: reuse a
+    activation from every tp rank (autopar). ``recompute``: the activation
+    recomputation modes searched ("none", "selective", "full"; True is
+    "full"). ``recompute_collectives``: full recomputation runs the tp
+    all-reduces again and keeps only layer inputs (Megatron-LM) rather than
+    keeping the collectives' outputs (autopar). ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
     """
     start = time.perf_counter()
@@ -184,7 +190,8 @@ def plan(
         profile = profile_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                 sequence=seq_len is not None, tp_sizes=tuple(tp or tp_sizes))
     cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
-                     overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather)
+                     overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather,
+                     recompute_collectives=recompute_collectives)
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
@@ -211,7 +218,7 @@ def plan(
 
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
                  schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b"),
-                 recompute: tuple[bool, ...] = (False, True), tp: tuple[int, ...] | None = None,
+                 recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
     layers = sum(seg.count for seg in profile.layers)
@@ -257,8 +264,6 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
-    if config.recompute:
-        return "activation recomputation is planned, not yet run"
     if prec != precision_of(profile.dtype):
         return f"autopar runs the model in its own dtype ({profile.dtype}), not {prec.name} precision"
     return ""
