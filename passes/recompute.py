@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.recompute import COMMUNICATING, Recompute
-from autopar.passes.pipeline import module_path
+from autopar.passes.pipeline import module_path, node_layer
 
 
 @dataclass
@@ -50,16 +50,6 @@ class Recomputed:
 def _outside_ops() -> set:
     ns = torch.ops.autopar
     return {ns.zero_prefetch.default, ns.zero_free.default, ns.zero_begin.default, ns.zero_end.default}
-
-
-def node_layer(node: fx.Node) -> str | None:
-    """``"transformer.h.3"`` for a node inside entry 3 of a module list, else None."""
-    for path in module_path(node):
-        parts = path.split(".")
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                return ".".join(parts[: i + 1])
-    return None
 
 
 def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
@@ -118,10 +108,11 @@ def _check_replayable(layer: str, nodes: list[fx.Node], mode: str) -> None:
     for n in nodes:
         tags = getattr(n.target, "tags", ())
         if torch.Tag.nondeterministic_seeded in tags and n.kwargs.get("generator") is not None:
-            where = (n.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [""]
+            trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+            where = f" ({trace[-2].strip()})" if len(trace) >= 2 else ""
             raise ValueError(
-                f"recompute={mode!r} cannot recompute layer {layer!r}: {n.name} ({n.target}) draws random numbers "
-                f"from an explicit torch.Generator, whose state backward cannot restore {where[0]}; pass "
+                f"recompute={mode!r} cannot recompute layer {layer!r}: {n.name} ({n.target}){where} draws random "
+                f"numbers from an explicit torch.Generator, whose state backward cannot restore; pass "
                 f"recompute={{{layer!r}: 'none', '*': {mode!r}}} to keep this layer's activations, or draw from "
                 "the default generator")
 

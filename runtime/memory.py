@@ -67,9 +67,9 @@ class MemoryAccount:
 
 
 class NewStorages(TorchDispatchMode):
-    """Bytes of the storages that operators allocate while the mode is on (not views of their inputs): alive now (``live()``) and the most
-    alive at once (``peak``), each storage counted once, checked after every operator (a storage whose memory
-    was released, e.g. ZeRO's ``resize_(0)``, counts as freed).
+    """Bytes of the storages that operators allocate while the mode is on (not views of their inputs): alive now
+    (``live()``) and the most alive at once (``peak``), each storage counted once, checked after every operator
+    (a storage whose memory was released, e.g. ZeRO's ``resize_(0)``, counts as freed).
 
     Activation bytes of a forward: the ``live()`` bytes right after it, what autograd (or a recomputation's
     checkpoint) keeps for backward.

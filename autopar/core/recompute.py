@@ -5,7 +5,7 @@ A recomputed region (``passes/recompute.py`` outlines them) runs through
 keeps the region's inputs, and backward runs the region again, from the random
 number generator's state at its start, to rebuild what its own backward needs.
 Which outputs are kept instead of recomputed is a policy over the ATen operators
-the region dispatches (``keep_policy``):
+the region dispatches (``keeps``; ``keep_contexts`` applies it while the region runs):
 
 - ``"full"`` keeps only the outputs of operators that communicate in forward
   (``COMMUNICATING``: tensor-parallel all-reduce, all-gather, ...), so backward
@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from autopar.core import collectives as _declared  # noqa: F401  (declares torch.ops.autopar.*)
 
@@ -119,12 +121,45 @@ def keeps(mode: str, func: Any, args: tuple, kwargs: dict) -> bool:
     return mode == "selective" and func in KEPT_SELECTIVE and not draws_random(func, args, kwargs)
 
 
-def keep_policy(mode: str) -> Callable[..., CheckpointPolicy]:
-    """The selective-checkpoint policy of ``mode`` over operator calls (``torch.utils.checkpoint``'s form)."""
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if keeps(mode, func, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+class _Keep(TorchDispatchMode):
+    """Forward of a region: the outputs of the operators ``mode`` keeps, in call order."""
 
-    return policy
+    def __init__(self, mode: str, kept: list) -> None:
+        super().__init__()
+        self.candidates = COMMUNICATING | (KEPT_SELECTIVE if mode == "selective" else frozenset())
+        self.mode, self.kept = mode, kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in self.candidates and keeps(self.mode, func, args, kwargs or {}):
+            detached = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+            self.kept.append((func, detached, [t._version for t in pytree.tree_leaves(detached)
+                                               if isinstance(t, torch.Tensor)]))
+        return out
+
+
+class _Reuse(_Keep):
+    """Recomputation of a region: a kept operator returns its forward output instead of running again."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in self.candidates and keeps(self.mode, func, args, kwargs or {}):
+            if not self.kept or self.kept[0][0] is not func:
+                raise RuntimeError(f"recomputing a region called {func} where its forward called "
+                                   f"{self.kept[0][0] if self.kept else 'nothing more it keeps'}: the region is not "
+                                   "deterministic, so recompute= cannot replay it; use recompute='none' for its layer")
+            _, out, versions = self.kept.pop(0)
+            if versions != [t._version for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]:
+                raise RuntimeError(f"the output of {func} kept for backward was changed in place after the forward")
+            return out
+        return func(*args, **(kwargs or {}))
+
+
+def keep_contexts(mode: str) -> tuple[_Keep, _Reuse]:
+    """``context_fn`` of ``torch.utils.checkpoint``: the forward keeps what ``mode`` keeps, the recomputation
+    reuses it (``create_selective_checkpoint_contexts`` of torch with a policy of ``keeps``, without the
+    per-operator bookkeeping of what is not kept)."""
+    kept: list = []
+    return _Keep(mode, kept), _Reuse(mode, kept)
 
 
 # -- the region wrapper --------------------------------------------------------------------------------
@@ -164,7 +199,7 @@ class Recompute(torch.nn.Module):
             args = tuple(_Ref(a) if i in self.by_reference else a for i, a in enumerate(args))
         kwargs = {}
         if self.policy:
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_policy(self.mode))
+            kwargs["context_fn"] = functools.partial(keep_contexts, self.mode)
         return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def _run(self, *args: Any) -> Any:

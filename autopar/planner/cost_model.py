@@ -92,8 +92,7 @@ class Config:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULE_NAMES)}")
         if self.stages_per_rank > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
-        if isinstance(self.recompute, bool):
-            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        object.__setattr__(self, "recompute", {True: "full", False: "none"}.get(self.recompute, self.recompute))
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
 
@@ -248,8 +247,7 @@ class CostModel:
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[_Values]], rank: int) -> Any:
-        """Bytes of activations held on pp rank ``rank``: each stage's kept bytes (``recompute_cost.kept``) times
-        its microbatches in flight, plus one layer's recomputation while backward re-runs it."""
+        """Activation bytes on pp rank ``rank``: kept per stage (``recompute_cost``) x microbatches in flight."""
         again = self.recompute_collectives
         per_stage = [recompute_cost.kept(c.recompute, st, recompute_collectives=again) for st in stages]
         if c.pp == 1:
@@ -312,8 +310,7 @@ class CostModel:
         return out
 
     def _stage(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
-        """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds,
-        and the forward compute backward repeats (recomputation)."""
+        """One microbatch of one stage: compute, tp, pipeline, forward, backward and recomputed seconds."""
         cl = self.cluster
         matmul = [u.flops / (cl.peak(self.precision.name) * cl.efficiency) for u in st]
         other = [u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead for u in st]

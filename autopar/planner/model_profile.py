@@ -87,7 +87,7 @@ class Part:
     collectives: list[Collective]
     ops: int
     kept_selective: sympy.Expr = sympy.Integer(0)  # elements of matmul and attention outputs (selective keeps them)
-    communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps them)
+    communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps)
 
     @property
     def param_elements(self) -> int:
@@ -106,7 +106,7 @@ class Segment:
     kind: str  # "head" | "layer" | "tail"
     count: int  # how many times it repeats (layers of one kind)
     entering: sympy.Expr  # floating elements produced before the segment and used in it
-    entering_head: sympy.Expr = sympy.Integer(0)  # the part the head made (RoPE's cos and sin): one tensor for all layers
+    entering_head: sympy.Expr = sympy.Integer(0)  # the part the head made (RoPE's cos, sin): one tensor, all layers
     parts: dict[int, Part] = field(default_factory=dict)  # by tp size
 
 

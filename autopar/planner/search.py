@@ -23,7 +23,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
+from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, RECOMPUTE, Config, CostModel, Estimate, Precision,
+                                        precision_of)
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
 
@@ -205,9 +206,10 @@ def plan(
         raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
                          f"{evaluated[0].config.describe()}: {evaluated[0].not_runnable}); plan with "
                          "runnable_only=False to see them all")
-    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less memory
+    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less
+    # recomputation (its time is measured to exceed the model's where the model calls it negligible), less memory
     candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
-                                   c.config.zero, c.total_memory))
+                                   c.config.zero, RECOMPUTE.index(c.config.recompute), c.total_memory))
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
                         global_batch=global_batch, seq_len=seq_len or 1, candidates=candidates, explanation=[],
                         considered=len(evaluated), seconds=0.0, profile=profile, cost=cost)
