@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autopar.core.recompute import Choice, check_choice
 from autopar.precision import Policy, policy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -24,6 +25,7 @@ class Options:
     max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step
     precision: str = "fp32"  # "fp32": the model's own dtype; "bf16": fp32 masters, bf16 compute (autopar/precision.py)
     reduce_dtype: Any = None  # precision="bf16": dtype of gradient reductions over dp ("fp32" when None, or "bf16")
+    recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -44,6 +46,7 @@ class Options:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        object.__setattr__(self, "recompute", check_choice(self.recompute))  # a mapping is kept as (key, mode) pairs
         policy(self.precision, self.reduce_dtype)  # raises on an unknown or unsupported precision
 
     @property

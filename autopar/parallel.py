@@ -186,6 +186,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     precision: str = "fp32",
     reduce_dtype: str | torch.dtype | None = None,
+    recompute: str | dict[str, str] | Callable[[str], str] | None = None,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -200,22 +201,31 @@ def parallelize(
     compute, activations, tp collectives, pipeline hops and ZeRO-3 gathers, gradients
     reduced in ``reduce_dtype`` ("fp32" by default, or "bf16"), float32 loss
     (``autopar/precision.py``); "fp32" (the default) runs the model in its own dtype.
+    ``recompute``: activation recomputation per layer (entry of a module list):
+    ``"none"`` (default), ``"selective"`` (keep matmul and attention outputs,
+    recompute the rest) or ``"full"`` (keep each layer's inputs), the same for
+    every layer, or ``{layer or fnmatch pattern: mode}`` (first match; others
+    ``"none"``), or a function ``layer -> mode``. Under ``mesh="auto"`` the
+    planner chooses it unless given.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
 
         chosen = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                             optimizer=optimizer, precision=precision)
+                             optimizer=optimizer, precision=precision,
+                             recompute=recompute)
         mesh, auto = chosen.mesh, chosen.parallelize_options()
         zero, schedule, microbatches, stages_per_rank = (auto["zero"], auto["schedule"], auto["microbatches"],
                                                          auto["stages_per_rank"])
         precision = auto["precision"]
+        recompute = auto["recompute"] if recompute is None else recompute
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
                       microbatches=microbatches, bucket_mb=bucket_mb,
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
-                      max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype)
+                      max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
+                      recompute="none" if recompute is None else recompute)
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

@@ -28,6 +28,7 @@ from autopar.passes.pipeline import choose_split_points, shared_parameters, spli
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
+from autopar.recompute_compile import apply_recompute
 from autopar.runtime.zero import check_optimizer
 from autopar.zero_compile import apply_zero
 
@@ -204,7 +205,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
                                      frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
             info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
         program.plan.collectives = [c for c in program.plan.collectives if c.axis != "dp"] + collectives
-        return describe_reductions(program, options.policy)
+        return apply_recompute(describe_reductions(program, options.policy), options)
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
@@ -212,7 +213,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
         Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
         for c in program.plan.collectives
     ]
-    return describe_reductions(program, options.policy)
+    return apply_recompute(describe_reductions(program, options.policy), options)
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:

@@ -30,7 +30,7 @@ NARROWS = [125.0 * i for i in range(13)]
 def planned(row: tuple, profile: object, cluster: Cluster) -> float:
     size, heads, hidden, layers, tp, pp, gpus, batch, published = row
     result = plan(None, gpus, cluster=cluster, global_batch=batch, seq_len=2048, tp=(tp,), pp=(pp,), zero=(0,),
-                  recompute=(True,), overlap_grad_sync=False, scatter_gather=True,
+                  recompute=(True,), recompute_collectives=True, overlap_grad_sync=False, scatter_gather=True,
                   profile=profile)
     return megatron_flops(batch, layers, hidden) / result.best.step_time / gpus / 1e12
 

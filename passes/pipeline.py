@@ -35,6 +35,16 @@ def module_path(node: fx.Node) -> list[str]:
     return [p.removeprefix(PREFIX) for p in paths if p.startswith(PREFIX)]
 
 
+def node_layer(node: fx.Node) -> str | None:
+    """``"transformer.h.3"`` for a node inside entry 3 of a module list, else None."""
+    for path in module_path(node):
+        parts = path.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                return ".".join(parts[: i + 1])
+    return None
+
+
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 

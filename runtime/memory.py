@@ -8,9 +8,12 @@ the peak bytes of gathered layers seen during that step.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -61,3 +64,44 @@ class MemoryAccount:
     def read(self) -> dict[str, int]:
         """The account taken after the last optimizer step, or one measured now before any step."""
         return dict(self._last if self._last is not None else self.measure())
+
+
+class NewStorages(TorchDispatchMode):
+    """Bytes of the storages that operators allocate while the mode is on (not views of their inputs): alive now
+    (``live()``) and the most alive at once (``peak``), each storage counted once, checked after every operator
+    (a storage whose memory was released, e.g. ZeRO's ``resize_(0)``, counts as freed).
+
+    Activation bytes of a forward: the ``live()`` bytes right after it, what autograd (or a recomputation's
+    checkpoint) keeps for backward.
+    """
+
+    def __init__(self, *, track_peak: bool = True) -> None:
+        super().__init__()
+        self._live: dict[int, weakref.ref] = {}
+        self.track_peak = track_peak
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.data_ptr() in inputs:  # a view of an input: not a new allocation
+                    continue
+                known = self._live.get(storage.data_ptr())
+                if storage.nbytes() and (known is None or known() is not storage):
+                    self._live[storage.data_ptr()] = weakref.ref(storage)
+        if self.track_peak:
+            self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        alive = {}
+        for ptr, ref in list(self._live.items()):
+            storage = ref()
+            if storage is None or not storage.nbytes() or storage.data_ptr() != ptr:
+                del self._live[ptr]
+            else:
+                alive[ptr] = storage.nbytes()
+        return sum(alive.values())

@@ -61,12 +61,12 @@ def cnn(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
 
 
 def gpt2(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, dtype: torch.dtype = torch.float64,
-         seed: int = 0) -> nn.Module:
+         seed: int = 0, dropout: float = 0.0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=64, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg).to(dtype).train()
 
 

@@ -168,6 +168,53 @@ class LayerLayout:
 
 
 @dataclass(frozen=True)
+class RecomputePlan:
+    """Which layers recompute their activations in backward, and how; per pipeline stage when there are stages."""
+
+    modes: tuple[tuple[str, str], ...]  # (layer, "none" | "selective" | "full") in execution order
+    stages: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (stage, its layers)
+    skipped: tuple[tuple[str, str], ...] = ()  # (layer, why it is not recomputed though asked)
+
+    def render(self) -> list[str]:
+        mode = dict(self.modes)
+        if self.stages:
+            lines = [f"stage {s}: " + (_modes_text(tuple((la, mode[la]) for la in layers)) or "no layers")
+                     for s, layers in self.stages]
+        else:
+            lines = [_modes_text(self.modes)]
+        lines += [f"{layer} is not recomputed: {why}" for layer, why in self.skipped]
+        return lines
+
+
+def _modes_text(modes: tuple[tuple[str, str], ...]) -> str:
+    """``"selective on transformer.h.0-3; none on ..."``: layers grouped by mode, runs of one list shortened."""
+    by_mode: dict[str, list[str]] = {}
+    for layer, mode in modes:
+        by_mode.setdefault(mode, []).append(layer)
+    return "; ".join(f"{mode} on {_layer_runs(layers)}" for mode, layers in by_mode.items())
+
+
+def _layer_runs(layers: list[str]) -> str:
+    """``transformer.h.0-3, lm.1`` for consecutive entries of one module list."""
+    parts: list[str] = []
+    run: list[tuple[str, int]] = []
+    for layer in layers + [""]:
+        prefix, _, index = layer.rpartition(".")
+        if run and index.isdigit() and prefix == run[-1][0] and int(index) == run[-1][1] + 1:
+            run.append((prefix, int(index)))
+            continue
+        if run:
+            p, lo, hi = run[0][0], run[0][1], run[-1][1]
+            parts.append(f"{p}.{lo}" if lo == hi else f"{p}.{lo}-{hi}")
+            run = []
+        if index.isdigit():
+            run = [(prefix, int(index))]
+        elif layer:
+            parts.append(layer)
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate(Mapping):
     """Bytes per rank by kind (parameters, gradients, optimizer, gathered), for rank ``largest_on``."""
 
@@ -207,6 +254,7 @@ class Plan:
     pipeline: PipelinePlan | None = None
     tensor_parallel: LayerLayout | None = None  # one layer's tensor-parallel layout
     precision: str | None = None  # mixed precision: what each dtype is (None: the model's own dtype throughout)
+    recompute: RecomputePlan | None = None  # None: every activation is kept for backward
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -238,6 +286,10 @@ class Plan:
             layer = self.tensor_parallel.render()
             lines.append("  tensor parallelism, " + layer[0])
             lines += layer[1:]
+        if self.recompute is not None:
+            recompute = self.recompute.render()
+            lines.append("  activation recomputation: " + recompute[0])
+            lines += [f"    {line}" for line in recompute[1:]]
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
             lines.append(f"    {c.render()}")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.core.recompute import MODES
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import PRECISIONS, precision_of
 from autopar.planner.example_inputs import sequence_of
@@ -24,8 +25,11 @@ from autopar.planner.search import Candidate, evaluate, plan
 
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
-                optimizer: Callable | None, precision: str = "fp32") -> Candidate:
+                optimizer: Callable | None, precision: str = "fp32", recompute: object = None) -> Candidate:
     """The best configuration autopar runs for the job's world size (``parallelize(model, "auto")``).
+
+    ``recompute``: the user's choice; a mode is planned as given, a per-layer choice as "none" (it applies as
+    given), and ``None`` lets the planner choose among "none", "selective" and "full".
 
     Every rank plans the same way; under a running job rank 0's choice is
     broadcast so that all ranks agree even if two plans tie.
@@ -48,7 +52,8 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
                   precision=PRECISIONS["bf16"] if precision == "bf16" else precision_of(next(model.parameters()).dtype),
                   optimizer=states,
-                  example_inputs=small, example_kwargs=small_kwargs, runnable_only=True, recompute=(False,))
+                  example_inputs=small, example_kwargs=small_kwargs, runnable_only=True,
+                  recompute=MODES if recompute is None else (recompute if recompute in MODES else "none",))
     chosen = result.best
     if dist.is_available() and dist.is_initialized():
         box = [chosen.config]

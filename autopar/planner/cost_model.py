@@ -21,6 +21,7 @@ from autopar.core.schedule import make_schedule
 from autopar.core.zero_bubble import v_placement
 from autopar.passes.pipeline import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
+from autopar.planner import recompute_cost
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 
@@ -64,6 +65,7 @@ PRECISIONS = {
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W; their bubble and memory come from the simulator
+RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
 
 
 def precision_of(dtype: torch.dtype) -> Precision:
@@ -85,7 +87,7 @@ class Config:
     stages_per_rank: int = 1
     microbatches: int = 1
     microbatch_size: int = 1
-    recompute: bool = False
+    recompute: str | bool = "none"  # "none" | "selective" | "full" (True: "full", False: "none")
     zero_prefetch: int = 1
 
     def __post_init__(self) -> None:
@@ -100,6 +102,9 @@ class Config:
             raise ValueError(f"schedule='zbv' holds 2 stages per rank, got stages_per_rank={self.stages_per_rank}")
         if self.stages_per_rank > 1 and self.schedule not in ("interleaved-1f1b", "zbv"):
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
+        object.__setattr__(self, "recompute", {True: "full", False: "none"}.get(self.recompute, self.recompute))
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
 
     @property
     def devices(self) -> int:
@@ -114,7 +119,7 @@ class Config:
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"
-                + (" recompute" if self.recompute else ""))
+                + ("" if self.recompute == "none" else f" recompute={self.recompute}"))
 
 
 @dataclass
@@ -156,6 +161,9 @@ class _Values:
     traffic: Any  # forward bytes read and written by memory-bound operators
     activations: Any  # bytes saved for backward per microbatch
     entering: Any  # bytes received per microbatch
+    entering_head: Any  # the part of ``entering`` the head made (read by every layer, one tensor)
+    kept_selective: Any  # bytes of matmul and attention outputs (kept by selective recomputation)
+    communicated: Any  # bytes of tp collectives' forward outputs (kept by recomputation)
     collectives: tuple[tuple[str, str, Any], ...]  # (op, direction, bytes)
     ops: int
     params: dict[str, int]
@@ -174,7 +182,7 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
                  optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True,
-                 scatter_gather: bool = False) -> None:
+                 scatter_gather: bool = False, recompute_collectives: bool = False) -> None:
         self.profile = profile
         self.cluster = cluster
         self.precision = precision
@@ -183,6 +191,7 @@ class CostModel:
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap_grad_sync  # dp gradient reduction overlaps backward (DDP, autopar) or follows it
         self.scatter_gather = scatter_gather  # pipeline hops send 1/tp per rank, then all-gather (Megatron-LM)
+        self.recompute_collectives = recompute_collectives  # full recomputation re-runs tp all-reduces (Megatron-LM)
         self._values: dict[tuple, _Values] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}
 
@@ -199,7 +208,8 @@ class CostModel:
                 flops=ev(part.flops + self.cluster.narrow * part.narrow),
                 traffic=ev(part.traffic * act_bytes),
                 activations=ev((part.saved + attention) * act_bytes + part.saved_other),
-                entering=ev(seg.entering * act_bytes),
+                entering=ev(seg.entering * act_bytes), entering_head=ev(seg.entering_head * act_bytes),
+                kept_selective=ev(part.kept_selective * act_bytes), communicated=ev(part.communicated * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
                 ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind,
                 owner=seg.name.removesuffix(".*") + ".")
@@ -254,13 +264,13 @@ class CostModel:
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[_Values]], rank: int) -> Any:
-        def kept(st: list[_Values]) -> Any:
-            if not c.recompute:
-                copies = self.precision.copy * sum(sum(u.params.values()) for u in st) if c.zero < 3 else 0
-                return sum(u.activations for u in st) + copies
-            return sum(u.entering for u in st)  # each layer keeps only its input; recomputed in backward
+        """Activation bytes on pp rank ``rank``: kept per stage (``recompute_cost``) x microbatches in flight."""
+        again = self.recompute_collectives
+        def copies(st: list[_Values]) -> Any:  # bf16 weight copies autograd saves (ZeRO-3 re-gathers its own)
+            keep = c.recompute == "none" and c.zero < 3
+            return self.precision.copy * sum(sum(u.params.values()) for u in st) if keep else 0
 
-        per_stage = [kept(st) for st in stages]
+        per_stage = [recompute_cost.kept(c.recompute, st, recompute_collectives=again) + copies(st) for st in stages]
         if c.pp == 1:
             held = per_stage[0]  # microbatches run one after another (gradient accumulation)
         elif c.schedule == "gpipe":
@@ -273,9 +283,7 @@ class CostModel:
             v = c.stages_per_rank
             chunks = min((c.pp - rank - 1) * 2 + (v - 1) * c.pp + 1, c.microbatches * v)
             held = sum(per_stage) / v * chunks
-        if c.recompute:  # backward re-runs one layer's forward at a time: that layer's activations exist once
-            held += _max([u.activations for st in stages for u in st] or [0])
-        return held
+        return held + recompute_cost.rebuilt(c.recompute, [u for st in stages for u in st], recompute_collectives=again)
 
     def _buffers(self, c: Config, stages: list[list[_Values]], trainable: int) -> Any:
         p = self.precision
@@ -302,7 +310,7 @@ class CostModel:
         shared = bool(cl.cores) and numeric
         links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
         per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
-        compute, tp, p2p_t, forward, backward = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
+        compute, tp, p2p_t, forward, backward, _ = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
         per_microbatch = compute + tp + p2p_t
         m, v = c.microbatches, c.stages_per_rank
         sync = self._pipeline_sync(c, ranks, links[1])
@@ -331,16 +339,18 @@ class CostModel:
         return zero_bubble_units(c.schedule, c.pp, c.microbatches) / (3 * c.stages_per_rank) * per_microbatch
 
     def _stage(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
-        """One microbatch of one stage: compute, tp collectives, pipeline messages, forward and backward seconds."""
+        """One microbatch of one stage: compute, tp, pipeline, forward, backward and recomputed seconds."""
         cl = self.cluster
-        f = (sum(u.flops for u in st) / (cl.peak(self.precision.name) * cl.efficiency)
-             + sum(u.traffic for u in st) / cl.memory_bandwidth + sum(u.ops for u in st) * cl.op_overhead)
+        matmul = [u.flops / (cl.peak(self.precision.name) * cl.efficiency) for u in st]
+        other = [u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead for u in st]
+        f = sum(matmul) + sum(other)
+        redo = sum(recompute_cost.redo(c.recompute, u, a, b) for u, a, b in zip(st, matmul, other))
         comm = {d: sum(collective(op, nbytes, c.tp, tp_link) for u in st for op, dd, nbytes in u.collectives
                        if dd == d) for d in ("forward", "backward")}
-        again = (f + comm["forward"]) if c.recompute else 0
+        comm_again = comm["forward"] if c.recompute != "none" and self.recompute_collectives else 0
         hops = 2 * self._hop(c, st, tp_link, pp_link.p2p()) if c.pp > 1 else 0
-        return (3 * f + (f if c.recompute else 0), comm["forward"] + comm["backward"] + (comm["forward"] if c.recompute
-                else 0), hops, f + comm["forward"], 2 * f + comm["backward"] + again)
+        return (3 * f + redo, comm["forward"] + comm["backward"] + comm_again, hops, f + comm["forward"],
+                2 * f + comm["backward"] + redo + comm_again, redo)
 
     def _hop(self, c: Config, st: list[_Values], tp_link: Any, pp_link: Any) -> Any:
         """A stage's input arriving: whole from every tp rank, or Megatron's 1/tp then an all-gather."""
@@ -366,9 +376,9 @@ class CostModel:
         forward, backward, weight = [], [], []
         split = c.schedule in ZERO_BUBBLE  # B computes input gradients, W weight gradients (a forward's work)
         for st in stages:
-            work, _, _, f_time, b_time = self._stage(c, st, tp_link, pp_link)
-            f = work / (4 if c.recompute else 3)  # a forward's work
-            b = f * (3 if c.recompute else 2) - (f if split else 0)
+            work, _, _, f_time, b_time, redo = self._stage(c, st, tp_link, pp_link)
+            f = (work - redo) / 3  # a forward's work
+            b = 2 * f + redo - (f if split else 0)
             forward.append(Phase(f, Comm(f_time - f, f_time - f)))
             backward.append(Phase(b, Comm(b_time - b - f * split, b_time - b - f * split)))
             weight.append(Phase(f))

@@ -51,8 +51,10 @@ from autopar.core.comm import OPS
 from autopar.core.graph import tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
-from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, moved_elements, numel_of,
-                                      output_elements, s_sym, saved_elements, saved_tensors, to_sympy, weight_width)
+from autopar.core.recompute import COMMUNICATING
+from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, kept_elements, moved_elements,
+                                              numel_of, output_elements, s_sym, saved_elements, saved_tensors, to_sympy,
+                                              weight_width)
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
@@ -84,6 +86,8 @@ class Part:
     attention_fused: sympy.Expr  # elements a fused attention kernel keeps instead (its output and log-sum-exp)
     collectives: list[Collective]
     ops: int
+    kept_selective: sympy.Expr = sympy.Integer(0)  # elements of matmul and attention outputs (selective keeps them)
+    communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps)
 
     @property
     def param_elements(self) -> int:
@@ -102,6 +106,7 @@ class Segment:
     kind: str  # "head" | "layer" | "tail"
     count: int  # how many times it repeats (layers of one kind)
     entering: sympy.Expr  # floating elements produced before the segment and used in it
+    entering_head: sympy.Expr = sympy.Integer(0)  # the part the head made (RoPE's cos, sin): one tensor, all layers
     parts: dict[int, Part] = field(default_factory=dict)  # by tp size
 
 
@@ -203,8 +208,10 @@ class _Analysis:
         part = self._part(key, {n: self.numel[n] for n in params if n in self.numel}, {}, {}, len(self.nodes[key]),
                           widths)
         name = f"{family(key)}.*" if count > 1 else key
+        head = set(self.nodes.get("head", []))
         return Segment(name=name, kind=kind, count=count, entering=entering_elements(set(self.nodes[key]), self.names),
-                       parts={1: part})
+                       entering_head=entering_elements(set(self.nodes[key]), self.names, head) if kind == "layer"
+                       else sympy.Integer(0), parts={1: part})
 
     def _part(self, key: str, params: dict[str, int], flops_factor: dict[str, Any], act_factor: dict[str, Any],
               ops: int, widths: dict[str, int]) -> Part:
@@ -220,8 +227,8 @@ class _Analysis:
             saved += output_elements(self.gm, self.names)  # a loss keeps the outputs (log-softmax of logits)
         return Part(params=params, trainable={n for n in params if self.requires.get(n, True)},
                     flops=sum(flops.values(), zero), narrow=narrow, traffic=sympy.expand(traffic), saved=saved,
-                    saved_other=saved_other,
-                    attention=attention, attention_fused=attention_fused, collectives=[], ops=ops)
+                    saved_other=saved_other, attention=attention, attention_fused=attention_fused, collectives=[],
+                    ops=ops, kept_selective=kept_elements(self.saved, set(nodes), self.names, act_factor))
 
     def add_tensor_parallel(self, args: tuple, kwargs: dict, n: int) -> None:
         """Each segment's ``Part`` at tp size ``n``, from autopar's own solver and lowering of a static capture."""
@@ -262,6 +269,8 @@ class _Analysis:
             widths = {k: local_width[o] for k, o in same.items() if o in local_width}
             part = self._part(key, params, flops_factor, act_factor, len(by_key.get(key, [])), widths)
             part.collectives = _collectives(by_key.get(key, []), n, tokens, grads)
+            part.communicated = sympy.expand(sum((numel_of(nd.meta.get("val")) * tokens for nd in by_key.get(key, [])
+                                                  if nd.target in COMMUNICATING), sympy.Integer(0)))
             seg.parts[n] = part
 
 

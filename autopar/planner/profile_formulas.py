@@ -24,6 +24,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.core.recompute import COMMUNICATING, keeps
 from autopar.passes.cost import matmul_flops as _matmul_flops
 from autopar.planner.profile_graph import placeholders
 
@@ -107,6 +110,7 @@ class SavedTensors(fx.Interpreter):
         self.producer: dict[int, fx.Node] = {}
         self.param_ids: set[int] = set()
         self.saved: dict[int, _Saved] = {}
+        self.kept: dict[fx.Node, list[Any]] = {}  # node -> elements of the outputs selective recomputation keeps
         self.keep: list[Any] = []
 
     def run_node(self, n: fx.Node) -> Any:
@@ -136,6 +140,22 @@ class SavedTensors(fx.Interpreter):
         return t
 
 
+class _KeptOutputs(TorchDispatchMode):
+    """Records, per graph node, the floating outputs of the operators selective recomputation keeps."""
+
+    def __init__(self, interp: SavedTensors) -> None:
+        super().__init__()
+        self.interp = interp
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in COMMUNICATING and keeps("selective", func, args, kwargs):
+            self.interp.kept.setdefault(self.interp.current, []).extend(
+                t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        return out
+
+
 def saved_tensors(gm: fx.GraphModule, params: set[fx.Node], trainable: set[fx.Node]) -> SavedTensors:
     """What autograd keeps for backward when ``gm`` runs (fake tensors on the CPU, shapes as in ``meta["val"]``)."""
     nodes = placeholders(gm)
@@ -150,7 +170,7 @@ def saved_tensors(gm: fx.GraphModule, params: set[fx.Node], trainable: set[fx.No
                 continue
             t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
             args.append(t.requires_grad_() if node in trainable and v.is_floating_point() else t)
-        with torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t), _KeptOutputs(interp):
             interp.run(*args)
     return interp
 
@@ -185,20 +205,31 @@ def saved_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict,
     return floating, other_bytes, attention, attention_fused
 
 
+def kept_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict, factors: dict[str, Any]) -> sympy.Expr:
+    """Elements of the outputs selective recomputation keeps (matmuls, attention) that ``nodes`` make;
+    ``factors``: local/full size by node name."""
+    total = sympy.Integer(0)
+    for node, sizes in saved.kept.items():
+        if node in nodes:
+            total += sum((to_sympy(n, names) for n in sizes), sympy.Integer(0)) * factors.get(node.name, 1)
+    return sympy.expand(total)
+
+
 # ---------------------------------------------------------------------------
 # what enters a segment, what leaves the model
 # ---------------------------------------------------------------------------
 
-def entering_elements(nodes: set[fx.Node], names: dict) -> sympy.Expr:
-    """Floating elements made outside ``nodes`` (not parameters or inputs) and used by them."""
+def entering_elements(nodes: set[fx.Node], names: dict, made_by: set[fx.Node] | None = None) -> sympy.Expr:
+    """Floating elements made outside ``nodes`` (not parameters or inputs) and used by them; with ``made_by``,
+    only those made by these nodes."""
     total = sympy.Integer(0)
     seen = set()
     for node in nodes:
         for arg in node.all_input_nodes:
             val = arg.meta.get("val")
-            made_by = arg.args[0] if arg.target is operator.getitem else arg
-            if (made_by in nodes or arg in seen or arg.op != "call_function" or not isinstance(val, torch.Tensor)
-                    or not val.is_floating_point()):
+            producer = arg.args[0] if arg.target is operator.getitem else arg
+            if (producer in nodes or arg in seen or arg.op != "call_function" or not isinstance(val, torch.Tensor)
+                    or not val.is_floating_point() or (made_by is not None and producer not in made_by)):
                 continue
             seen.add(arg)
             total += to_sympy(val.numel(), names)

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX
-from autopar.passes.pipeline import module_path
+from autopar.passes.pipeline import node_layer
 
 ORIGIN = "autopar.origin"  # meta key: the captured node a lowered node came from
 KEEP = 2  # entries of a repeated module list kept while capturing
@@ -133,23 +133,13 @@ def param_names(ep: torch.export.ExportedProgram) -> dict[fx.Node, str]:
 # segments
 # ---------------------------------------------------------------------------
 
-def _layer_of(node: fx.Node) -> str | None:
-    """``"transformer.h.3"`` for a node inside entry 3 of a module list, else None."""
-    for path in module_path(node):
-        parts = path.split(".")
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                return ".".join(parts[: i + 1])
-    return None
-
-
 def segment_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Every compute node's segment: its layer, ``"head"`` before the first layer, ``"tail"`` after the last.
 
     Nodes between two layers belong to the next layer.
     """
     nodes = compute_nodes(gm)
-    layers = [_layer_of(n) for n in nodes]
+    layers = [node_layer(n) for n in nodes]
     out: dict[fx.Node, str] = {}
     following = "tail"
     for node, layer in zip(reversed(nodes), reversed(layers)):

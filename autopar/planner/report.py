@@ -27,6 +27,9 @@ TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cor
 # the table
 # ---------------------------------------------------------------------------
 
+RC = {"none": "-", "selective": "s", "full": "f"}
+
+
 def render_table(result: PlanResult, top: int = 10) -> str:
     """The ranked candidates, ``top`` rows: mesh, ZeRO, schedule, memory, step time, throughput."""
     head = (f"{'#':>3}  {'mesh dp x pp x tp':<18} {'zero':>4}  {'schedule':<17} {'m x b':>8}  {'rc':<2} "
@@ -39,7 +42,7 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         state = m["parameters"] + m["gradients"] + m["optimizer"]
         lines.append(
             f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}':<18} {cfg.zero:>4}  {sched:<17} "
-            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {'y' if cfg.recompute else '-':<2} "
+            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {RC[cfg.recompute]:<2} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
             f"{_seconds(c.step_time):>9} {c.estimate.tokens_per_s:>10,.0f} "
             f"{c.estimate.flops_per_device / 1e12:>7.1f}"
@@ -54,7 +57,8 @@ def render_plan(result: PlanResult, top: int = 10) -> str:
              f"{result.cluster.name}; global batch {result.global_batch} x {result.seq_len} tokens, "
              f"{result.precision.name} precision",
              f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
-             f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation, "
+             f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
+             "f full), "
              "run = autopar runs it today", "", render_table(result, top), "", "why:"]
     lines += [f"  - {line}" for line in result.explanation]
     return "\n".join(lines)

@@ -23,7 +23,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision, precision_of
+from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, RECOMPUTE, Config, CostModel, Estimate, Precision,
+                                        precision_of)
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
 
@@ -62,7 +63,8 @@ class Candidate:
         c = self.config
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
                 "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
-                "precision": "bf16" if self.precision == "bf16" else "fp32"}
+                "precision": "bf16" if self.precision == "bf16" else "fp32",
+                "recompute": c.recompute}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
@@ -100,7 +102,7 @@ class PlanResult:
             need = min((c.total_memory for c in self.candidates), default=0.0)
             raise ValueError(f"no configuration of {self.model} fits {gb(self.cluster.memory)} per device on "
                              f"{self.devices} devices; the smallest needs {gb(need)}. Use more devices, a smaller "
-                             f"global batch or sequence, or recompute=(True,)")
+                             f"global batch or sequence, or recompute=('full',)")
         return self.candidates[0]
 
     def memory_expr(self, config: Config) -> sympy.Expr:
@@ -148,13 +150,14 @@ def plan(
     example_kwargs: dict | None = None,
     zero: tuple[int, ...] = (0, 1, 2, 3),
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
-    recompute: tuple[bool, ...] = (False, True),
+    recompute: tuple[str | bool, ...] = ("none", "selective", "full"),
     tp: tuple[int, ...] | None = None,
     pp: tuple[int, ...] | None = None,
     max_microbatch: int = 16,
     runnable_only: bool = False,
     overlap_grad_sync: bool = True,
     scatter_gather: bool = False,
+    recompute_collectives: bool = False,
     profile: ModelProfile | None = None,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
@@ -171,7 +174,11 @@ def plan(
     following it (Megatron-LM in 2021). ``scatter_gather``: a pipeline hop
     between tp groups sends ``1/tp`` of the activation from each rank and
     all-gathers it inside the node (Megatron-LM) rather than the whole
-    activation from every tp rank (autopar). ``profile``: reuse a
+    activation from every tp rank (autopar). ``recompute``: the activation
+    recomputation modes searched ("none", "selective", "full"; True is
+    "full"). ``recompute_collectives``: full recomputation runs the tp
+    all-reduces again and keeps only layer inputs (Megatron-LM) rather than
+    keeping the collectives' outputs (autopar). ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
     """
     start = time.perf_counter()
@@ -188,7 +195,8 @@ def plan(
         profile = profile_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                 sequence=seq_len is not None, tp_sizes=tuple(tp or tp_sizes))
     cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
-                     overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather)
+                     overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather,
+                     recompute_collectives=recompute_collectives)
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
@@ -202,9 +210,10 @@ def plan(
         raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
                          f"{evaluated[0].config.describe()}: {evaluated[0].not_runnable}); plan with "
                          "runnable_only=False to see them all")
-    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less memory
+    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less
+    # recomputation (its time is measured to exceed the model's where the model calls it negligible), less memory
     candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
-                                   c.config.zero, c.total_memory))
+                                   c.config.zero, RECOMPUTE.index(c.config.recompute), c.total_memory))
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
                         global_batch=global_batch, seq_len=seq_len or 1, candidates=candidates, explanation=[],
                         considered=len(evaluated), seconds=0.0, profile=profile, cost=cost)
@@ -215,7 +224,7 @@ def plan(
 
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
                  schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
-                 recompute: tuple[bool, ...] = (False, True), tp: tuple[int, ...] | None = None,
+                 recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
     layers = sum(seg.count for seg in profile.layers)
@@ -262,8 +271,6 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
-    if config.recompute:
-        return "activation recomputation is planned, not yet run"
     if prec.name == "bf16" and profile.dtype == torch.float32:
         return ""  # precision="bf16": the fp32 parameters are the masters
     if prec != precision_of(profile.dtype):
