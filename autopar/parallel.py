@@ -20,7 +20,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.model_storage import released
 from autopar.options import Options
-from autopar.precision import check_model, configure_runtime
+from autopar.precision import check_model
 from autopar.program import Program, check_supported
 from autopar.rank_runtime import check_ownership, seed_rng, start_runtime
 from autopar.rank_state import checkpoint_state, full_state, local_state
@@ -59,7 +59,6 @@ class ParallelModel:
     def _runtime(self, program: Program) -> RankRuntime:
         if self._rt is None:
             self._rt = start_runtime(self.model, self.mesh, self.options, program)
-            configure_runtime(self._rt, self.options.policy)
         return self._rt
 
     def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[Any]]:

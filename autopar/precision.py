@@ -30,7 +30,6 @@ from torch.utils import _pytree as pytree
 from autopar.core.comm import OPS
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
-from autopar.runtime.grad_sync import BucketedAllReduce
 
 NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16 = ("precision='fp16' needs a loss scaler (fp16 gradients underflow without one), which autopar does not have; "
@@ -238,9 +237,3 @@ def _graphs(program: Any) -> Iterator[tuple[torch.fx.GraphModule, list, bool]]:
     for stages in program.stage_sets:
         for st in stages:
             yield st.gm, st.slots, st.is_last
-
-
-def configure_runtime(rt: Any, pol: Policy | None) -> None:
-    """Data-parallel gradient buckets reduce in ``pol.reduce`` (ZeRO's flat groups read it from the options)."""
-    if pol is not None and pol.reduce != pol.master and isinstance(rt.grad_sync, BucketedAllReduce):
-        rt.grad_sync.reduce_in(pol.reduce)

@@ -51,6 +51,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None:
         sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
+        if options.policy is not None and options.policy.reduce != options.policy.master:
+            sync.reduce_in(options.policy.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
     executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(placement[stage]), groups.device)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
