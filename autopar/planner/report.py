@@ -96,7 +96,7 @@ def explain(result: PlanResult) -> list[str]:
     if c.pp > 1 and c.schedule in ZERO_BUBBLE:
         share = float(e.time["bubble"]) / float(e.time["compute"])
         out.append(f"pipeline bubble {share:.1%} of the compute time: {c.schedule} splits each backward into input "
-                   f"and weight gradients and fills the pipeline's waits with the weight gradients (simulated; "
+                   f"and weight gradients and fills the pipeline's waits with the weight gradients (as simulated; "
                    f"1F1B's (pp-1)/m would be {(c.pp - 1) / c.microbatches:.1%})")
     elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
