@@ -99,28 +99,33 @@ def _run(launcher, name: str, mesh: Mesh, **kw) -> None:
     assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2, launcher=launcher, **kw)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
+                                  pytest.param("bert", marks=pytest.mark.slow)])
 def test_zb_h1_pp2_is_exact(launcher, name: str) -> None:
     _run(launcher, name, Mesh(pp=2), microbatches=4)
 
 
+@pytest.mark.slow
 def test_zb_h1_pp4_tied_embeddings(launcher) -> None:
     _run(launcher, "gpt2", Mesh(pp=4), microbatches=8)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama", "bert"])
 def test_zbv_pp2_is_exact(launcher, name: str) -> None:
     """The V puts the first and the last stage on rank 0: GPT-2's tied embedding is used by two of its stages."""
     _run(launcher, name, Mesh(pp=2), microbatches=4, schedule="zbv")
 
 
-@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, pp=2), 0), (Mesh(dp=2, pp=2), 1), (Mesh(dp=2, pp=2), 2),
+@pytest.mark.parametrize("mesh, zero", [pytest.param(Mesh(dp=2, pp=2), 0, marks=pytest.mark.slow),
+                                        (Mesh(dp=2, pp=2), 1),
+                                        pytest.param(Mesh(dp=2, pp=2), 2, marks=pytest.mark.slow),
                                         (Mesh(pp=2, tp=2), 0)])
 def test_zb_h1_with_dp_zero_and_tp(launcher, mesh: Mesh, zero: int) -> None:
     _run(launcher, "llama", mesh, microbatches=2, zero=zero)
 
 
-@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, pp=2), 2), (Mesh(pp=2, tp=2), 0)])
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, pp=2), 2), pytest.param(Mesh(pp=2, tp=2), 0,
+                                                                            marks=pytest.mark.slow)])
 def test_zbv_with_dp_zero_and_tp(launcher, mesh: Mesh, zero: int) -> None:
     _run(launcher, "gpt2", mesh, microbatches=2, zero=zero, schedule="zbv")
 
@@ -132,7 +137,8 @@ def test_zero_bubble_pp4(launcher, name: str, schedule: str) -> None:
     _run(launcher, name, Mesh(pp=4), microbatches=8, schedule=schedule)
 
 
-@pytest.mark.parametrize("name, schedule", [("gpt2", "zb-h1"), ("llama", "zbv")])
+@pytest.mark.parametrize("name, schedule", [("gpt2", "zb-h1"), pytest.param("llama", "zbv",
+                                                                             marks=pytest.mark.slow)])
 def test_zero3_with_a_split_backward(launcher, name: str, schedule: str) -> None:
     """A layer's gathered parameters get their gradients in B (norms, biases) and W (weight matmuls): the
     gather's backward reduce-scatters each part as it completes, and the shard sums them."""
