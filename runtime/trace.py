@@ -67,26 +67,34 @@ def save_gantts(panels: dict[str, dict[int, Timeline]], path: str | Path) -> Pat
     except ImportError as e:
         raise RuntimeError("drawing the timeline needs matplotlib: pip install 'autopar[plot]'") from e
     heights = [0.6 * len(timelines) + 0.9 for timelines in panels.values()]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.6), sharex=True, squeeze=False,
+    legend = 0.7  # inches below the panels
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + legend), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": heights})
+    longest = max((span(timelines) for timelines in panels.values()), default=0.0)
     for ax, (title, timelines) in zip(axes[:, 0], panels.items()):
-        _draw(ax, timelines)
+        _draw(ax, timelines, min_label=longest / 40)
         ax.set_title(title)
     ax.set_xlabel("time (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("F", "B", "W", "SEND_F", "RECV_F", "OPTIMIZER")]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#8c8c8c", linewidth=0.5))
-    ax.legend(handles, ["forward", "backward (input gradients only when W is split off)", "weight gradients (W)",
-                        "send", "receive (waiting for the peer)", "gradient reduction, optimizer, broadcasts", "idle"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(panels) > 1 else -0.12), ncol=3, fontsize=8,
-              frameon=False)
-    fig.tight_layout()
+    fig.legend(handles, ["forward", "backward (input gradients only, when W is split off)", "weight gradients (W)",
+                         "send", "receive (waiting for the peer)", "gradient reduction, optimizer, broadcasts", "idle"],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, legend / (sum(heights) + legend), 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def _draw(ax: Any, timelines: dict[int, Timeline]) -> None:
+def span(timelines: dict[int, Timeline]) -> float:
+    """Seconds from the first start to the last end over all ranks."""
+    records = [r for tl in timelines.values() for r in tl]
+    return max(e for _, _, e in records) - min(s for _, s, _ in records) if records else 0.0
+
+
+def _draw(ax: Any, timelines: dict[int, Timeline], min_label: float) -> None:
+    """The bars of ``timelines`` on ``ax``, compute bars at least ``min_label`` seconds long labelled."""
     t0 = min((s for tl in timelines.values() for _, s, _ in tl), default=0.0)
     ranks = sorted(timelines)
     for row, rank in enumerate(ranks):
@@ -94,7 +102,7 @@ def _draw(ax: Any, timelines: dict[int, Timeline]) -> None:
             k = kind(action)
             ax.barh(row, (end - start) * 1e3, left=(start - t0) * 1e3, color=COLORS.get(k, "#dd8452"),
                     edgecolor="white", linewidth=0.3)
-            if k in ("F", "B", "W") and (end - start) * 1e3 > 0:
+            if k in ("F", "B", "W") and end - start >= min_label and end > start:
                 ax.text((start - t0 + (end - start) / 2) * 1e3, row, action, ha="center", va="center",
                         fontsize=6, color="white")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
