@@ -36,6 +36,7 @@ import torch.distributed as dist
 import autopar
 from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
+from autopar.core.weight_grad import collect, split_linear
 from pipeline_chain import Chain, Timeline, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
 from pipeline_chain import add_chain_arguments, header, torch_chain_step
 
@@ -124,6 +125,49 @@ def run_pp(args: argparse.Namespace, pp: int) -> tuple[list[dict], dict[str, str
             names.remove(name)
 
 
+def stage_cpu_seconds(args: argparse.Namespace, pp: int, repeats: int = 30) -> dict[str, float]:
+    """Thread CPU seconds per microbatch of one stage's blocks, measured in this process, one thread.
+
+    "F", "B": forward and whole backward with plain linears (1f1b); "F split",
+    "B split", "W": with zb-h1's split linears, the backward split as the
+    executor runs it; "W autograd": W when the weights have a gradient hook, so
+    that each weight gradient lands through autograd's accumulation. Unlike the
+    ranks' wall-clock timelines, CPU time does not grow while other jobs hold
+    the cores.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    params = [(blk[0].weight, blk[0].bias) for blk in Chain(args.width, args.blocks // pp).blocks]
+    x = torch.randn(args.rows, args.width, requires_grad=True)  # a received activation: its gradient goes back
+    samples: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.thread_time()
+        out = fn()
+        samples.setdefault(name, []).append(time.thread_time() - start)
+        return out
+
+    def forward(linear: Callable[..., torch.Tensor]) -> torch.Tensor:
+        h = x
+        for w, b in params:
+            h = linear(h, w, b).tanh()  # (rows, width)
+        return h
+
+    for _ in range(repeats):  # gradients keep accumulating, as over a step's microbatches
+        y = timed("F", lambda: forward(torch.nn.functional.linear))
+        timed("B", lambda: y.sum().backward())
+        for hooked in (False, True):
+            hooks = [w.register_post_accumulate_grad_hook(lambda p: None) for w, _ in params] if hooked else []
+            y = timed("F split", lambda: forward(split_linear))
+            with collect() as deferred:
+                timed("B split", lambda: y.sum().backward())
+            timed("W autograd" if hooked else "W", deferred.run)
+            for hook in hooks:
+                hook.remove()
+    torch.set_num_threads(threads)
+    return {name: statistics.median(times[2:]) for name, times in samples.items()}
+
+
 # ---------------------------------------------------------------------------
 # Reading the results
 # ---------------------------------------------------------------------------
@@ -175,6 +219,7 @@ def print_pp(results: list[dict], failed: dict[str, str], pp: int, args: argpars
           f"theory {theory('zb-h1', pp, m) / theory('1f1b', pp, m):.3f}")
     print(f"  step time zb-h1 / 1f1b: {step:.3f} (target < 1.0: {verdict(step < 1.0, over)})")
     print(f"  p2p: {results[0]['p2p'] * 1e3:.3f} ms one way per activation ({args.rows * args.width * 4 // 1024} KiB)")
+    print_cpu(stage_cpu_seconds(args, pp), pp, args, results[0]["p2p"])
     print("  against torch.distributed.pipelining (same chain, ranks, microbatches; step time, median over ranks of"
           " each rank's median):")
     print(f"    {'torch schedule':<50} {'torch ms':>8}  {'autopar zb-h1 / torch':>21}  {'loss diff':>9}  target <= 1.0")
@@ -186,6 +231,28 @@ def print_pp(results: list[dict], failed: dict[str, str], pp: int, args: argpars
             diff = abs(results[0]["last"]["zb-h1"] - results[0]["last"][name])
             ratio = zb["step"] / t
             print(f"    {name:<50} {t * 1e3:>8.1f}  {ratio:>21.3f}  {diff:>9.1e}  {verdict(ratio <= 1.0, over)}")
+
+
+def print_cpu(cpu: dict[str, float], pp: int, args: argparse.Namespace, p2p: float) -> None:
+    """One stage's compute per microbatch in CPU time, and what the simulator makes of it."""
+    ms = {k: v * 1e3 for k, v in cpu.items()}
+    print(f"  one stage ({args.blocks // pp} blocks) per microbatch, thread CPU time in one process: 1f1b F "
+          f"{ms['F']:.2f} ms, B {ms['B']:.2f} ms; zb-h1 F {ms['F split']:.2f} ms, B {ms['B split']:.2f} ms, "
+          f"W {ms['W']:.2f} ms (W through autograd's accumulation, as for a hooked weight: {ms['W autograd']:.2f} ms)")
+    split = cpu["F split"] + cpu["B split"] + cpu["W"]
+    print(f"    W is {cpu['W'] / (cpu['B split'] + cpu['W']):.0%} of zb-h1's backward; zb-h1 computes "
+          f"{split / (cpu['F'] + cpu['B']) - 1:+.1%} per microbatch (F {cpu['F split'] / cpu['F'] - 1:+.1%}, "
+          f"B + W {(cpu['B split'] + cpu['W']) / cpu['B'] - 1:+.1%})")
+    sims = {
+        "1f1b": simulate(lowered("1f1b", pp, args.microbatches), forward_time=cpu["F"], backward_time=cpu["B"],
+                         comm_time=p2p),
+        "zb-h1": simulate(lowered("zb-h1", pp, args.microbatches), forward_time=cpu["F split"],
+                          backward_time=cpu["B split"] + cpu["W"], weight_time=cpu["W"], comm_time=p2p),
+    }
+    zb, base = sims["zb-h1"].bubble_fraction, sims["1f1b"].bubble_fraction
+    print(f"    simulated with these times and the p2p time (cores to themselves): bubble 1f1b {base:.1%}, zb-h1 "
+          f"{zb:.1%} (ratio {zb / base:.3f}); pipeline time zb-h1 / 1f1b "
+          f"{sims['zb-h1'].makespan / sims['1f1b'].makespan:.3f}")
 
 
 def main() -> None:
