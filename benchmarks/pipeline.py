@@ -27,13 +27,11 @@ Run: python benchmarks/pipeline.py [--pp 2 4] [--microbatches 4 8] [--steps 8] [
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
-import platform
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,31 +41,18 @@ from torch import nn
 import autopar
 from autopar.core.schedule import B as BACKWARD
 from autopar.core.schedule import F as FORWARD
-from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, add_communication, make_schedule
+from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
 from autopar.testing import reference_run
+from pipeline_chain import Chain, Timeline, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
+from pipeline_chain import add_chain_arguments, header, torch_chain_step
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-Timeline = list[tuple[str, float, float]]  # (action, start, end), perf_counter seconds
 
 
 # ---------------------------------------------------------------------------
 # Models, losses, optimizers (module level: the ranks unpickle them by value)
 # ---------------------------------------------------------------------------
-
-
-class Chain(nn.Module):
-    """``depth`` blocks of Linear(width, width) + Tanh: no skips, one (rows, width) tensor crosses each cut."""
-
-    def __init__(self, width: int, depth: int, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)  # (rows, width)
-        return x
 
 
 class Llama(nn.Module):
@@ -87,27 +72,12 @@ class Llama(nn.Module):
         return self.lm(ids).logits  # (B, S, vocab)
 
 
-def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, target)
-
-
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-3)
-
-
 def llama_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)  # large enough that the loss visibly moves in a few steps
-
-
-def cut_blocks(depth: int, n_stages: int) -> list[int]:
-    """The first block of stages 1..n-1: equal numbers of blocks per stage."""
-    if depth < n_stages:
-        raise ValueError(f"{depth} blocks cannot fill {n_stages} stages; pass --blocks {n_stages} or more")
-    return [k * depth // n_stages for k in range(1, n_stages)]
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -117,12 +87,6 @@ def stages_per_rank(schedule: str) -> int:
 def runs(args: argparse.Namespace, pp: int) -> list[tuple[str, int]]:
     """The (schedule, microbatches) pairs measured at ``pp``; interleaved needs m to be a multiple of pp."""
     return [(s, m) for s in SCHEDULES for m in args.microbatches if s != "interleaved-1f1b" or m % pp == 0]
-
-
-def chain_batch(args: argparse.Namespace, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(args.rows * m, args.width, generator=g)  # (m * rows, width)
-    return x, torch.randn(args.rows * m, args.width, generator=g).tanh()
 
 
 def parallel_chain(args: argparse.Namespace, pp: int, schedule: str, m: int) -> Any:
@@ -138,28 +102,10 @@ def parallel_chain(args: argparse.Namespace, pp: int, schedule: str, m: int) -> 
 # ---------------------------------------------------------------------------
 
 
-def _p2p_seconds(args: argparse.Namespace, repeats: int = 30) -> float:
-    """One-way time of one activation (rows, width) between ranks 0 and 1: half the median round trip."""
-    t = torch.randn(args.rows, args.width)
-    rank = dist.get_rank()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / 2
-
-
 def _bubble_rank(args: argparse.Namespace, pp: int) -> dict:
     """Per (schedule, m): this rank's timeline of every measured step and its peak in-flight microbatches."""
     torch.set_num_threads(1)
-    out: dict[Any, Any] = {"p2p": _p2p_seconds(args)}
+    out: dict[Any, Any] = {"p2p": p2p_seconds(args)}
     for schedule, m in runs(args, pp):
         pm = parallel_chain(args, pp, schedule, m)
         x, y = chain_batch(args, m)
@@ -173,39 +119,6 @@ def _bubble_rank(args: argparse.Namespace, pp: int) -> dict:
     return out
 
 
-def _torch_stage_step(args: argparse.Namespace, pp: int, schedule_cls: type, m: int) -> Callable[[], float]:
-    """One training step of torch.distributed.pipelining on this rank's blocks; returns the global mean loss."""
-    from torch.distributed.pipelining import PipelineStage
-
-    rank = dist.get_rank()
-    bounds = [0, *cut_blocks(args.blocks, pp), args.blocks]
-    blocks = Chain(args.width, args.blocks).blocks[bounds[rank]:bounds[rank + 1]]
-    module = nn.Sequential(*blocks)
-    stage = PipelineStage(module, rank, pp, torch.device("cpu"))
-    schedule = schedule_cls(stage, m, loss_fn=mse)
-    opt = sgd(module.parameters())
-    x, y = chain_batch(args, m)
-
-    return lambda: _torch_schedule_step(schedule, opt, rank, pp, x, y)
-
-
-def _torch_schedule_step(schedule: Any, opt: torch.optim.Optimizer, rank: int, pp: int, inputs: torch.Tensor,
-                         target: torch.Tensor) -> float:
-    """One step of a torch.distributed.pipelining schedule and the optimizer; the mean loss, on every rank."""
-    losses: list[torch.Tensor] = []
-    if rank == 0:
-        schedule.step(inputs, return_outputs=False)
-    elif rank == pp - 1:
-        schedule.step(target=target, losses=losses, return_outputs=False)
-    else:
-        schedule.step(return_outputs=False)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    loss = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
-    dist.broadcast(loss, src=pp - 1)  # autopar's step returns the global loss on every rank too
-    return float(loss)
-
-
 def _versus_torch_rank(args: argparse.Namespace, pp: int) -> dict:
     """Median step times of autopar and torch, interleaved, per (schedule, m); the last loss of each."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -216,7 +129,7 @@ def _versus_torch_rank(args: argparse.Namespace, pp: int) -> dict:
         for m in args.microbatches:
             pm = parallel_chain(args, pp, schedule, m)
             x, y = chain_batch(args, m)
-            steps = {"autopar": lambda: pm.step(x, target=y), "torch": _torch_stage_step(args, pp, schedule_cls, m)}
+            steps = {"autopar": lambda: pm.step(x, target=y), "torch": torch_chain_step(args, schedule_cls, m, [dist.get_rank()], pp)}
             times: dict[str, list[float]] = {"autopar": [], "torch": []}
             last: dict[str, float] = {}
             for i in range(args.warmup + args.compare_steps):
@@ -292,27 +205,6 @@ def theory(schedule: str, pp: int, m: int) -> float:
     return (pp - 1) / (v * m + pp - 1)
 
 
-def time_in(timeline: Timeline, kinds: tuple[str, ...]) -> float:
-    return sum(end - start for a, start, end in timeline if Action.parse(a).kind in kinds)
-
-
-def step_fractions(per_rank: list[Timeline]) -> tuple[float, float, float]:
-    """(bubble, share in receives, share in sends) of one step, each a mean over ranks of time / span.
-
-    The span runs from the step's first action on any rank to its last on any
-    rank, so a rank that finishes early counts its wait as bubble, as in theory.
-    """
-    span = max(tl[-1][2] for tl in per_rank) - min(tl[0][1] for tl in per_rank)
-    bubble = statistics.mean(1 - time_in(tl, (FORWARD, BACKWARD)) / span for tl in per_rank)
-    recv = statistics.mean(time_in(tl, (RECV_F, RECV_B)) / span for tl in per_rank)
-    send = statistics.mean(time_in(tl, (SEND_F, SEND_B)) / span for tl in per_rank)
-    return bubble, recv, send
-
-
-def durations(timelines: list[Timeline], kind: str) -> float:
-    return statistics.median(end - start for tl in timelines for a, start, end in tl if Action.parse(a).kind == kind)
-
-
 def bubble_rows(results: list[dict], pp: int, args: argparse.Namespace, p2p: float) -> list[str]:
     rows = []
     for schedule, m in runs(args, pp):
@@ -320,7 +212,7 @@ def bubble_rows(results: list[dict], pp: int, args: argparse.Namespace, p2p: flo
         everything = [tl for step in per_step for tl in step]
         f, b = durations(everything, FORWARD), durations(everything, BACKWARD)
         sim = simulate(lowered(schedule, pp, m), forward_time=f, backward_time=b, comm_time=p2p).bubble_fraction
-        fractions = [step_fractions(step) for step in per_step]
+        fractions = [step_fractions(step, ((RECV_F, RECV_B), (SEND_F, SEND_B))) for step in per_step]
         bubble, recv, send = (statistics.median(x[i] for x in fractions) for i in range(3))
         rows.append(f"  {schedule:<17} {pp:>2} {m:>3}  {theory(schedule, pp, m):>6.1%}  {sim:>9.1%}  {bubble:>8.1%}"
                     f"  {recv:>7.1%}  {send:>7.1%}  {f * 1e3:>6.2f}  {b * 1e3:>6.2f}")
@@ -420,10 +312,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--steps", type=int, default=8, help="measured steps per bubble run")
     p.add_argument("--compare-steps", type=int, default=12, help="measured steps per autopar/torch pair")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--blocks", type=int, default=32, help="Linear+Tanh blocks in the chain")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--rows", type=int, default=32, help="rows per microbatch")
+    add_chain_arguments(p)
     p.add_argument("--compare-pp", type=int, nargs="*", default=[2], help="pp values to time against torch")
     p.add_argument("--skip-pp", type=int, nargs="*", default=[2, 4], help="pp values for the LLaMA demonstration")
     p.add_argument("--llama-layers", type=int, default=4)
@@ -432,11 +321,7 @@ def main() -> None:
 
     cores = os.cpu_count() or 1
     began = time.perf_counter()
-    print(f"autopar pipeline benchmark, {datetime.date.today()}, {platform.system()} {platform.machine()}, "
-          f"{cores} CPU cores, gloo, torch {torch.__version__}, 1 intra-op thread per rank; "
-          f"load average before {os.getloadavg()[0]:.2f}")
-    print(f"chain: {args.blocks} x (Linear({args.width}, {args.width}) + Tanh), float32, {args.rows} rows per "
-          f"microbatch, SGD; {args.warmup} warm-up steps, then medians\n")
+    print(header("pipeline", args) + ", then medians\n")
     jobs = sorted(set(args.pp) | set(args.compare_pp) | set(args.skip_pp))
     results = {pp: autopar.launch(_launch_all, pp, args, pp) for pp in jobs}
     ids, target = llama_batch()

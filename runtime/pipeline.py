@@ -10,6 +10,11 @@ so receive buffers are allocated up front and no shape handshake happens at
 run time. Sends are non-blocking (``isend``; completed at the end of the step)
 and receives block, the semantics ``autopar.core.simulate`` checks schedules under.
 Every message has its own tag, so no ordering between messages is assumed.
+A receive is posted one receive ahead: when a RECV action waits, the program's
+next receive is already posted, so that message moves while this rank computes
+(gloo moves a message once its receive is posted; posted only when needed, each
+receive would cost a round trip on the critical path). At most one receive
+buffer beyond the schedule's is held.
 Microbatch losses are scaled by ``1/m`` so the accumulated gradients are those
 of the mean loss over the rank's batch.
 """
@@ -43,13 +48,25 @@ def _send(tensors: list[torch.Tensor], dst: int, tag: int, works: list) -> None:
         works.append((dist.isend(t, dst, tag=tag * 64 + i), t))
 
 
-def _recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> list[torch.Tensor]:
-    out = []
-    for i, (shape, dtype) in enumerate(metas):
-        wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
-        dist.irecv(wire, src, tag=tag * 64 + i).wait()
-        out.append(wire.to(torch.bool) if dtype == torch.bool else wire)
-    return out
+@dataclass
+class _Posted:
+    """The receives in flight for one RECV action: its buffers (bool travels as uint8) and their works."""
+
+    wires: list[torch.Tensor]
+    works: list
+    dtypes: list[torch.dtype]
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return [w.to(torch.bool) if d == torch.bool else w for w, d in zip(self.wires, self.dtypes)]
+
+
+def _post_recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> _Posted:
+    wires = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
+             for shape, dtype in metas]
+    works = [dist.irecv(wire, src, tag=tag * 64 + i) for i, wire in enumerate(wires)]
+    return _Posted(wires, works, [dtype for _, dtype in metas])
 
 
 @dataclass
@@ -85,6 +102,8 @@ class _Ctx:
     training: bool = True  # the program has backward actions
     split: bool = False  # backwards are split: B leaves weight gradients to W
     deferred: dict[tuple[int, int], weight_grad.WeightGradients] = field(default_factory=dict)
+    posted: dict[Action, _Posted] = field(default_factory=dict)  # receives posted ahead of their RECV action
+    next_recv: dict[Action, Action] = field(default_factory=dict)  # RECV -> the program's next RECV
     returned: Any = None
 
 
@@ -110,16 +129,32 @@ class Executor:
             for s in stage.slots
         ]
 
-    def _receive_forward(self, s: int, mb: int) -> list[torch.Tensor]:
-        metas = [(b.shape, b.dtype) for b in self.stages[s].recv]
-        got = _recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, len(self.stages)), self.device)
-        return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[s].recv)]
+    def _post(self, a: Action) -> _Posted:
+        s, mb, n = a.stage, a.microbatch, len(self.stages)
+        if a.kind == RECV_F:
+            metas = [(b.shape, b.dtype) for b in self.stages[s].recv]
+            return _post_recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, n), self.device)
+        metas = [(b.shape, b.dtype) for b in self.stages[s].send if b.requires_grad]
+        return _post_recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
+
+    def _receive(self, a: Action, ctx: _Ctx) -> list[torch.Tensor]:
+        """Waits for RECV ``a`` (posting it if it is not yet), after posting the program's next receive."""
+        posted = ctx.posted.pop(a, None) or self._post(a)
+        following = ctx.next_recv.get(a)
+        if following is not None and following not in ctx.posted:
+            ctx.posted[following] = self._post(following)
+        got = posted.wait()
+        if a.kind == RECV_F:
+            return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[a.stage].recv)]
+        return got
 
     def run(self, program: Sequence[Action], stages: list[StageGraph], microbatches: list[list[Any]], state: dict,
             constants: dict, handlers: StepHandlers) -> Any:
         """Runs ``program``; returns what its ``BROADCAST_LOSS`` or ``BROADCAST_OUTPUTS`` returned."""
         self.stages = stages
         ctx = _Ctx(training=any(a.kind == B for a in program), split=any(a.kind == W for a in program))
+        receives = [a for a in program if a.kind in (RECV_F, RECV_B)]
+        ctx.next_recv = dict(zip(receives, receives[1:]))
         armed = last_backwards(program)
         self.timeline = []
         self.peak_in_flight = {a.stage: 0 for a in program if a.kind == F}
@@ -137,7 +172,7 @@ class Executor:
         s, mb, stage, n = a.stage, a.microbatch, self.stages[a.stage], len(self.stages)
         key = (s, mb)
         if a.kind == RECV_F:
-            ctx.inputs[key] = self._receive_forward(s, mb)
+            ctx.inputs[key] = self._receive(a, ctx)
         elif a.kind == F:
             if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
                 ctx.inputs[key] = self._hand_over(ctx, s, mb)
@@ -158,8 +193,7 @@ class Executor:
         elif a.kind == SEND_F:
             _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
         elif a.kind == RECV_B:
-            metas = [(b.shape, b.dtype) for b in stage.send if b.requires_grad]
-            ctx.grads[key] = _recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
+            ctx.grads[key] = self._receive(a, ctx)
         elif a.kind == B:
             if not stage.is_last and key not in ctx.grads:  # the next stage is on this rank too
                 ctx.grads[key] = _input_grads(ctx.inputs.pop((s + 1, mb)), self.stages[s + 1])

@@ -1,6 +1,7 @@
 """The command line: inspect prints plans and rank graphs, errors are short, the demo runs, logs and pictures."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,7 +14,8 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
-from autopar.runtime.trace import chrome_trace, save_gantt
+from autopar.cli.demo import zero_bubble_beside
+from autopar.runtime.trace import chrome_trace, pipeline_part, save_gantt, save_gantts
 
 TESTS = str(Path(__file__).parent)
 
@@ -72,6 +74,26 @@ def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
     assert "2/2  loss" in done.stdout and "single-device" in done.stdout
     trace = json.loads((tmp_path / "autopar-timeline.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"0F0", "1B1"}
+    # the same steps with zb-h1 beside 1f1b: its own trace, with the weight gradients as W actions
+    assert "the same 2 steps with the zero-bubble schedule zb-h1" in done.stdout
+    zb = json.loads((tmp_path / "autopar-timeline-zb-h1.json").read_text())
+    assert {e["name"] for e in zb["traceEvents"] if e["ph"] == "X"} >= {"0F0", "1B1", "0W0", "1W1"}
+    difference = float(done.stdout.split("zb-h1")[1].split("largest loss difference ")[1].split()[0])
+    assert difference < 1e-5
+    if "no PNG" not in done.stdout:
+        assert (tmp_path / "autopar-zero-bubble.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("mesh, changes, reason", [
+    (Mesh(dp=2, pp=2, tp=2), {}, None),
+    (Mesh(dp=2), {}, "no pipeline"),
+    (Mesh(pp=2), {"schedule": "zb-h1"}, "the demo runs zb-h1 itself"),
+    (Mesh(dp=2, pp=2), {"zero": 3}, "zero=3 does not combine with a split backward"),
+    (Mesh(pp=2), {"no_zero_bubble": True}, "--no-zero-bubble"),
+])
+def test_demo_runs_zero_bubble_beside_its_pipeline(mesh: Mesh, changes: dict, reason: str | None) -> None:
+    args = argparse.Namespace(**{"schedule": "1f1b", "zero": 0, "no_zero_bubble": False, **changes})
+    assert zero_bubble_beside(mesh, args) == reason
 
 
 def test_debug_log_names_each_pass() -> None:
@@ -93,9 +115,13 @@ def test_timeline_pictures(tmp_path: Path) -> None:
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(e["tid"], e["name"], e["cat"]) for e in events][:2] == [(0, "0F0", "F"), (0, "0SEND_F0", "SEND_F")]
     assert events[2]["ts"] == pytest.approx(3000) and events[2]["dur"] == pytest.approx(2000)
+    zb = {0: [("0F0", 0.0, 0.001), ("0B0", 0.002, 0.003), ("0W0", 0.003, 0.004), ("OPTIMIZER", 0.004, 0.005)]}
+    assert pipeline_part(zb[0]) == zb[0][:3]
     pytest.importorskip("matplotlib")
     png = save_gantt(timelines, tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = save_gantts({"1f1b": timelines, "zb-h1": zb}, tmp_path / "both.png")
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compiling_prints_nothing(capsys) -> None:

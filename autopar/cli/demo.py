@@ -10,6 +10,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 
+Timeline = list[tuple[str, float, float]]  # (action, start, end) of one rank's step
+
 
 def demo_model(layers: int, width: int, vocab: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -40,23 +42,45 @@ def bar(done: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
-def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
-    import torch.distributed as dist
+def zero_bubble_beside(mesh: Mesh, args: argparse.Namespace) -> str | None:
+    """Why the demo does not also run zb-h1 beside its schedule, or None when it does."""
+    if args.no_zero_bubble:
+        return "--no-zero-bubble"
+    if mesh.pp == 1 or args.schedule == "zb-h1":
+        return "no pipeline" if mesh.pp == 1 else "the demo runs zb-h1 itself"
+    return "zero=3 does not combine with a split backward" if args.zero == 3 else None
 
+
+def _train(mesh: Mesh, args: argparse.Namespace, reference: list[float], schedule: str, show: bool) -> tuple:
+    """Trains the demo model with ``schedule``; (the model, seconds, largest difference from single-device, this
+    rank's timeline of every step)."""
     from autopar.parallel import parallelize
 
     pm = parallelize(demo_model(args.layers, args.width, args.vocab), mesh, loss_fn=next_token_loss,
-                     optimizer=adamw, microbatches=args.microbatches, schedule=args.schedule, zero=args.zero)
-    rank0 = dist.get_rank() == 0
+                     optimizer=adamw, microbatches=args.microbatches, schedule=schedule, zero=args.zero)
     start = time.perf_counter()
     worst = 0.0
+    timelines = []
     for i, ids in enumerate(batches(args.steps, args.batch, args.seq, args.vocab)):
         loss = pm.step(ids, target=ids)
+        timelines.append(pm.timeline())
         worst = max(worst, abs(loss - reference[i]))
-        if rank0:
+        if show:
             print(f"  {bar(i + 1, args.steps)}  loss {loss:.6f}   single-device {reference[i]:.6f}", flush=True)
-    return {"time": time.perf_counter() - start, "worst": worst, "plan": pm.plan.summary() if rank0 else "",
-            "timeline": pm.timeline(), "memory": pm.memory(), "comm": pm.communication(), "steps": args.steps}
+    return pm, time.perf_counter() - start, worst, timelines
+
+
+def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    pm, seconds, worst, steps = _train(mesh, args, reference, args.schedule, rank0)
+    out = {"time": seconds, "worst": worst, "plan": pm.plan.summary() if rank0 else "", "timeline": pm.timeline(),
+           "steps": steps, "memory": pm.memory(), "comm": pm.communication()}
+    if zero_bubble_beside(mesh, args) is None:
+        _, seconds, worst, steps = _train(mesh, args, reference, "zb-h1", False)
+        out["zb-h1"] = {"time": seconds, "worst": worst, "steps": steps}
+    return out
 
 
 def run(argv: list[str]) -> int:
@@ -75,6 +99,8 @@ def run(argv: list[str]) -> int:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp (default 0)")
+    p.add_argument("--no-zero-bubble", action="store_true",
+                   help="do not also run the steps with the zero-bubble schedule zb-h1 for a picture beside the first")
     p.add_argument("--out", default=".", help="folder for the timeline pictures")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
@@ -115,4 +141,42 @@ def run(argv: list[str]) -> int:
             print(f", {save_gantt(timelines, out / 'autopar-timeline.png', f'autopar demo, {mesh}, last step')}")
         except RuntimeError as e:
             print(f"; no PNG: {e}")
+    if "zb-h1" in r0:
+        show_zero_bubble(results, mesh, args, Path(args.out))
+    else:
+        print(f"zero-bubble comparison skipped: {zero_bubble_beside(mesh, args)}")
     return 0
+
+
+def show_zero_bubble(results: list[dict], mesh: Mesh, args: argparse.Namespace, out: Path) -> None:
+    """The same steps under zb-h1: time, losses, its trace, and one picture of the pipeline actions of both
+    schedules, one above the other on one time scale."""
+    from autopar.runtime.trace import save_chrome_trace, save_gantts
+
+    print(f"the same {args.steps} steps with the zero-bubble schedule zb-h1 (each backward split into B, the input "
+          f"gradients the previous stage waits for, and W, the weight gradients, which fill the waits): "
+          f"{results[0]['zb-h1']['time']:.2f} s, largest loss difference "
+          f"{max(r['zb-h1']['worst'] for r in results):.2e}")
+    out.mkdir(parents=True, exist_ok=True)
+    last = {rank: r["zb-h1"]["steps"][-1] for rank, r in enumerate(results)}
+    print(f"zb-h1 timeline of the last step: {save_chrome_trace(last, out / 'autopar-timeline-zb-h1.json')}", end="")
+    panels = {f"{name}, {mesh}: pipeline actions of the quickest step": quickest_step(steps)
+              for name, steps in ((args.schedule, [r["steps"] for r in results]),
+                                  ("zb-h1", [r["zb-h1"]["steps"] for r in results]))}
+    try:
+        print(f"; the quickest step of {args.schedule} above that of zb-h1: "
+              f"{save_gantts(panels, out / 'autopar-zero-bubble.png')}")
+    except RuntimeError as e:
+        print(f"; no PNG: {e}")
+
+
+def quickest_step(steps: list[list[Timeline]]) -> dict[int, Timeline]:
+    """Of every rank's timelines of the same steps (``steps[rank][step]``), the pipeline actions of the step with
+    the shortest span over the ranks; the first step, which compiles, only if it is the only one. Timing noise
+    (other processes on the cores) lengthens steps, so the quickest shows the schedule best."""
+    from autopar.runtime.trace import pipeline_part, span
+
+    def of(k: int) -> dict[int, Timeline]:
+        return {rank: pipeline_part(per_step[k]) for rank, per_step in enumerate(steps)}
+
+    return min((of(k) for k in range(min(1, len(steps[0]) - 1), len(steps[0]))), key=span)

@@ -1,0 +1,53 @@
+"""Deferred weight gradients over several microbatches: the fused accumulation and the hooked one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.core.weight_grad import collect, split_addmm, split_linear
+
+
+def _microbatches(split: bool, w: torch.Tensor, b: torch.Tensor, xs: list[torch.Tensor], linear: bool) -> None:
+    for x in xs:
+        if not split:
+            y = torch.nn.functional.linear(x, w, b) if linear else torch.addmm(b, x, w)
+            (y.tanh() ** 2).sum().backward()
+            continue
+        with collect() as deferred:
+            y = split_linear(x, w, b) if linear else split_addmm(b, x, w)
+            (y.tanh() ** 2).sum().backward()
+        deferred.run()  # W: the first lands through autograd, the next ones with addmm_ into .grad
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_weight_gradients_accumulate_over_microbatches(linear: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 5, 4, generator=g, dtype=torch.float64) if linear else
+          torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    shape = (6, 4) if linear else (4, 6)
+    grads = []
+    for split in (False, True):
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+        b = torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=torch.float64, requires_grad=True)
+        _microbatches(split, w, b, xs, linear)
+        grads.append((w.grad, b.grad))
+    for native, deferred in zip(*grads):
+        torch.testing.assert_close(deferred, native, rtol=1e-13, atol=1e-13)
+
+
+def test_a_weight_with_a_hook_accumulates_through_autograd() -> None:
+    """Each W of a hooked weight fires its post-accumulate-grad hook after adding its microbatch's gradient."""
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    in_w: list[bool] = [False]
+    seen: list[torch.Tensor] = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()) if in_w[0] else None)
+    expected = torch.zeros_like(w)
+    for x in [torch.randn(2, 4, dtype=torch.float64) for _ in range(3)]:
+        with collect() as deferred:
+            split_linear(x, w).sum().backward()
+        in_w[0] = True
+        deferred.run()
+        in_w[0] = False
+        expected += torch.ones(2, 6, dtype=torch.float64).t() @ x
+        torch.testing.assert_close(seen[-1], expected)
+    assert len(seen) == 3
