@@ -151,6 +151,23 @@ def _skip_autopar_rank(args: argparse.Namespace, pp: int) -> list[float]:
     return [pm.step(ids, target=target) for _ in range(args.llama_steps)]
 
 
+def _torch_schedule_step(schedule: Any, opt: torch.optim.Optimizer, rank: int, pp: int, inputs: torch.Tensor,
+                         target: torch.Tensor) -> float:
+    """One step of a torch.distributed.pipelining schedule and the optimizer; the mean loss, on every rank."""
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(inputs, return_outputs=False)
+    elif rank == pp - 1:
+        schedule.step(target=target, losses=losses, return_outputs=False)
+    else:
+        schedule.step(return_outputs=False)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    dist.broadcast(loss, src=pp - 1)  # autopar's step returns the global loss on every rank too
+    return float(loss)
+
+
 def _skip_torch_rank(args: argparse.Namespace, pp: int) -> list[float]:
     """torch.distributed.pipelining's tracing front end (``pipeline`` + ``SplitPoint``) on the same LLaMA.
 
