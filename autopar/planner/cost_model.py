@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy
-import torch
 
 from autopar.core.buckets import bucket_sizes
 from autopar.core.schedule import make_schedule
@@ -23,56 +22,18 @@ from autopar.passes.pipeline import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner import recompute_cost
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
+from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
+    OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
+)
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 
 # ---------------------------------------------------------------------------
 # memory and time of one configuration
 # ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per element of what training keeps: parameters, gradients, the optimizer's master copy and state."""
-
-    name: str
-    param: int
-    grad: int
-    master: int  # the optimizer's fp32 copy of the parameters (mixed precision), 0 when it steps the params
-    state: int  # one optimizer-state element (Adam keeps two per parameter)
-    activation: int
-    gather: int = 0  # a ZeRO-3 gathered parameter element (0: ``param``)
-    copy: int = 0  # the compute copy of a parameter element each microbatch's forward makes and backward keeps
-
-    def step_bytes(self, optimizer_states: int) -> int:
-        """Bytes the optimizer step reads and writes per trainable element.
-
-        The stepped copy (master or parameter) read and written, the gradient
-        read, each state element read and written, and with a master copy the
-        low-precision parameter written back: Adam 28 in fp32 and in mixed precision.
-        """
-        stepped = self.master or self.param
-        return 2 * stepped + self.grad + 2 * optimizer_states * self.state + (self.param if self.master else 0)
-
-
-PRECISIONS = {
-    "fp32": Precision("fp32", 4, 4, 0, 4, 4),
-    # bf16 weights, gradients and activations; fp32 master weights and Adam moments (the ZeRO paper's K = 12)
-    "mixed": Precision("mixed", 2, 2, 4, 4, 2),
-    "fp64": Precision("fp64", 8, 8, 0, 8, 8),
-    # autopar's precision="bf16" (FSDP2's policy): the fp32 parameters are the masters, fp32 gradients, bf16
-    # activations and ZeRO-3 gathers; below stage 3 each microbatch in flight keeps bf16 copies of the weights
-    "bf16": Precision("bf16", 4, 4, 0, 4, 2, gather=2, copy=2),
-}
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W; their bubble and memory come from the simulator
+ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W (bubble: `zero_bubble_units`)
 RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
-
-
-def precision_of(dtype: torch.dtype) -> Precision:
-    """The precision a model trains in when run as it is (no mixed precision): its parameter dtype."""
-    size = torch.empty((), dtype=dtype).element_size()
-    name = {4: "fp32", 8: "fp64"}.get(size, "half")
-    return PRECISIONS.get(name, Precision(name, size, size, 0, size, size))
 
 
 @dataclass(frozen=True)
@@ -312,7 +273,7 @@ class CostModel:
         per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
         compute, tp, p2p_t, forward, backward, _ = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
         per_microbatch = compute + tp + p2p_t
-        m, v = c.microbatches, c.stages_per_rank
+        m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
         out = {
             "compute": m * compute + max(accumulate),
@@ -475,21 +436,6 @@ class CostModel:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if _number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
         return lo
-
-
-def state_bytes(params: float, trainable: float, precision: Precision, optimizer_states: int, *, zero: int,
-                dp: int) -> dict[str, float]:
-    """Bytes per device of parameters, gradients and optimizer state under ZeRO ``zero`` over ``dp`` ranks.
-
-    The ZeRO paper's accounting (Rajbhandari et al. 2020, section 5): stage 1 shards the optimizer state,
-    stage 2 also the gradients, stage 3 also the parameters; frozen parameters are never sharded, have no gradient.
-    """
-    frozen = params - trainable
-    return {
-        "parameters": frozen * precision.param + trainable * precision.param / (dp if zero == 3 else 1),
-        "gradients": trainable * precision.grad / (dp if zero >= 2 else 1),
-        "optimizer": trainable * (precision.master + optimizer_states * precision.state) / (dp if zero >= 1 else 1),
-    }
 
 
 def _state_elements(units: list[_Values]) -> tuple[int, int]:
