@@ -94,7 +94,7 @@ def recompute(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> Recomputed:
             why = _reads_other_gathers(nodes)
             if why:
                 skipped[la] = why
-        cyclic = set() if skipped.keys() & members.keys() else _cyclic(gm, members)
+        cyclic = set() if skipped.keys() & members.keys() else _order(gm, members)[1]
         for la in cyclic:
             skipped[la] = "its operators interleave with those outside it (no single region can hold them)"
         if not (skipped.keys() & members.keys()):
@@ -165,8 +165,8 @@ def _order(gm: fx.GraphModule, members: dict[str, list[fx.Node]]) -> tuple[list[
     for u, d in deps.items():
         for v in d:
             users.setdefault(v, []).append(u)
-    ready = [(first[u], k, u) for k, u in enumerate(deps) if not waiting[u]]
-    key = {u: k for k, u in enumerate(deps)}
+    key = {u: k for k, u in enumerate(deps)}  # ties in graph position never compare units
+    ready = [(first[u], key[u], u) for u in deps if not waiting[u]]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -178,10 +178,6 @@ def _order(gm: fx.GraphModule, members: dict[str, list[fx.Node]]) -> tuple[list[
                 heapq.heappush(ready, (first[v], key[v], v))
     left = {u[1] for u, w in waiting.items() if w and isinstance(u, tuple)}
     return order, left
-
-
-def _cyclic(gm: fx.GraphModule, members: dict[str, list[fx.Node]]) -> set[str]:
-    return _order(gm, members)[1]
 
 
 def _outline(gm: fx.GraphModule, members: dict[str, list[fx.Node]], modes: dict[str, str]) -> fx.GraphModule:

@@ -17,8 +17,9 @@ import models
 from autopar import Mesh, parallelize
 from autopar.planner import recompute_cost
 from autopar.planner.cluster import Cluster
-from autopar.planner.cost_model import CostModel, precision_of
+from autopar.planner.cost_model import Config, CostModel, precision_of
 from autopar.planner.model_profile import profile_model
+from autopar.planner.search import evaluate
 from autopar.passes.recompute import recompute
 from autopar.runtime.memory import NewStorages
 
@@ -45,9 +46,14 @@ def activation_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def predicted_bytes(model: torch.nn.Module) -> dict[str, float]:
+    """The planner's kept bytes per mode; each mode's candidate is one autopar runs, and says how."""
     profile = profile_model(model, example_inputs=(IDS[:2, :16],), tp_sizes=(1,))
-    cost = CostModel(profile, Cluster.preset("cpu"), precision_of(torch.float64), seq_len=S)
+    cluster, precision = Cluster.preset("cpu"), precision_of(torch.float64)
+    cost = CostModel(profile, cluster, precision, seq_len=S)
     units = [cost.values(seg, 1, B) for seg in profile.sequence()]
+    for mode in ("none", "selective", "full"):
+        candidate = evaluate(cost, Config(dp=1, microbatch_size=B, recompute=mode), cluster, precision, profile)
+        assert candidate.runnable and candidate.parallelize_options()["recompute"] == mode, candidate.not_runnable
     return {mode: float(recompute_cost.kept(mode, units)) for mode in ("none", "selective", "full")}
 
 

@@ -100,6 +100,7 @@ ATTENTION = _ops(torch.ops.aten, ("_scaled_dot_product_flash_attention_for_cpu",
                                   "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                                   "_efficient_attention_forward"))
 KEPT_SELECTIVE = MATMULS | ATTENTION
+_CANDIDATES = {"full": COMMUNICATING, "selective": COMMUNICATING | KEPT_SELECTIVE}  # what each mode may keep
 
 
 def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -126,7 +127,7 @@ class _Keep(TorchDispatchMode):
 
     def __init__(self, mode: str, kept: list) -> None:
         super().__init__()
-        self.candidates = COMMUNICATING | (KEPT_SELECTIVE if mode == "selective" else frozenset())
+        self.candidates = _CANDIDATES[mode]
         self.mode, self.kept = mode, kept
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
