@@ -168,7 +168,7 @@ def _bucket_dtypes(reduce_dtype: str | None) -> tuple[set, set]:
     grads = []
     pm.optimizer.register_step_pre_hook(lambda opt, *_: grads.extend(p.grad.dtype for p in pm.parameters()))
     pm.step(IDS, target=TARGET)
-    return {b.flat.dtype for b in pm._rt.grad_sync.buckets}, set(grads)
+    return {b.flat.dtype for b in pm.runtime.grad_sync.buckets}, set(grads)
 
 
 def test_dp_buckets_reduce_in_reduce_dtype_into_fp32_gradients(launcher) -> None:
