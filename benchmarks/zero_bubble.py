@@ -10,7 +10,10 @@ Prints, for each pp:
    for F = B = W; the median F, B and W times and step times.
    Then the ratios zb-h1 / 1f1b of bubble (target <= 0.5) and step time
    (target < 1.0).
-2. Step time of autopar's zb-h1 against torch.distributed.pipelining's
+2. One stage's F, B and W in thread CPU time, measured in this process (other
+   jobs on the cores stretch it far less than the ranks' wall-clock times), the
+   cost of the split, and the simulator's bubble and pipeline time from those.
+3. Step time of autopar's zb-h1 against torch.distributed.pipelining's
    ScheduleInterleavedZeroBubble (ZB1P) and ScheduleZBVZeroBubble (V placement,
    2 stages per rank) on the same chain and ranks (target <= 1.0). A torch
    schedule that fails is reported with its error and left out.

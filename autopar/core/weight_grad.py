@@ -17,7 +17,7 @@ gradient hooks fire as they would in one backward, once per site.
 
 How a recorded gradient lands: into an existing ``.grad`` of a parameter
 without gradient hooks, one ``addmm_`` (the matmul accumulates in place: no
-temporary weight-sized tensor, no separate add; on CPU about a quarter of
+temporary weight-sized tensor, no separate add; on CPU about a third of
 ``W``'s time); otherwise through autograd's own accumulation, which runs the
 hooks (data-parallel gradient sync, ZeRO).
 """
@@ -47,6 +47,7 @@ class WeightGradients:
 
 
 def _has_hooks(t: torch.Tensor) -> bool:
+    """Whether gradient hooks are registered on ``t`` (torch keeps them in these attributes, None when none)."""
     return bool(getattr(t, "_post_accumulate_grad_hooks", None) or getattr(t, "_backward_hooks", None))
 
 
