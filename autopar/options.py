@@ -26,6 +26,7 @@ class Options:
     precision: str = "fp32"  # "fp32": the model's own dtype; "bf16": fp32 masters, bf16 compute (autopar/precision.py)
     reduce_dtype: Any = None  # precision="bf16": dtype of gradient reductions over dp ("fp32" when None, or "bf16")
     recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
+    sequence_parallel: bool = False  # tp: shard the values between tensor-parallel regions (least activations)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):

@@ -81,6 +81,9 @@ class Program:
 
 def check_supported(mesh: Mesh, options: Options) -> None:
     """Rejects what cannot run, naming it (never a silent wrong answer)."""
+    if options.sequence_parallel and mesh.tp == 1:
+        raise ValueError(f"sequence_parallel=True shards the values between tensor-parallel regions, but the mesh "
+                         f"{mesh} has tp=1; give the mesh tp > 1 or drop sequence_parallel")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 
@@ -108,7 +111,7 @@ def compile_program(
     lowered, pinned, placements, layouts = [cap], placements, {}, {}
     if mesh.tp > 1:
         with log_pass(f"tensor parallel (solve + lower, tp={mesh.tp})", len(cap.gm.graph.nodes)) as info:
-            tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned)
+            tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned, sequence_parallel=options.sequence_parallel)
             info["nodes"] = len(tp.graphs[0].graph.nodes)
             info["detail"] = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
         lowered, placements, layouts = [with_graph(cap, g) for g in tp.graphs], tp.placements, tp.layouts

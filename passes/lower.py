@@ -52,15 +52,15 @@ def local_val(val: Any, placement: Any, n: int) -> Any:
 def convert(graph: fx.Graph, x: fx.Node, src: Any, dst: Any, axis: str, *, val: Any = None, n: int = 1,
             grad: bool = False) -> fx.Node:
     """Appends to ``graph`` the nodes turning ``x`` (placement ``src``) into placement ``dst``: the ops of
-    ``comm.conversion``, then ``grad_all_reduce`` when ``grad``; the last one (``x`` when there are none).
+    ``comm.conversion(src, dst, grad)``; the last one (``x`` when there are none).
 
     Each gets ``meta["val"]``: ``val`` (the full value) at its placement on an axis of ``n`` ranks.
     """
-    ops = comm.conversion(src, dst)
+    ops = comm.conversion(src, dst, grad)
     if ops is None:
         raise NotImplementedError(f"no redistribution from {src} to {dst}")
     placement = src
-    for name in ops + (("grad_all_reduce",) if grad else ()):
+    for name in ops:
         op = comm.OPS[name]
         dims = op.dim_args(src, dst)
         x = graph.call_function(getattr(autopar_ops, name).default, (x, axis, *dims))

@@ -24,9 +24,13 @@ gradient of a Replicate input reduced backward, or the sums inside a
 replacement such as vocab-parallel cross-entropy) reassociates a sum in the
 dtype of the value. Where the model computes a region in a dtype narrower
 than its parameters' (a norm cast to float32 in a float64 model), such a sum
-rounds at that dtype, not the model's, so it is charged ``NARROW_SUM_S`` and
+rounds at that dtype, not the model's, so it is charged ``NARROW_SUM_S`` (as is
+a Partial value cast to a narrow dtype: each summand rounds) and
 chosen only where no plan avoids it: the parallel run then rounds only where
-the single-device model itself rounds.
+the single-device model itself rounds. Narrow values are also computed
+replicated where sharding them gains nothing (``NARROW_SHARD_S``, a tie-break):
+a vectorized kernel may round an element differently by its position in the
+tensor (a float32 ``exp`` over a shard is not always the full one's slice).
 """
 from __future__ import annotations
 
@@ -43,14 +47,19 @@ from scipy.sparse import coo_matrix
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.core.comm import LinkCost, collective_time, conversion_time
+from autopar.core.comm import LinkCost, conversion, conversion_time
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.rules import SUMS_INSIDE, Strategy, strategies
 from autopar.passes.rules.base import R
+from autopar.passes.saved import saved_tensors
 
 KEY = "autopar.placement"
 NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the parameters' (see above)
+NARROW_SHARD_S = 1e-8  # per node computing a narrow value on shards (see above)
+OP_S = 1e-9  # per inserted op: of two conversions priced alike, the one with fewer ops (reduce-scatter, not
+             # all-reduce then chunk)
+ACTIVATION_SLACK = 0.01  # least_activations: communication time may buy back up to 1% more saved activations
 
 
 # the solver's default axis: 10 us per collective, 50 GB/s per rank, a reduce-scatter charged as an all-reduce
@@ -63,6 +72,7 @@ class Choice:
 
     strategies: list[Strategy]
     chosen: int = 0
+    fastest: int | None = None  # least_activations: this node's strategy in the fastest plan
     inputs: list[tuple[fx.Node, int | None] | None] = field(default_factory=list)  # value feeding each input
 
     @property
@@ -148,13 +158,50 @@ def default_budget(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     return total
 
 
+def saved_bytes(gm: fx.GraphModule, n: int, choices: dict[fx.Node, Choice], params: set[fx.Node],
+                trainable: set[fx.Node]) -> list[tuple[fx.Node, list[float]]]:
+    """Bytes per rank that each node saves for backward under each of its strategies (``passes.saved``).
+
+    A tensor a node saves from one of its inputs is held at the placement its strategy asks of that
+    input (an all-gathered input is saved whole); one it makes itself, at its output placement.
+    ``Shard``: 1/n of the bytes; Replicate and Partial: all of them.
+    """
+    found = []
+    run = saved_tensors(gm, params, trainable)
+    for rec in run.saved.values():
+        v = rec.saver
+        if v not in choices or v.op != "call_function":
+            continue
+        nbytes = int(rec.elements) * rec.itemsize
+        ch = choices[v]
+        k = next((k for k, value in enumerate(ch.inputs)  # the input it saves, or a view of
+                  if value is not None and run.origin.get(value[0], value[0]) is rec.producer), None)
+        held = [s.inputs[k] if k is not None else out_placement(s, 0) for s in ch.strategies]
+        found.append((v, [nbytes / n if isinstance(p, Shard) else nbytes for p in held]))
+    return found
+
+
+def chosen_saved_bytes(terms: list[tuple[fx.Node, list[float]]], choices: dict[fx.Node, Choice],
+                       fastest: bool = False) -> int:
+    """Bytes per rank saved for backward under the chosen strategies (``saved_bytes``'s terms); ``fastest``:
+    under those of the fastest plan instead (``solve_sharding(least_activations=True)`` records them)."""
+    return int(sum(row[choices[v].fastest if fastest else choices[v].chosen] for v, row in terms))
+
+
 def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: LinkCost = DEFAULT_COST,
                    memory_budget: int | None = None, trainable: set[fx.Node] | None = None,
-                   fixed: dict[str, Any] | None = None) -> dict[fx.Node, Choice]:
+                   fixed: dict[str, Any] | None = None, activation_budget: int | None = None,
+                   least_activations: bool = False) -> dict[fx.Node, Choice]:
     """Chooses a strategy per node (see the module docstring); writes ``meta[KEY]``.
 
     ``param_names``: the parameter placeholders; ``trainable``: those with gradients (default all);
     ``fixed``: parameter placements already decided (the runtime stores parameters that way).
+    ``activation_budget``: bytes per rank the forward may save for backward (``saved_bytes``);
+    ``least_activations``: keep the parameters as the fastest plan shards them, find the least such
+    bytes any placement of the values reaches, then the cheapest communication within
+    ``ACTIVATION_SLACK`` of it. In a transformer this is sequence parallelism (Korthikanti et al.
+    2022): the values between the tensor-parallel regions (residual stream, norms, dropout) sharded
+    along the sequence, each forward all-reduce a reduce-scatter and an all-gather.
     """
     same_as = {a: b for a, b in repeated_blocks(gm).items()  # identical layers are decided once
                if a.target is not operator.getitem}
@@ -173,6 +220,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
         offset[node] = offset[same_as[node]]
     n_decisions = n_vars
     c: list[float] = [0.0] * n_vars
+    forbidden: list[tuple[int, int]] = []  # pairs of variables never both chosen (a parameter not as stored)
     rows: list[tuple[int, int, float]] = []  # sparse (row, col, value) of equality constraints
     rhs: list[float] = []
     for node in nodes:  # exactly one strategy per node
@@ -182,6 +230,11 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
         if ins and _floating(*ins[0]) and _itemsize(*ins[0]) < wide:  # a narrow sum inside a local replacement
             for i, s in enumerate(choices[node].strategies):
                 c[offset[node] + i] += NARROW_SUM_S * ((node.target, s.note) in SUMS_INSIDE)
+        if node.op == "call_function" and _floating(node, None) and _itemsize(node, None) < wide:
+            for i, s in enumerate(choices[node].strategies):  # narrow summands; narrow compute on shards
+                outs = pytree.tree_leaves(s.output)
+                c[offset[node] + i] += NARROW_SUM_S * any(isinstance(p, Partial) for p in outs) + \
+                    NARROW_SHARD_S * any(isinstance(p, Shard) for p in outs)
         row = len(rhs)
         rows += [(row, offset[node] + i, 1.0) for i in range(len(choices[node].strategies))]
         rhs.append(1.0)
@@ -201,13 +254,12 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 src = out_placement(su, idx)
                 for j, sv in enumerate(cv.strategies):
                     dst = sv.inputs[k]
-                    t = conversion_time(src, dst, nbytes, n, cost)
+                    sync = grad and dst is not None and needs_grad_sync(sv, dst)
+                    t = conversion_time(src, dst, nbytes, n, cost, grad=sync) + OP_S * len(conversion(src, dst, sync) or ())
                     if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
-                    if sums_over_ranks(src, dst):
-                        t += narrow
-                    if grad and dst is not None and needs_grad_sync(sv, dst):
-                        t += collective_time("all_reduce", nbytes, n, cost) + narrow
+                        forbidden.append((offset[u] + i, offset[v] + j))
+                    t += narrow * (sums_over_ranks(src, dst) + sync)
                     m[i, j] = min(t, 1e6)
             pair_cost.append((u, v, m))
     out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
@@ -238,7 +290,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 c[offset[v] + j] += m[0, j]
             continue
         base = n_vars
-        n_vars += m.size
+        n_vars += m.shape[0] * m.shape[1]
         c += list(m.reshape(-1))
         for i in range(m.shape[0]):  # sum_j e_ij = x_ui
             row = len(rhs)
@@ -259,16 +311,43 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     constraints.append(LinearConstraint(mem.reshape(1, -1), -np.inf, budget))
     integrality = np.zeros(n_vars)
     integrality[:n_decisions] = 1
-    result = milp(np.array(c), constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
-                  options={"time_limit": 60})
-    if result.x is None:
-        raise RuntimeError(f"the sharding program found no plan within a budget of {budget:,} bytes per rank "
-                           f"({result.message}); raise memory_budget")
+    seconds = np.array(c) * 1e6  # in microseconds: the solver's absolute gap (1e-6) is below OP_S
+    within = f"a budget of {budget:,} bytes per rank for parameters"
+    if activation_budget is not None or least_activations:
+        saved = np.zeros(n_vars)
+        for v, row in saved_bytes(gm, n, choices, set(param_names), set(param_names) if trainable is None else trainable):
+            saved[offset[v] : offset[v] + len(row)] += row
+        if forbidden:  # the penalty that keeps parameters as stored is not in the other objectives: a constraint
+            pairs = coo_matrix((np.ones(2 * len(forbidden)), (np.repeat(np.arange(len(forbidden)), 2),
+                                np.array(forbidden).reshape(-1))), shape=(len(forbidden), n_vars))
+            constraints.append(LinearConstraint(pairs, -np.inf, 1))
+        if least_activations:  # the weights sharded as the fastest plan shards them; the least activations
+            fastest = _milp(seconds, constraints, integrality, within).x
+            for node in nodes:
+                choices[node].fastest = int(np.argmax(fastest[offset[node] : offset[node] + len(choices[node].strategies)]))
+            weights = [offset[nd] + int(np.argmax(fastest[offset[nd] : offset[nd] + len(choices[nd].strategies)]))
+                       for nd in param_names]
+            constraints.append(LinearConstraint(coo_matrix((np.ones(len(weights)), (np.arange(len(weights)), weights)),
+                                                           shape=(len(weights), n_vars)), 1, 1))
+            least = float(saved @ _milp(saved, constraints, integrality, within).x)
+            limit = int(least * (1 + ACTIVATION_SLACK)) + 1
+            activation_budget = limit if activation_budget is None else min(activation_budget, limit)
+        constraints.append(LinearConstraint(saved.reshape(1, -1), -np.inf, activation_budget))
+        within += f" and {activation_budget:,} for saved activations"
+    result = _milp(seconds, constraints, integrality, within)
     for node in nodes:
         k = len(choices[node].strategies)
         choices[node].chosen = int(np.argmax(result.x[offset[node] : offset[node] + k]))
         node.meta[KEY] = choices[node].strategy
     return choices
+
+
+def _milp(c: np.ndarray, constraints: list[LinearConstraint], integrality: np.ndarray, within: str) -> Any:
+    result = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1), options={"time_limit": 60, "mip_rel_gap": 1e-7})
+    if result.x is None:
+        raise RuntimeError(f"the sharding program found no plan within {within} ({result.message}); "
+                           "raise memory_budget (or activation_budget)")
+    return result
 
 
 def _value(node: fx.Node, idx: int | None) -> Any:

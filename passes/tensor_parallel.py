@@ -27,7 +27,7 @@ from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
 from autopar.passes.rules.base import BATCH_MEAN, VOCAB_PARALLEL
-from autopar.passes.sharding import DEFAULT_COST, solve_sharding
+from autopar.passes.sharding import DEFAULT_COST, chosen_saved_bytes, saved_bytes, solve_sharding
 
 
 @dataclass
@@ -42,17 +42,20 @@ class TensorParallel:
 
 
 def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: int | None = None,
-                    fixed: dict[str, object] | None = None, cost: LinkCost = DEFAULT_COST) -> TensorParallel:
+                    fixed: dict[str, object] | None = None, cost: LinkCost = DEFAULT_COST,
+                    sequence_parallel: bool = False) -> TensorParallel:
     """Solves and lowers ``cap`` for a tp axis of ``n``; ``fixed`` pins parameter placements chosen before.
 
     ``cost``: the tp axis's collective cost (a cluster's ``axis_cost``; default the solver's own).
+    ``sequence_parallel``: ask the solver for the least activations saved per rank
+    (``solve_sharding(least_activations=True)``), then the cheapest communication.
     """
     layouts = interleave_fused_projections(cap, n)
     placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
     params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
     leaves = {nd for nd, name in params.items() if name in trainable}
     choices = solve_sharding(cap.gm, n, params, cost=cost, memory_budget=memory_budget, trainable=leaves,
-                             fixed=fixed)
+                             fixed=fixed, least_activations=sequence_parallel)
     rg = requires_grad(cap.gm, leaves)
     placements = {name: choices[nd].strategy.output for nd, name in params.items()}
     inside = sorted({str(nd.target) for nd, ch in choices.items() if nd.op == "call_function"
@@ -67,6 +70,10 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     summary = layer_summary(gm, repeated_blocks(cap.gm))
     if summary is not None:
         summary = dataclasses.replace(summary, inside=tuple(inside))
+    if summary is not None and sequence_parallel:  # what it saves: the solver's account, with and without
+        terms = saved_bytes(cap.gm, n, choices, set(params), leaves)
+        summary = dataclasses.replace(summary, saved=(chosen_saved_bytes(terms, choices),
+                                                      chosen_saved_bytes(terms, choices, fastest=True)))
     return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts, summary)
 
 
@@ -131,7 +138,7 @@ def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tu
     nbytes: Counter = Counter()
     for nd, direction, kind in collective_calls(gm.graph.nodes, needs_grad):
         # bytes each rank contributes (as the runtime counts them): the local piece of an all-gather
-        source = nd.args[0] if nd.target._opname == "all_gather" else nd
+        source = nd.args[0] if OPS[nd.target._opname].forward == "all_gather" else nd
         counts[(direction, kind)] += 1
         nbytes[(direction, kind)] += tensor_bytes(source.meta.get("val"))
     return counts, nbytes

@@ -11,6 +11,7 @@ Shard(d)):
 | all_reduce(x, axis)    | sum over the axis        | identity        | Partial -> Replicate   |
 | grad_all_reduce(x, ax) | identity                 | sum over axis   | Replicate feeding sharded compute |
 | all_gather(x, ax, d)   | concatenate along d      | local chunk     | Shard(d) -> Replicate  |
+| all_gather_rs(x,ax,d)  | concatenate along d      | reduce-scatter  | Shard(d) -> Replicate feeding sharded compute |
 | chunk(x, ax, d)        | local chunk along d      | all-gather      | Replicate -> Shard(d)  |
 | reduce_scatter(x,ax,d) | sum, keep local chunk    | all-gather      | Partial -> Shard(d)    |
 | all_to_all(x,ax,a,b)   | exchange chunks along b  | all_to_all(b,a) | Shard(a) -> Shard(b)   |
@@ -125,8 +126,17 @@ def _all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch
 
 
 def _reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    # gloo has no reduce_scatter: all-reduce, then keep the local chunk (same result, more bytes)
-    return _chunk(_all_reduce(x, axis), axis, dim)
+    n, i, g = _size_index(axis)
+    if dist.get_backend(g) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep the local chunk
+        full = x.contiguous().clone()
+        dist.all_reduce(full, group=g)
+        out = full.chunk(n, dim=dim)[i].clone(memory_format=torch.contiguous_format)
+    else:
+        pieces = [piece.contiguous() for piece in x.chunk(n, dim=dim)]
+        out = torch.empty_like(pieces[i])
+        dist.reduce_scatter(out, pieces, group=g)
+    current().record("reduce_scatter", axis, out)  # the local piece, as an all-gather's
+    return out
 
 
 # -- ops ------------------------------------------------------------------------------------------
@@ -150,6 +160,11 @@ def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    return _all_gather(x, axis, dim)
+
+
+@torch.library.custom_op("autopar::all_gather_rs", mutates_args=())
+def all_gather_rs(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return _all_gather(x, axis, dim)
 
 
@@ -229,6 +244,7 @@ def _fake(x: torch.Tensor, axis: str, *, gathered: int | None = None, chunked: i
 for _same_shape in (all_reduce, all_reduce_max, grad_all_reduce, to_partial):
     _same_shape.register_fake(lambda x, axis: torch.empty_like(x))
 all_gather.register_fake(lambda x, axis, dim: _fake(x, axis, gathered=dim))
+all_gather_rs.register_fake(lambda x, axis, dim: _fake(x, axis, gathered=dim))
 chunk.register_fake(lambda x, axis, dim: _fake(x, axis, chunked=dim))
 all_to_all.register_fake(lambda x, axis, src_dim, dst_dim: _fake(x, axis, gathered=src_dim, chunked=dst_dim))
 reduce_scatter.register_fake(lambda x, axis, dim: _fake(x, axis, chunked=dim))
@@ -243,6 +259,7 @@ all_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
 grad_all_reduce.register_autograd(lambda ctx, g: (all_reduce(g, ctx.args[0]), None), setup_context=_setup)
 to_partial.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
 all_gather.register_autograd(lambda ctx, g: (chunk(g, *ctx.args), None, None), setup_context=_setup)
+all_gather_rs.register_autograd(lambda ctx, g: (reduce_scatter(g, *ctx.args), None, None), setup_context=_setup)
 chunk.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
 all_to_all.register_autograd(lambda ctx, g: (all_to_all(g, ctx.args[0], ctx.args[2], ctx.args[1]), None, None, None),
                              setup_context=_setup)

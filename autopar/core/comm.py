@@ -109,7 +109,11 @@ OPS: dict[str, CollectiveOp] = {
     "chunk": CollectiveOp(None, "all_gather", "replicate", "shard", ("dst",),
                           role="keep local chunk, all-gather backward"),
     "reduce_scatter": CollectiveOp("reduce_scatter", "all_gather", "partial", "shard", ("dst",),
-                                   role="reduce-scatter forward"),
+                                   role="reduce-scatter forward, all-gather backward"),
+    # all_gather then grad_all_reduce as one op (sharded compute consumes the gathered value): the partial
+    # gradient is reduce-scattered straight back to the shards
+    "all_gather_rs": CollectiveOp("all_gather", "reduce_scatter", "", "replicate", ("src",),
+                                  role="all-gather forward, reduce-scatter backward"),
     "to_partial": CollectiveOp(None, None, "replicate", "partial"),  # a bias added once: x on index 0, zeros elsewhere
     "all_reduce_max": CollectiveOp("all_reduce_max", None, "", "replicate"),  # in local replacements; no gradient
     "all_to_all": CollectiveOp("all_to_all", "all_to_all", "shard", "shard", ("src", "dst"),
@@ -124,11 +128,23 @@ def _kind(placement: Any) -> str | None:
     return None
 
 
-def conversion(src: Any, dst: Any) -> tuple[str, ...] | None:
+def conversion(src: Any, dst: Any, grad: bool = False) -> tuple[str, ...] | None:
     """The ops (in order) that turn placement ``src`` into ``dst``; () when equal; None when none can.
 
     One op of ``OPS`` where one converts between the two kinds; otherwise two, through Replicate.
+    ``grad``: the consumer computes sharded from a Replicate value, so its gradient arrives Partial and
+    is summed over the axis on the way back (``grad_all_reduce``; after an all-gather, one op that
+    reduce-scatters it straight to the shards: Megatron's sequence-parallel pair).
     """
+    ops = _conversion(src, dst)
+    if not grad or ops is None:
+        return ops
+    if ops[-1:] == ("all_gather",):
+        return ops[:-1] + ("all_gather_rs",)
+    return ops + ("grad_all_reduce",)
+
+
+def _conversion(src: Any, dst: Any) -> tuple[str, ...] | None:
     if dst is None or src == dst:
         return ()
     kinds = (_kind(src), _kind(dst))
@@ -137,12 +153,13 @@ def conversion(src: Any, dst: Any) -> tuple[str, ...] | None:
             return (name,)
     if None in kinds or "replicate" in kinds or kinds[0] == kinds[1]:
         return None
-    return conversion(src, Replicate()) + conversion(Replicate(), dst)  # Shard -> Partial
+    return _conversion(src, Replicate()) + _conversion(Replicate(), dst)  # Shard -> Partial
 
 
-def conversion_time(src: Any, dst: Any, nbytes: Any, n: int, cost: LinkCost) -> float:
-    """Forward plus backward seconds to turn placement ``src`` into ``dst`` (``nbytes``: the whole tensor)."""
-    ops = conversion(src, dst)
+def conversion_time(src: Any, dst: Any, nbytes: Any, n: int, cost: LinkCost, grad: bool = False) -> float:
+    """Forward plus backward seconds to turn placement ``src`` into ``dst`` (``nbytes``: the whole tensor;
+    ``grad``: as ``conversion``)."""
+    ops = conversion(src, dst, grad)
     if ops is None:
         return float("inf")
     kinds = [kind for op in ops for kind in (OPS[op].forward, OPS[op].backward) if kind is not None]

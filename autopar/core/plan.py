@@ -154,6 +154,7 @@ class LayerLayout:
     block: str
     rows: tuple[MatmulRow | CollectiveRow, ...]
     inside: tuple[str, ...] = ()  # ops whose local replacement communicates (vocab-parallel loss, ...)
+    saved: tuple[int, int] | None = None  # sequence parallelism: bytes saved for backward per rank, (with, without)
 
     def render(self) -> list[str]:
         lines = [f"one layer ({self.block}; every identical layer is laid out the same):"]
@@ -164,6 +165,10 @@ class LayerLayout:
                 lines.append(f"    {row.where:<22} {row.op:<28} {row.style}")
         if self.inside:
             lines.append(f"    plus collectives inside local replacements of: {', '.join(self.inside)}")
+        if self.saved is not None:
+            lines.append(f"    sequence parallel: the values between tensor-parallel regions are sharded; the forward "
+                         f"of a microbatch saves {self.saved[0] / 2**20:.2f} MiB per rank for backward "
+                         f"({self.saved[1] / 2**20:.2f} MiB without)")
         return lines
 
 

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from autopar.core import collectives as _declared  # noqa: F401  (declares torch.ops.autopar.*)
+from autopar.core.comm import OPS
 
 MODES = ("none", "selective", "full")
 FIX = ("pass recompute='none', 'selective' or 'full', a dict {layer or pattern: mode} "
@@ -91,8 +92,8 @@ def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-# forward communication of the autopar::* ops; grad_all_reduce, chunk and to_partial compute locally
-COMMUNICATING = _ops(torch.ops.autopar, ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all"))
+# the autopar::* ops that communicate in forward (grad_all_reduce, chunk and to_partial compute locally)
+COMMUNICATING = _ops(torch.ops.autopar, tuple(name for name, op in OPS.items() if op.forward))
 MATMULS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "convolution",
                                 "_grouped_mm", "_scaled_mm"))
 ATTENTION = _ops(torch.ops.aten, ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

@@ -53,8 +53,9 @@ from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.core.recompute import COMMUNICATING
 from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, kept_elements, moved_elements,
-                                              numel_of, output_elements, s_sym, saved_elements, saved_tensors, to_sympy,
+                                              numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)
+from autopar.passes.saved import saved_tensors
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)

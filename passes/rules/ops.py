@@ -20,6 +20,8 @@ from autopar.passes.rules.base import (
 aten = torch.ops.aten
 
 SHARD_RANGE = "shard-range"  # arange split into n consecutive ranges
+ONE_MASK = "part-of-one-mask-{}"  # dropout on Shard(d): each rank applies its part of one full-size mask
+MAX_DIMS = 8
 
 
 # ---------------------------------------------------------------------------
@@ -44,7 +46,31 @@ def _broadcast(call: Call, note: str = "") -> list[Strategy]:
 
 def _dropout(call: Call) -> list[Strategy]:
     identity = not call["train"] or call["p"] == 0
-    return mapped(call, dims_except(first_tensor(call).ndim), linear=identity)
+    found = mapped(call, dims_except(first_tensor(call).ndim), linear=identity)
+    if identity:
+        return found
+    if first_tensor(call).ndim > MAX_DIMS:
+        return []
+    return [Strategy(s.inputs, s.output, ONE_MASK.format(s.output.dim)) for s in found]
+
+
+def _part_of_one_mask(dim: int) -> LocalOp:
+    def dropout_part(call: Call, rank: int, collectives: Collectives | None) -> torch.Tensor:
+        """Draws the mask of the whole tensor (every rank of the axis draws the same numbers: the runtime
+        seeds them alike) and applies this rank's part: the ranks together drop what one device,
+        or the replicated op, would."""
+        x, p = call["input"], call["p"]
+        shape = list(x.shape)
+        shape[dim] *= call.n
+        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+        return x * noise.chunk(call.n, dim)[rank]
+
+    dropout_part.__name__ = dropout_part.__qualname__ = f"dropout_part_{dim}"
+    return LocalOp(dropout_part)
+
+
+for _dim in range(MAX_DIMS):  # module-level names: a LocalOp pickles by name
+    globals()[f"dropout_part_{_dim}"] = _part_of_one_mask(_dim)
 
 
 def _additive(call: Call) -> list[Strategy]:
@@ -223,4 +249,6 @@ LOCAL_ARGS: dict[Op, LocalArgs] = {
 LOCAL_OPS: dict[tuple[Op, str], LocalOp] = {
     # arange: each rank produces its own range
     **{(op, SHARD_RANGE): shard_range for op in (aten.arange.default, aten.arange.start, aten.arange.start_step)},
+    # dropout on a sharded dim: this rank's part of one mask
+    **{(aten.dropout.default, ONE_MASK.format(d)): globals()[f"dropout_part_{d}"] for d in range(MAX_DIMS)},
 }

@@ -1,0 +1,124 @@
+"""Sequence parallelism (``sequence_parallel=True``): the solver shards the values between tensor-parallel regions,
+each forward all-reduce becomes a reduce-scatter and an all-gather; float64 exact, dropout the same numbers as the
+replicated plan draws, and the activations saved per rank lower by what the solver predicts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from autopar import Mesh, parallelize
+from autopar.core.plan import CollectiveRow, MatmulRow
+from autopar.testing import assert_equivalent, parallel_run, relative_errors
+
+IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
+ONE_SEQUENCE = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(3))  # only the sequence divides
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_float64_exact(launcher, name: str) -> None:
+    assert_equivalent(models.factory(getattr(models, name)), Mesh(tp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("name, mesh, options", [
+    ("gpt2", Mesh(dp=2, tp=2), {}),
+    ("llama", Mesh(pp=2, tp=2), {"microbatches": 2}),
+    ("gpt2", Mesh(dp=2, tp=2), {"zero": 3}),
+    pytest.param("llama", Mesh(tp=2), {"recompute": "selective"}, marks=pytest.mark.slow),
+    pytest.param("gpt2", Mesh(pp=2, tp=2), {"microbatches": 2, "schedule": "zb-h1"}, marks=pytest.mark.slow),
+])
+def test_float64_exact_composed(launcher, name: str, mesh: Mesh, options: dict) -> None:
+    layers = 4 if mesh.pp > 1 else 2
+    assert_equivalent(models.factory(getattr(models, name), layers=layers), mesh, (IDS,), TARGET, models.lm_loss,
+                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, sequence_parallel=True,
+                      **options)
+
+
+def test_one_sequence_is_sharded_along_the_sequence(launcher) -> None:
+    """A batch of one: the values between regions can only be sharded along the sequence (dim 1)."""
+    pm = parallelize(models.llama(), Mesh(tp=2), example_inputs=(ONE_SEQUENCE,), example_target=ONE_SEQUENCE,
+                     loss_fn=models.lm_loss, optimizer=models.adamw, sequence_parallel=True)
+    gm = pm.graph(0)
+    dims = {(nd.target._opname, nd.args[2]) for nd in gm.graph.nodes
+            if getattr(nd.target, "namespace", None) == "autopar" and nd.target._opname in ("reduce_scatter",
+                                                                                               "all_gather_rs")}
+    assert dims == {("reduce_scatter", 1), ("all_gather_rs", 1)}, dims
+    assert_equivalent(models.factory(models.llama), Mesh(tp=2), (ONE_SEQUENCE,), ONE_SEQUENCE, models.lm_loss,
+                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_plan_shows_megatrons_pairs(name: str) -> None:
+    """In every layer each forward all-reduce after a row-parallel matmul is a reduce-scatter, and each
+    column-parallel group reads an all-gather whose backward reduce-scatters; the weights are sharded as without."""
+    def compiled(sp: bool):
+        return parallelize(getattr(models, name)(), Mesh(tp=2), example_inputs=(IDS,), example_target=TARGET,
+                           loss_fn=models.lm_loss, optimizer=models.adamw, sequence_parallel=sp)
+
+    pm, plain = compiled(True), compiled(False)
+    rows = pm.plan.tensor_parallel.rows
+    ops = [row.op for row in rows if isinstance(row, CollectiveRow) and row.op != "grad_all_reduce"]
+    pairs = ["all_gather_rs", "reduce_scatter"] * 2
+    assert ops in (pairs, pairs[1:] + pairs[:1]), rows  # (a layer may begin with the last one's reduce-scatter)
+    styles = [row.style for row in rows if isinstance(row, MatmulRow) and row.op != "scaled_dot_product_attention"]
+    before = [row.style for row in plain.plan.tensor_parallel.rows
+              if isinstance(row, MatmulRow) and row.op != "scaled_dot_product_attention"]
+    assert styles == before  # the same column- and row-parallel matmuls
+    forward = {c.op: c.count for c in pm.plan.collectives if c.direction == "forward"}
+    plain_forward = {c.op: c.count for c in plain.plan.collectives if c.direction == "forward"}
+    assert forward["reduce_scatter"] == forward["all_gather"] == plain_forward["all_reduce"] - forward.get("all_reduce", 0)
+    text = str(pm.plan)
+    assert "sequence parallel:" in text and "reduce_scatter" in text
+    assert pm.plan.tensor_parallel.saved[0] < pm.plan.tensor_parallel.saved[1]
+
+
+def _dropout_run(sp: bool, launcher) -> list:
+    make = models.factory(models.gpt2, dropout=0.1)
+    return parallel_run(make, Mesh(tp=2), (IDS,), TARGET, models.lm_loss, models.adamw, 2, launcher=launcher,
+                        sequence_parallel=sp)
+
+
+def test_dropout_draws_the_replicated_plans_numbers(launcher) -> None:
+    """Dropout on sequence shards applies each rank's part of one mask: the same numbers as the plan that runs
+    it replicated (a mask drawn per shard would repeat itself across ranks)."""
+    replicated, sharded = _dropout_run(False, launcher), _dropout_run(True, launcher)
+    assert relative_errors(replicated[0], sharded[0])[0] < 1e-12
+    worst = max(float((replicated[0].state[k] - sharded[0].state[k]).abs().max()) for k in replicated[0].state)
+    assert worst < 1e-12
+
+
+def _saved_bytes(sp: bool) -> tuple[int, tuple[int, int]]:
+    """Bytes of the distinct storages one forward saves for backward on this rank (parameters aside)."""
+    ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(4))
+    pm = parallelize(models.gpt2(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
+                     sequence_parallel=sp)
+    pm.step(ids, target=ids)  # compile and warm up
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and base.requires_grad):
+            storages[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.step(ids, target=ids)
+    plan = parallelize(models.gpt2(d=64), Mesh(tp=2), example_inputs=(ids,), example_target=ids,
+                       loss_fn=models.lm_loss, optimizer=models.sgd, sequence_parallel=True).plan
+    return sum(storages.values()), plan.tensor_parallel.saved
+
+
+def test_activation_memory_is_lower_by_the_predicted_amount(launcher) -> None:
+    (sharded, predicted), _ = launcher(_saved_bytes, 2, True)
+    (replicated, _), _ = launcher(_saved_bytes, 2, False)
+    assert sharded == pytest.approx(predicted[0], rel=0.10)
+    assert replicated == pytest.approx(predicted[1], rel=0.10)
+    assert replicated - sharded == pytest.approx(predicted[1] - predicted[0], rel=0.10)
+
+
+def test_needs_a_tensor_parallel_axis() -> None:
+    with pytest.raises(ValueError, match="tp=1"):
+        parallelize(models.gpt2(), Mesh(dp=2), example_inputs=(IDS,), example_target=TARGET, loss_fn=models.lm_loss,
+                    optimizer=models.adamw, sequence_parallel=True)
