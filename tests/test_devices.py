@@ -1,19 +1,25 @@
-"""Devices: one place decides where a rank computes, and the job starts there.
+"""Devices: one place decides where a rank computes; graphs captured on one device run on another.
 
-The CUDA paths are checked here by their decisions (GPUs are simulated by patching ``torch.cuda``).
-Running on GPUs: ``benchmarks/gpu_check.py``.
+The CUDA paths are checked here by their decisions (GPUs are simulated by patching ``torch.cuda``) and by
+moving captured graphs to the meta device, which fails on any argument left on the CPU. Running on GPUs:
+``benchmarks/gpu_check.py``.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+from torch.utils import _pytree as pytree
 
-from autopar import WorkerPool, launch
+import models
+from autopar import Mesh, WorkerPool, launch, parallelize
+from autopar.capture import capture
+from autopar.passes.device import retarget_device
 from autopar.runtime import groups
 from autopar.runtime.groups import default_backend, message_device, rank_device, requested_device
 
-CPU = torch.device("cpu")
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 
 @pytest.fixture
@@ -75,3 +81,38 @@ def test_launch_runs_the_ranks_where_it_is_told() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no usable GPU"):
             WorkerPool(2, backend="nccl", device="cuda")
+
+
+def _graph_devices(gm: fx.GraphModule) -> set[torch.device]:
+    return {a for m in gm.modules() if isinstance(m, fx.GraphModule) for nd in m.graph.nodes
+            for a in pytree.tree_leaves((nd.args, nd.kwargs)) if isinstance(a, torch.device)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_graph_captured_on_the_cpu_runs_on_another_device(name: str) -> None:
+    """The capture writes the CPU into position ids, RoPE tables and metadata checks; moved, the graph runs
+    on the meta device (where any argument left on the CPU fails), and not before."""
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    cap = capture(getattr(models, name)(), (ids,), with_loss=True, loss_fn=models.lm_loss, target=ids)
+    assert CPU in _graph_devices(cap.gm)
+    args = [torch.empty(nd.meta["val"].shape, dtype=nd.meta["val"].dtype, device=META)
+            for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
+    with pytest.raises(Exception):  # noqa: B017 - whichever op meets the CPU first
+        cap.gm(*args)
+    assert retarget_device(cap.gm, CPU, META) > 0
+    assert _graph_devices(cap.gm) == {META}
+    (loss,) = [t for t in pytree.tree_leaves(cap.gm(*args)) if t.dim() == 0]
+    assert loss.device == META
+    assert retarget_device(cap.gm, CPU, META) == 0  # nothing left to move
+
+
+def test_recomputed_regions_and_constants_move_with_the_program() -> None:
+    ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
+    pm = parallelize(models.llama(), Mesh(dp=2), example_inputs=(ids,), example_target=ids, loss_fn=models.lm_loss,
+                     optimizer=models.sgd, recompute="full")
+    program = pm.compile((ids,), target=ids)
+    assert program.device == CPU and CPU in _graph_devices(pm.graph(1))
+    program.move_to(1, META)
+    assert program.device == META and _graph_devices(pm.graph(1)) == {META}
+    assert any(isinstance(m, fx.GraphModule) and m is not pm.graph(1) for m in pm.graph(1).modules())  # (nested)
+    assert all(t.device == META for t in program.captured.constants.values())
