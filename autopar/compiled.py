@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Placement
+from torch.utils import _pytree as pytree
 
 from autopar.core.mesh import Mesh
 from autopar.model_storage import full_size_for_capture
 from autopar.options import Options
-from autopar.program import Program, compile_program
+from autopar.program import Program, capture_device, compile_program
 from autopar.runtime.batch import signature, split_batch
 from autopar.runtime.rank import RankRuntime
 
@@ -39,6 +40,8 @@ class ProgramCache:
         local = self.split(batch)[0]
         key = (with_loss, signature(local))
         if key not in self.programs:
+            device = capture_device(self.model)  # the inputs join the parameters there (the ranks' later on)
+            local = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, local)
             full_zero = rt.zero.full_size_parameters() if rt and rt.zero else contextlib.nullcontext()
             with full_zero, full_size_for_capture(self.model, rt.full_shapes if rt else {}):
                 self.programs[key] = compile_program(self.model, self.mesh, self.options, local,

@@ -65,6 +65,7 @@ class ParallelModel:
         """The program for ``batch``, the runtime, and this dp rank's microbatches of ``batch`` on its device."""
         program = self.compile(*batch, with_loss=with_loss)
         rt = self._runtime(program)
+        program.move_to(rt.groups.rank, rt.groups.device)
         check_ownership(self.model, program, rt)
         seed_rng(rt, self.mesh)
         return program, rt, self._local_parts(batch, rt)

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.comm import OPS
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
+from autopar.runtime.groups import job_device
 
 NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16 = ("precision='fp16' needs a loss scaler (fp16 gradients underflow without one), which autopar does not have; "
@@ -75,13 +76,6 @@ def policy(precision: str, reduce_dtype: Any = None) -> Policy | None:
     return Policy(compute=compute, reduce=reduce)
 
 
-def training_device(model: torch.nn.Module) -> torch.device:
-    """The device the ranks will compute on: a GPU per rank where NCCL runs the job, else the model's device."""
-    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
 def bf16_supported(device: torch.device) -> bool:
     """Whether ``device`` computes in bfloat16 natively (CUDA: compute capability 8.0 and later)."""
     if device.type == "cpu":
@@ -107,7 +101,7 @@ def check_model(model: torch.nn.Module, pol: Policy | None, device: torch.device
             f"precision='{compute}' keeps {master} master parameters, but {name!r} (and {len(wrong) - 1} more) is "
             f"{dtype}; call model.float() first to train in {compute} with {master} masters, or keep "
             "precision='fp32', which trains in the model's own dtype")
-    device = device if device is not None else training_device(model)
+    device = device if device is not None else job_device()  # where this process's rank will compute
     if pol.compute == torch.bfloat16 and not bf16_supported(device):
         what = device.type
         if device.type == "cuda":

@@ -24,6 +24,7 @@ from autopar.core.step_schedule import forward_step, local_schedule, training_st
 from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
+from autopar.passes.device import retarget_device
 from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
@@ -51,6 +52,17 @@ class Program:
     zero_layouts: dict[int, Any] = field(default_factory=dict)  # rank -> its ZeroLayout (zero > 0)
     rank_stages: Any = None  # rank -> its stages, when they differ by dp group (zero=3: a PerDpGroup)
     step: Schedule | None = None  # what every pp rank runs: the whole training step, or the forward pass
+    device: torch.device = torch.device("cpu")  # where its graphs' device arguments and its constants point
+
+    def move_to(self, rank: int, device: torch.device) -> None:
+        """Points what ``rank`` runs at ``device``: the device arguments the capture wrote into its graphs
+        (``passes/device.py``) and the captured constants. A process runs one rank: the first call moves them."""
+        if self.device == device:
+            return
+        for stage in self.run_stages(rank):
+            retarget_device(stage.gm, self.device, device)
+        self.captured.constants = {name: t.to(device) for name, t in self.captured.constants.items()}
+        self.device = device
 
     def run_stages(self, rank: int) -> list[StageGraph]:
         """The stage graphs ``rank`` executes: its pipeline stages, or its whole graph as one stage."""
@@ -77,6 +89,11 @@ class Program:
             return None
         mine = self.schedule.stages_of(self.plan.mesh.coords(rank)["pp"])
         return [st for st in stages if st.index in mine]
+
+
+def capture_device(model: torch.nn.Module) -> torch.device:
+    """The device ``model`` is captured on: its parameters' and buffers' (the CPU for a model with neither)."""
+    return next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
 
 def check_supported(mesh: Mesh, options: Options) -> None:
@@ -200,6 +217,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
     placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
     program.param_of = {nd.name: s.name for nd, s in zip(placeholders, program.captured.slots) if s.kind == "param"}
     program.trainable = trainable
+    program.device = capture_device(model)
     factor = optimizer_state_factor(options)
     per_rank = {r: rank_parameter_bytes(program, mesh, r) for r in range(mesh.size)}
     if options.zero:  # ZeRO's layouts, estimate and dp collectives replace data parallelism's

@@ -71,17 +71,19 @@ class Report:
 def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Callable | None,
                   optimizer: Callable, steps: int, kwargs: dict | None = None,
                   max_grad_norm: float | None = None, split: tuple[int, int] | None = None,
-                  precision: str = "fp32") -> Run:
+                  precision: str = "fp32", device: str | torch.device = "cpu") -> Run:
     """Single-device training on the global batch (gradients clipped to ``max_grad_norm`` when given).
 
     ``split=(dp, microbatches)``: the control. The batch is cut as autopar cuts it; each part's
     loss is divided by the number of parts and back-propagated on its own; the loss is their mean.
     ``precision="bf16"``: the mixed-precision policy as a plain eager loop (``MixedPrecisionReference``).
+    ``device``: where the model trains; the run's tensors are returned on the CPU, as ``parallel_run``'s.
     """
     from autopar.capture import model_loss
 
-    model = make_model()
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = make_model().to(device)
+    inputs, target, kwargs = _to((inputs, target, kwargs), device)
+    initial = _to(model.state_dict(), "cpu")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = optimizer([p for _, p in trainable])
     mixed = MixedPrecisionReference(model, precision) if policy(precision) is not None else None
@@ -110,8 +112,7 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
         losses.append(total)
     with torch.no_grad():
         output = mixed.forward(inputs, kwargs) if mixed is not None else model(*inputs, **kwargs)
-    return Run(losses, _detach(output), {k: v.detach().clone() for k, v in model.state_dict().items()},
-               initial, grad_max)
+    return Run(losses, _detach(output), _to(model.state_dict(), "cpu"), initial, grad_max)
 
 
 class MixedPrecisionReference:
@@ -368,4 +369,9 @@ def _tensor_problem(what: str, a: Any, b: Any, rtol: float, atol: float) -> list
 
 
 def _detach(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x, tree)
+    return _to(tree, "cpu")
+
+
+def _to(tree: Any, device: str | torch.device) -> Any:
+    """``tree`` with its tensors detached and copied to ``device``."""
+    return pytree.tree_map(lambda x: x.detach().to(device, copy=True) if isinstance(x, torch.Tensor) else x, tree)

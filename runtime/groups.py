@@ -1,16 +1,24 @@
-"""Process groups per mesh axis, bound to the running job.
+"""Process groups per mesh axis, bound to the running job, and the device each rank computes on.
 
 ``join(mesh)`` joins (or starts, under torchrun's ``env://``) the default
 process group, checks the world size against the mesh, and creates one group
 per axis group. ``torch.distributed.new_group`` must be called by every rank
 for every group in the same order, so all groups are created on all ranks and
 each rank keeps its own.
+
+Where a rank computes is decided here and nowhere else (``rank_device``): the
+job's choice (``AUTOPAR_DEVICE``: "cpu" or "cuda"; ``autopar.launch(..., device=)``
+sets it), else CUDA under NCCL and the CPU under other backends. NCCL needs a
+GPU per rank; gloo also carries CUDA tensors, so ranks can share one GPU over
+gloo. gloo's send and receive read host memory only: pipeline messages between
+ranks on CUDA travel through the CPU there (``message_device``).
 """
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +26,8 @@ import torch.distributed as dist
 from autopar.core.mesh import AXES, Mesh
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
+DEVICE_ENV = "AUTOPAR_DEVICE"
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,8 @@ class Groups:
     mesh: Mesh
     rank: int
     by_axis: dict[str, dist.ProcessGroup | None]
-    device: torch.device
+    device: torch.device  # where this rank computes
+    wire: torch.device  # where its pipeline messages travel (``message_device``)
 
     def __getitem__(self, axis: str) -> dist.ProcessGroup | None:
         return self.by_axis[axis]
@@ -36,8 +47,71 @@ class Groups:
         return self.mesh.coords(self.rank)[axis]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def requested_device() -> str | None:
+    """The job's choice of device type (``AUTOPAR_DEVICE``), or None to follow the backend."""
+    value = os.environ.get(DEVICE_ENV, "").strip().lower() or None
+    if value is not None and value not in DEVICE_TYPES:
+        raise ValueError(f"{DEVICE_ENV}={value!r}: the ranks compute on 'cpu' or 'cuda'; unset it to use CUDA "
+                         "under NCCL and the CPU under gloo")
+    return value
+
+
+def default_backend(device: str | None = None) -> str:
+    """NCCL where the ranks compute on CUDA and NCCL is built in, else gloo."""
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    return "nccl" if cuda and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def rank_device(backend: str, local_rank: int, device: str | None = None) -> torch.device:
+    """The device a rank of a ``backend`` job computes on: ``device`` ("cpu" or "cuda") when given, else CUDA
+    under NCCL and the CPU otherwise. A CUDA rank takes GPU ``local_rank`` modulo the GPUs it sees: under
+    gloo, ranks beyond the GPU count share GPUs; NCCL needs one GPU per rank."""
+    nccl = "nccl" in backend
+    kind = device or ("cuda" if nccl else "cpu")
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"device={kind!r}: the ranks compute on 'cpu' or 'cuda'")
+    if kind == "cpu":
+        if nccl:
+            raise ValueError(f"backend {backend!r} communicates CUDA tensors only, and the ranks were asked to "
+                             "compute on the CPU; use backend='gloo' for CPU ranks")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"the ranks were asked to compute on CUDA ({backend}), and this machine has no usable GPU "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use device='cpu' with gloo")
+    count = torch.cuda.device_count()
+    if nccl and local_rank >= count:
+        raise ValueError(f"NCCL needs one GPU per rank: local rank {local_rank} of this machine, and it has {count} "
+                         f"GPU{'s' if count != 1 else ''}; start at most {count} ranks per machine, or let ranks "
+                         "share GPUs over gloo (autopar.launch(fn, n, backend='gloo', device='cuda'))")
+    return torch.device("cuda", local_rank % count)
+
+
+def message_device(backend: str, device: torch.device) -> torch.device:
+    """Where point-to-point messages of a rank on ``device`` live: gloo sends and receives host memory only."""
+    return torch.device("cpu") if "nccl" not in backend else device
+
+
+def job_device() -> torch.device:
+    """This process's device: ``rank_device`` of the running job (or, before one exists, of the job this
+    process would start), its local rank and ``AUTOPAR_DEVICE``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    device = requested_device()
+    backend = dist.get_backend() if initialized else default_backend(device)
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if initialized else 0))
+    return rank_device(backend, local, device)
+
+
+def use_device(device: torch.device) -> None:
+    """Makes ``device`` this process's current CUDA device (NCCL, barriers and object collectives use it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def start_job(backend: str, device: torch.device, **init: Any) -> None:
+    """Starts this process's default process group on ``backend`` (``init``: store, rank, world_size), with
+    ``device`` current first, so that NCCL's communicators are created on the rank's own GPU."""
+    use_device(device)
+    dist.init_process_group(backend, timeout=TIMEOUT, **init)
 
 
 def ensure_initialized() -> None:
@@ -45,7 +119,7 @@ def ensure_initialized() -> None:
     if dist.is_available() and dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(default_backend(), timeout=TIMEOUT)
+        start_job(default_backend(requested_device()), job_device())
         return
     raise RuntimeError(
         "no process group: running a parallel model needs a launched job; start the script with "
@@ -66,10 +140,7 @@ def join(mesh: Mesh) -> Groups:
             group = dist.new_group(ranks) if len(ranks) < mesh.size else dist.group.WORLD
             if rank in ranks:
                 by_axis[axis] = group
-    if dist.get_backend() == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    return Groups(mesh=mesh, rank=rank, by_axis=by_axis, device=device)
+    device = job_device()
+    use_device(device)
+    return Groups(mesh=mesh, rank=rank, by_axis=by_axis, device=device,
+                  wire=message_device(dist.get_backend(), device))

@@ -3,7 +3,10 @@
 ``WorkerPool`` keeps worker processes alive across jobs (a test session runs
 many small jobs); each job gets a fresh rendezvous store on 127.0.0.1 (served by the parent,
 so no other process can take its port) and a fresh default process group of
-the job's size. ``launch`` is a one-job pool. If any
+the job's size. ``launch`` is a one-job pool. ``backend`` and ``device`` choose
+the process group's backend and where the ranks compute (``runtime/groups.py``
+decides the defaults: NCCL with a GPU per rank where CUDA is available, else
+gloo on the CPU; ``backend="gloo", device="cuda"`` lets ranks share GPUs). If any
 rank raises or its process dies, every worker of the job is stopped and a
 ``RankError`` naming the rank and carrying its traceback is raised.
 """
@@ -24,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import RankError
-from autopar.runtime.groups import TIMEOUT, default_backend
+from autopar.runtime.groups import (
+    DEVICE_ENV, TIMEOUT, default_backend, rank_device, requested_device, start_job,
+)
 
 
 def _reduce_ops(obj: object) -> tuple:
@@ -60,7 +65,7 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
         task = tasks.get()
         if task is None:
             return
-        job, rank, world, port, payload = task
+        job, rank, world, port, backend, device, payload = task
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -68,10 +73,11 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
         if "OMP_NUM_THREADS" not in os.environ:  # ranks share the machine's cores, as torchrun assumes
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         try:
+            device = rank_device(backend, rank, device)
+            os.environ[DEVICE_ENV] = device.type  # what join() reads: the ranks compute where the job was started
             fn, args = cloudpickle.loads(payload)
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)  # the parent holds the port
-            dist.init_process_group(default_backend(), store=dist.PrefixStore(f"job{job}", store), rank=rank,
-                                    world_size=world, timeout=TIMEOUT)
+            start_job(backend, device, store=dist.PrefixStore(f"job{job}", store), rank=rank, world_size=world)
             out = fn(*args)
             dist.destroy_process_group()  # not on failure: peers would see a closed connection, not the cause
             results.put((job, rank, True, cloudpickle.dumps(out)))
@@ -80,10 +86,15 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
 
 
 class WorkerPool:
-    """``size`` persistent worker processes that run jobs of up to ``size`` ranks."""
+    """``size`` persistent worker processes that run jobs of up to ``size`` ranks on ``backend``, computing on
+    ``device`` ("cpu" or "cuda"; by default ``AUTOPAR_DEVICE``, else NCCL on CUDA where it is available and
+    gloo on the CPU otherwise)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, backend: str | None = None, device: str | None = None) -> None:
         self.size = size
+        self.device = device or requested_device()
+        self.backend = backend or default_backend(self.device)
+        rank_device(self.backend, 0, self.device)  # a choice no rank can run is refused here, named
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._jobs = 0
@@ -102,6 +113,7 @@ class WorkerPool:
         """Runs ``fn(*args)`` on ranks 0..nprocs-1 of a fresh job; returns the results by rank."""
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs={nprocs} must be between 1 and the pool size {self.size}")
+        rank_device(self.backend, nprocs - 1, self.device)  # (NCCL: a GPU for every rank)
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
@@ -110,7 +122,7 @@ class WorkerPool:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         job, port, payload = self._jobs, store.port, cloudpickle.dumps((fn, args))
         for rank in range(nprocs):
-            self._tasks[rank].put((job, rank, nprocs, port, payload))
+            self._tasks[rank].put((job, rank, nprocs, port, self.backend, self.device, payload))
         try:
             return self._collect(job, nprocs)
         except BaseException:
@@ -160,9 +172,12 @@ class WorkerPool:
         self.close()
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
-    """Runs ``fn(*args)`` on ``nprocs`` local ranks (gloo on CPU, NCCL one GPU per rank); results by rank."""
-    with WorkerPool(nprocs) as pool:
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
+           device: str | None = None) -> list[Any]:
+    """Runs ``fn(*args)`` on ``nprocs`` local ranks; results by rank. By default NCCL with one GPU per rank
+    where CUDA is available, else gloo on the CPU; ``device="cpu"`` keeps CUDA machines' ranks on the CPU,
+    ``backend="gloo", device="cuda"`` lets ranks share GPUs."""
+    with WorkerPool(nprocs, backend=backend, device=device) as pool:
         return pool.launch(fn, nprocs, *args)
 
 

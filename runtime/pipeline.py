@@ -10,6 +10,9 @@ so receive buffers are allocated up front and no shape handshake happens at
 run time. Sends are non-blocking (``isend``; completed at the end of the step)
 and receives block, the semantics ``autopar.core.simulate`` checks schedules under.
 Every message has its own tag, so no ordering between messages is assumed.
+Messages travel on the rank's ``wire`` device: its compute device, or the CPU
+where the backend moves host memory only (gloo's send and receive), in which
+case a message is copied to the CPU to be sent and back to the device when received.
 A receive is posted one receive ahead: when a RECV action waits, the program's
 next receive is already posted, so that message moves while this rank computes
 (gloo moves a message once its receive is posted; posted only when needed, each
@@ -41,10 +44,10 @@ def _tag(stage: int, microbatch: int, backward: bool, n_stages: int) -> int:
     return (microbatch * n_stages + stage) * 2 + int(backward)
 
 
-def _send(tensors: list[torch.Tensor], dst: int, tag: int, works: list) -> None:
+def _send(tensors: list[torch.Tensor], dst: int, tag: int, works: list, wire: torch.device) -> None:
     for i, t in enumerate(tensors):
         t = t.detach()
-        t = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+        t = (t.to(torch.uint8) if t.dtype == torch.bool else t).to(wire).contiguous()
         works.append((dist.isend(t, dst, tag=tag * 64 + i), t))
 
 
@@ -55,18 +58,20 @@ class _Posted:
     wires: list[torch.Tensor]
     works: list
     dtypes: list[torch.dtype]
+    device: torch.device  # where the received tensors are used
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
-        return [w.to(torch.bool) if d == torch.bool else w for w, d in zip(self.wires, self.dtypes)]
+        return [w.to(self.device).to(d) for w, d in zip(self.wires, self.dtypes)]
 
 
-def _post_recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, device: torch.device) -> _Posted:
-    wires = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
+def _post_recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: int, wire: torch.device,
+               device: torch.device) -> _Posted:
+    wires = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=wire)
              for shape, dtype in metas]
-    works = [dist.irecv(wire, src, tag=tag * 64 + i) for i, wire in enumerate(wires)]
-    return _Posted(wires, works, [dtype for _, dtype in metas])
+    works = [dist.irecv(w, src, tag=tag * 64 + i) for i, w in enumerate(wires)]
+    return _Posted(wires, works, [dtype for _, dtype in metas], device)
 
 
 @dataclass
@@ -111,12 +116,15 @@ class Executor:
     """Runs one rank's program of a step schedule (``autopar.core.step_schedule``) over its stage graphs.
 
     ``global_rank_of_stage(s)`` is the global rank holding stage ``s`` with this
-    rank's dp and tp coordinates.
+    rank's dp and tp coordinates; ``device`` is where the rank computes, ``wire``
+    where its messages travel (default ``device``).
     """
 
-    def __init__(self, global_rank_of_stage: Callable[[int], int], device: torch.device) -> None:
+    def __init__(self, global_rank_of_stage: Callable[[int], int], device: torch.device,
+                 wire: torch.device | None = None) -> None:
         self.rank_of_stage = global_rank_of_stage
         self.device = device
+        self.wire = wire or device
         self.stages: list[StageGraph] = []
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last run, perf_counter s
         self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last run
@@ -133,9 +141,9 @@ class Executor:
         s, mb, n = a.stage, a.microbatch, len(self.stages)
         if a.kind == RECV_F:
             metas = [(b.shape, b.dtype) for b in self.stages[s].recv]
-            return _post_recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, n), self.device)
+            return _post_recv(metas, self.rank_of_stage(s - 1), _tag(s, mb, False, n), self.wire, self.device)
         metas = [(b.shape, b.dtype) for b in self.stages[s].send if b.requires_grad]
-        return _post_recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.device)
+        return _post_recv(metas, self.rank_of_stage(s + 1), _tag(s, mb, True, n), self.wire, self.device)
 
     def _receive(self, a: Action, ctx: _Ctx) -> list[torch.Tensor]:
         """Waits for RECV ``a`` (posting it if it is not yet), after posting the program's next receive."""
@@ -191,7 +199,8 @@ class Executor:
             held = len({k for k in [*ctx.outputs, *ctx.deferred] if k[0] == s})  # (W still needs a B's inputs)
             self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
         elif a.kind == SEND_F:
-            _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works)
+            _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works,
+                  self.wire)
         elif a.kind == RECV_B:
             ctx.grads[key] = self._receive(a, ctx)
         elif a.kind == B:
@@ -206,7 +215,8 @@ class Executor:
             handlers.arm(last)
             ctx.deferred.pop(key).run()
         elif a.kind == SEND_B:
-            _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works)
+            _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works,
+                  self.wire)
         if a.kind == B or (a.kind == SEND_F and not ctx.training):
             del ctx.outputs[key]  # (forward only: nothing comes back for it)
         if a.kind == SEND_B or (a.kind == F and not ctx.training):

@@ -14,6 +14,8 @@ settings.register_profile("slow", max_examples=60, deadline=None,
 settings.load_profile("slow" if os.environ.get("AUTOPAR_SLOW") else "default")
 
 POOL_SIZE = 8
+# the tests run their ranks on the CPU (over gloo) on any machine; benchmarks/gpu_check.py runs the CUDA path
+os.environ.setdefault("AUTOPAR_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

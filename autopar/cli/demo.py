@@ -118,7 +118,7 @@ def run(argv: list[str]) -> int:
         opt.zero_grad()
         reference.append(float(loss.detach()))
     single = time.perf_counter() - t0
-    results = launch(_rank, mesh.size, mesh, args, reference)
+    results = launch(_rank, mesh.size, mesh, args, reference, device="cpu")
     r0 = results[0]
     print(f"\ndone: {args.steps} steps in {r0['time']:.2f} s on {mesh.size} ranks, first step's compile included "
           f"(single device: {single:.2f} s); largest loss difference {max(r['worst'] for r in results):.2e}")

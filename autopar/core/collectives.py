@@ -116,12 +116,16 @@ def _chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 
 def _all_to_all(x: torch.Tensor, axis: str, src_dim: int, dst_dim: int) -> torch.Tensor:
     """Shard(src_dim) -> Shard(dst_dim): rank i sends its chunk j along ``dst_dim`` to rank j, which
-    concatenates what it receives along ``src_dim`` (1/n of the bytes of all-gather then chunk)."""
+    concatenates what it receives along ``src_dim`` (1/n of the bytes of all-gather then chunk). The chunks
+    travel as one flat tensor (``all_to_all_single``, which NCCL and gloo run on CPU and CUDA tensors alike)."""
     n, _, g = _size_index(axis)
-    inputs = [piece.contiguous() for piece in x.chunk(n, dim=dst_dim)]
-    outputs = [torch.empty_like(piece) for piece in inputs]
+    pieces = x.chunk(n, dim=dst_dim)
+    sizes = [piece.numel() for piece in pieces]
+    flat = torch.cat([piece.reshape(-1) for piece in pieces])
+    received = torch.empty_like(flat)
     current().record("all_to_all", axis, x)
-    dist.all_to_all(outputs, inputs, group=g)
+    dist.all_to_all_single(received, flat, output_split_sizes=sizes, input_split_sizes=sizes, group=g)
+    outputs = [part.view(piece.shape) for part, piece in zip(received.split(sizes), pieces)]
     return torch.cat(outputs, dim=src_dim)
 
 
