@@ -2,8 +2,8 @@
 
 Phase 1, one rank: NCCL with world size 1 on the GPU (on a machine without CUDA, gloo on the CPU; the
 script says so). Phase 2, 2 and 4 ranks sharing the one device over gloo (CUDA tensors: gloo stages them
-through host memory): dp=2, tp=2, pp=2 under 1F1B and under the zero-bubble ZB-H1, dp=2 with ZeRO-3 and
-full recomputation, and two 2x2 meshes. Each configuration trains a small GPT-2 or LLaMA (Hugging Face
+through host memory): dp=2, tp=2 (also with sequence parallelism), pp=2 under 1F1B and under the
+zero-bubble ZB-H1, dp=2 with ZeRO-3 and full recomputation, and two 2x2 meshes. Each configuration trains a small GPT-2 or LLaMA (Hugging Face
 configurations, random weights) for ``--steps`` steps with ``precision="bf16"`` and ``recompute="selective"``
 (or "full"), then compares the losses, the forward output and the update of the parameters with
 ``autopar.testing.MixedPrecisionReference`` (the same policy as an eager loop on the same device) within
@@ -59,6 +59,7 @@ CONFIGS = [
     Config("1 rank", "gpt2", dict(dp=1)),
     Config("dp=2", "gpt2", dict(dp=2)),
     Config("tp=2", "llama", dict(tp=2)),
+    Config("tp=2 sequence parallel", "gpt2", dict(tp=2), dict(sequence_parallel=True)),
     Config("pp=2 1f1b", "gpt2", dict(pp=2), dict(schedule="1f1b", microbatches=2)),
     Config("pp=2 zb-h1", "llama", dict(pp=2), dict(schedule="zb-h1", microbatches=2)),
     Config("dp=2 zero=3 recompute=full", "llama", dict(dp=2), dict(zero=3, recompute="full")),
