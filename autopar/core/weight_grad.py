@@ -53,8 +53,8 @@ def _has_hooks(t: torch.Tensor) -> bool:
 
 def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``weight.grad += a @ b``, as one backward would accumulate it (see the module docstring)."""
-    grad = weight.grad
-    if grad is not None and weight.is_leaf and not _has_hooks(weight) and not grad.requires_grad:
+    grad = weight.grad if weight.is_leaf else None  # (a non-leaf, e.g. a bf16 cast of a master, has no .grad)
+    if grad is not None and not _has_hooks(weight) and not grad.requires_grad:
         with torch.no_grad():
             grad.addmm_(a, b)
     else:
