@@ -6,9 +6,18 @@ them: its tp collectives (kept, never run again) and its ZeRO-3 all-gather
 (run again in backward). Under ZeRO-3 each dp group's graphs are rewritten when
 first asked for, as ``zero_compile`` makes them.
 
+Where a step runs its one microbatch's backward right after its forward (no
+pipeline, one microbatch, gradients made by the step rather than held in dp
+buckets), the last layer's backward follows its forward directly, and
+recomputing it saves memory only if the step's peak lies between the two.
+``kept_last_layer`` simulates the step both ways on fake tensors
+(``passes.peak_memory``) and keeps that layer's activations when the peak does
+not rise, saving one layer's recomputation; the plan says so.
+
 Invariant: a rank's rewritten graphs compute what its graphs computed, value
 for value (``passes.recompute``); the layers and modes in ``plan.recompute``
-are those its graphs run with.
+are those its graphs run with; a layer asked to recompute is kept only where
+the simulated peak of the step stays as it was.
 """
 from __future__ import annotations
 
@@ -20,7 +29,10 @@ import torch.fx as fx
 
 from autopar.core.plan import RecomputePlan
 from autopar.core.recompute import mode_of, unmatched_keys
+from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
+from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.peak_memory import simulated_peak
 from autopar.passes.recompute import layers, recompute
 from autopar.zero_compile import PerDpGroup
 
@@ -57,6 +69,46 @@ def layer_modes(gm: fx.GraphModule, choice: Any) -> dict[str, str]:
     return {layer: mode_of(choice, layer) for layer in names}
 
 
+def backward_follows_forward(step: Schedule | None) -> bool:
+    """Whether ``step`` runs one forward and then its backward, with gradients the step itself allocates: one
+    rank, one stage, one microbatch, no dp reduction (whose buckets hold gradients between steps)."""
+    if step is None or len(step.actions) != 1:
+        return False
+    actions = step.actions[0]
+    return ([a for a in actions if a.is_compute] == [Action(0, F, 0), Action(0, B, 0)]
+            and all(a.kind != REDUCE_GRAD for a in actions))
+
+
+def kept_last_layer(program: Any, modes: dict[str, str]) -> tuple[str, str] | None:
+    """``(layer, why)`` when the graph's last layer should keep its activations although ``modes`` recomputes it:
+    its backward follows its forward directly and the step's simulated peak does not rise (module doc)."""
+    if program.stages is not None or not backward_follows_forward(program.step):
+        return None
+    graphs = list({id(gm): gm for gm in program.graphs.values()}.values())  # tp ranks may share one
+    names = layers(graphs[0])
+    if not names or modes.get(names[-1], "none") == "none":
+        return None
+    last = names[-1]
+    grads = [s.kind == "param" and s.name in program.trainable for s in program.captured.slots]
+    loss = len(program.captured.mutated_buffers)
+    sizes = dict(program.plan.mesh.axes)
+    variants = (modes, {**modes, last: "none"})
+    peaks = []
+    with log_pass(f"recompute: peak with and without {last} recomputed (simulated)") as info:
+        for gm in graphs:
+            try:
+                peaks.append([simulated_peak(recompute(gm, lambda la: v.get(la, "none")).gm, grads, loss, sizes)
+                              for v in variants])
+            except Exception as e:  # an operator fake tensors cannot run: no proof, so recompute as asked
+                info["detail"] = f"not simulated ({type(e).__name__}: {e})"
+                return None
+        info["detail"] = ", ".join(f"{r:,} bytes recomputed, {k:,} kept" for r, k in peaks)
+    if any(k > r for r, k in peaks):
+        return None
+    return last, (f"its backward runs right after its forward, so its activations are kept: the step's peak stays "
+                  f"at {max(r for r, _ in peaks) / 2**20:.1f} MiB of activations and gradients (simulated)")
+
+
 def apply_recompute(program: Any, options: Options) -> Any:
     """``program`` with the layers ``options.recompute`` chooses recomputed on every rank, and the plan's record."""
     if options.recompute == "none":
@@ -64,9 +116,14 @@ def apply_recompute(program: Any, options: Options) -> Any:
     modes = layer_modes(program.captured.gm, options.recompute)
     if all(mode == "none" for mode in modes.values()):
         return program
+    kept = None if isinstance(program.graphs, PerDpGroup) else kept_last_layer(program, modes)
+    if kept is not None:
+        modes = {**modes, kept[0]: "none"}
     mesh = program.plan.mesh
     stages = tuple((st.index, tuple(layers(st.gm))) for st in program.stages) if program.stages is not None else ()
     rewrite = _Rewrite(modes, lazy=isinstance(program.graphs, PerDpGroup))
+    if kept is not None:
+        rewrite.skipped[kept[0]] = kept[1]
     if program.rank_stages is not None:  # ZeRO-3 with a pipeline: each dp group's own stages
         zero_stages = program.rank_stages
 

@@ -6,16 +6,20 @@ full recomputation against ``torch.utils.checkpoint`` on the same layers of the 
    (``runtime.memory.NewStorages``), against the planner's prediction (``planner.recompute_cost.kept`` over the
    model's profile).
 2. Step time on one rank, GPT-2 (AdamW): autopar with each mode, and the eager Hugging Face model without and
-   with ``gradient_checkpointing_enable`` (``torch.utils.checkpoint``, non-reentrant, around every block) —
-   the layers autopar recomputes. Steps interleaved round-robin (the order rotating every round); each
-   configuration's median CPU time (the process's, which other jobs on a shared machine do not inflate; the
-   wall time is printed too), and the median over rounds of each round's ratio; ratios selective / none and
-   full / none (target selective <= 1.10), and autopar full / eager checkpoint (target <= 1.0), with each
-   one's peak bytes of one step (state that exists between
-   steps plus the most bytes allocated during the step alive at once; target autopar <= eager). Also autopar
-   with every layer but the last recomputed (``{"transformer.h.3": "none", "*": "full"}``): the last layer's
-   backward runs right after its forward, so recomputing it costs time and, where the step's peak comes
-   later in backward, saves no memory.
+   with ``gradient_checkpointing_enable`` (``torch.utils.checkpoint``, non-reentrant) around every block —
+   the layers ``recompute=`` is asked to recompute — and around every block but the last. Steps interleaved
+   round-robin (the order rotating every round); each configuration's median CPU time (the process's, which
+   other jobs on a shared machine do not inflate; the wall time is printed too), and the median over rounds
+   of each round's ratio; ratios selective / none and full / none (target selective <= 1.10), and autopar
+   full / eager checkpoint of every block (target <= 1.0), with each one's peak bytes of one step (state that
+   exists between steps plus the most bytes allocated during the step alive at once; target autopar <=
+   eager). What autopar recomputes is printed from its plan: with one microbatch the last layer's backward
+   runs right after its forward, and autopar keeps that layer's activations where the step's simulated peak
+   does not rise; autopar full / eager checkpoint of every block but the last compares the two on the layers
+   each actually recomputes. The glibc allocator of the process running the steps keeps freed memory
+   (``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` at 1 GiB unless set): otherwise which
+   configuration pays page faults for memory returned to the system and mapped again depends on where the
+   others' tensors happen to lie in the shared heap (up to 27 ms of system time a step, either side).
 
 Run: PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/recompute.py [--rounds 15] [--layers 4] [--width 512]
      [--seq 128] [--batch 4]
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -103,10 +108,11 @@ def _peak(step: Callable[[], None], params: list[torch.Tensor], opt: Any) -> int
     return persistent + new.peak
 
 
-def _eager(model: torch.nn.Module, ids: torch.Tensor,
-           checkpointed: bool) -> tuple[Callable[[], None], Callable[[], int]]:
+def _eager(model: torch.nn.Module, ids: torch.Tensor, checkpointed: bool,
+           but_last: bool = False) -> tuple[Callable[[], None], Callable[[], int]]:
     if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.transformer.h[-1].gradient_checkpointing = not but_last
     opt = optimizer(list(model.parameters()))
 
     def step() -> None:
@@ -117,24 +123,27 @@ def _eager(model: torch.nn.Module, ids: torch.Tensor,
     return step, lambda: _peak(step, list(model.parameters()), opt)
 
 
-def _autopar(model: torch.nn.Module, ids: torch.Tensor, mode: str) -> tuple[Callable[[], None], Callable[[], int]]:
+def _autopar(model: torch.nn.Module, ids: torch.Tensor, mode: str,
+             plans: dict[str, str]) -> tuple[Callable[[], None], Callable[[], int]]:
     pm = autopar.parallelize(model, autopar.Mesh(dp=1), loss_fn=loss_fn, optimizer=optimizer, recompute=mode)
 
     def step() -> None:
         pm.step(ids, target=ids)
 
     step()  # compile and start the runtime
+    if pm.plan.recompute is not None:
+        plans[mode] = "; ".join(pm.plan.recompute.render())
     return step, lambda: _peak(step, pm.parameters(), pm.optimizer)
 
 
 def step_times(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     build = lambda: gpt2(args.layers, args.width, args.seq, args.vocab)  # noqa: E731
-    runs = {f"autopar {mode}": _autopar(build(), ids, mode) for mode in MODES}
-    last = f"transformer.h.{args.layers - 1}"  # its backward runs right after its forward: nothing to save there
-    runs["autopar full but last"] = _autopar(build(), ids, {last: "none", "*": "full"})
+    plans: dict[str, str] = {}
+    runs = {f"autopar {mode}": _autopar(build(), ids, mode, plans) for mode in MODES}
     runs["eager"] = _eager(build(), ids, checkpointed=False)
     runs["eager checkpoint"] = _eager(build(), ids, checkpointed=True)
+    runs["eager ckpt but last"] = _eager(build(), ids, checkpointed=True, but_last=True)
     names = list(runs)
     for name in names:  # warm up: the optimizer state exists after the first step
         runs[name][0]()
@@ -149,10 +158,11 @@ def step_times(args: argparse.Namespace) -> dict[str, Any]:
     peaks = {name: runs[name][1]() for name in names}
     pairs = {(a, b): statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
              for a, b in (("autopar selective", "autopar none"), ("autopar full", "autopar none"),
-                          ("autopar full", "eager checkpoint"), ("autopar full but last", "eager checkpoint"),
+                          ("autopar full", "eager checkpoint"), ("autopar full", "eager ckpt but last"),
                           ("autopar none", "eager"))}
     return {"median": {k: statistics.median(v) for k, v in cpu.items()},
-            "wall": {k: statistics.median(v) for k, v in wall.items()}, "peak": peaks, "paired": pairs}
+            "wall": {k: statistics.median(v) for k, v in wall.items()}, "peak": peaks, "paired": pairs,
+            "plans": plans}
 
 
 def _rank(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,6 +189,8 @@ def main() -> None:
             row = "   ".join(f"{mode} {m / 2**20:.2f} / {q / 2**20:.2f} MiB ({m / q - 1:+.1%})"
                            for mode, (m, q) in got.items())
             print(f"  {name:<6} {row}")
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):  # read by the rank process's allocator
+        os.environ.setdefault(name, str(2**30))
     res = autopar.launch(_rank, 1, args)[0]
     med, wall, peak = res["median"], res["wall"], res["peak"]
     print(f"2. step time, GPT-2 {args.layers} x {args.width}, batch {args.batch} x {args.seq}, one rank, one thread, "
@@ -191,14 +203,16 @@ def main() -> None:
     def ratio(a: str, b: str) -> str:
         return f"{med[a] / med[b]:.3f} (paired {paired[(a, b)]:.3f})"
 
+    for mode, plan in res["plans"].items():
+        print(f"  autopar {mode} recomputes: {plan}")
     print("  ratios of medians (and the median of each round's ratio, which a drifting machine load cancels from):")
     print(f"  selective / none {ratio('autopar selective', 'autopar none')} (target <= 1.10)   "
           f"full / none {ratio('autopar full', 'autopar none')}")
-    print(f"  autopar full / eager checkpoint: step {ratio('autopar full', 'eager checkpoint')} (target <= 1.0), "
-          f"peak {peak['autopar full'] / peak['eager checkpoint']:.3f} (target <= 1.0)")
-    print(f"  autopar full but the last layer / eager checkpoint: step "
-          f"{ratio('autopar full but last', 'eager checkpoint')}, "
-          f"peak {peak['autopar full but last'] / peak['eager checkpoint']:.3f}")
+    print(f"  autopar full / eager checkpoint of every block: step {ratio('autopar full', 'eager checkpoint')} "
+          f"(target <= 1.0), peak {peak['autopar full'] / peak['eager checkpoint']:.3f} (target <= 1.0)")
+    print(f"  autopar full / eager checkpoint of every block but the last: step "
+          f"{ratio('autopar full', 'eager ckpt but last')}, "
+          f"peak {peak['autopar full'] / peak['eager ckpt but last']:.3f}")
     print(f"  autopar none / eager: step {ratio('autopar none', 'eager')}, "
           f"peak {peak['autopar none'] / peak['eager']:.3f}")
 

@@ -178,6 +178,33 @@ def test_a_region_with_an_explicit_generator_is_refused() -> None:
         recompute(fx.GraphModule(root, graph), lambda layer: "full")
 
 
+def test_the_last_layer_keeps_its_activations_where_its_backward_follows_its_forward() -> None:
+    """One rank, one microbatch: the last layer's backward runs right after its forward, and keeping its
+    activations leaves the step's simulated peak as it is, so it is not recomputed; the plan says why."""
+    pm = _compiled(recompute="full")
+    text = pm.plan.summary()
+    assert "full on transformer.h.0; none on transformer.h.1" in text
+    assert "transformer.h.1 is not recomputed: its backward runs right after its forward" in text
+    assert [n.target for n in pm.graph(0).graph.nodes if n.op == "call_module"] == ["recompute_transformer_h_0"]
+
+
+def test_a_kept_last_layer_is_exact_with_tensor_parallelism(launcher) -> None:
+    """tp=2 and one microbatch: the last layer keeps its activations (its tp collectives simulated at their
+    shapes) and float64 updates stay within 1e-12 of one device."""
+    assert "transformer.h.1 is not recomputed" in _compiled(Mesh(tp=2), recompute="selective").plan.summary()
+    assert_equivalent(models.factory(models.gpt2), Mesh(tp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, recompute="selective")
+
+
+@pytest.mark.parametrize("mesh, options", [(Mesh(dp=1), {"microbatches": 2}), (Mesh(dp=2), {}),
+                                           (Mesh(dp=2), {"zero": 1}), (Mesh(pp=2), {"microbatches": 1})])
+def test_every_layer_recomputes_where_forward_and_backward_are_apart(mesh: Mesh, options: dict) -> None:
+    """A second microbatch, dp buckets that hold gradients between steps, or a pipeline: the last layer
+    recomputes as asked."""
+    text = _compiled(mesh, 4 if mesh.pp > 1 else 2, recompute="full", **options).plan.summary()
+    assert "activation recomputation" in text and "none on" not in text and "is not recomputed" not in text, text
+
+
 # -- the option ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, message", [
     ("fulll", r"recompute='fulll' is not a recompute mode; the modes are 'none', 'selective', 'full'"),
