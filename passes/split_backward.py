@@ -15,6 +15,8 @@ through it without ``weight_grad.collect`` accumulates the same gradients.
 """
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 import torch.fx as fx
 
@@ -26,6 +28,16 @@ aten = torch.ops.aten
 SPLIT = {aten.linear.default: (split_linear, 1), aten.addmm.default: (split_addmm, 2), aten.mm.default: (split_mm, 1)}
 
 
+def deferred_weight(node: fx.Node, weights: Container[fx.Node]) -> fx.Node | None:
+    """The placeholder among ``weights`` whose gradient the split form of ``node`` leaves for ``W``, or None
+    (``node`` is no ``linear`` / ``addmm`` / ``mm`` of such a weight)."""
+    if node.op != "call_function" or node.target not in SPLIT or node.kwargs:
+        return None
+    index = SPLIT[node.target][1]
+    weight = node.args[index] if len(node.args) > index else None
+    return weight if weight in weights else None
+
+
 def defer_weight_gradients(gm: fx.GraphModule, slots: list[Slot], trainable: set[str]) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose weight matmuls can defer their weight gradient; and how many there are."""
     gm = copy_module(gm)
@@ -33,13 +45,9 @@ def defer_weight_gradients(gm: fx.GraphModule, slots: list[Slot], trainable: set
     weights = {node for node, slot in zip(placeholders, slots) if slot.kind == "param" and slot.name in trainable}
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in SPLIT or node.kwargs:
-            continue
-        split, index = SPLIT[node.target]
-        if len(node.args) > index and node.args[index] in weights:
-            node.target = split
+        if deferred_weight(node, weights) is not None:
+            node.target = SPLIT[node.target][0]
             count += 1
     gm.graph.lint()
     gm.recompile()
     return gm, count
-

@@ -26,7 +26,7 @@ from autopar.core.schedule import (
     one_f_one_b,
     parse_program,
 )
-from autopar.core.simulate import ScheduleError, check_channel_order, render, simulate
+from autopar.core.simulate import ScheduleError, Timing, check_channel_order, render, simulate
 
 
 def schedule_from_text(n_ranks: int, n_stages: int, n_microbatches: int, *programs: str) -> Schedule:
@@ -91,6 +91,24 @@ def test_timeline_is_sequential_per_rank(args: tuple[str, int, int, int]) -> Non
         assert all(a.end <= b.start for a, b in zip(events, events[1:]))
         assert result.busy_time[rank] == pytest.approx(v * m * 3.0)
     assert max(e.end for e in result.timeline) == result.makespan
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedule_args(), st.sampled_from([None, "zb-h1", "zbv"]), st.floats(0.5, 2.0), st.floats(1.0, 4.0),
+       st.floats(0.1, 0.9), st.sampled_from([0.0, 0.3]))
+def test_timing_is_the_simulators_makespan(args: tuple[str, int, int, int], split: str | None, f: float, b: float,
+                                           w: float, comm: float) -> None:
+    """``Timing`` (the planner's many-durations form) measures what ``simulate`` measures."""
+    name, p, v, m = args
+    schedule = make_schedule(split or name, p, m, None if split else v)
+    want = simulate(schedule, f, b, comm, weight_time=w * b).makespan
+    assert Timing.of(schedule).makespan(f, b, comm, weight_time=w * b) == pytest.approx(want)
+
+
+def test_timing_refuses_a_deadlock_as_the_simulator_does() -> None:
+    broken = schedule_from_text(2, 2, 2, "0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0")
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 is stuck at 0B0 waiting for 1B0 on rank 1"):
+        Timing.of(broken)
 
 
 # --- bubble and memory against theory ----------------------------------------------------------

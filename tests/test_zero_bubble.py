@@ -1,6 +1,8 @@
 """Zero-bubble pipelines: each backward split into B (input gradients) and W (weight gradients), run exactly."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -163,14 +165,79 @@ def test_the_runtime_runs_the_simulated_program(launcher) -> None:
 # --- the planner ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_the_planners_zero_bubble_formulas_are_the_simulators(p: int) -> None:
-    from autopar.planner.cost_model import zero_bubble_units
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8, 9, 12, 16, 32])
+def test_the_planners_zero_bubble_waits_are_the_simulators(p: int) -> None:
+    """The planner's wait of a zero-bubble schedule is the simulated wait of the schedule autopar runs.
 
-    for m in range(1, 3 * p + 1):
+    With F, B and W a step each, ZB-H1 waits p - 1 steps once m >= p; ZBV's list scheduling waits p - 1 up to
+    p = 4 and irregularly more beyond (19 steps for p = 16 where a closed form p - 1 said 15). With B longer
+    than F, ZBV's programs (ordered as if every action took a step) wait longer with every microbatch.
+    """
+    from autopar.planner.bubble import Bubbles
+
+    bubbles = Bubbles()
+    for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p} - {0}):
         h1 = simulate(zb_h1(p, m), forward_time=1, backward_time=2, weight_time=1)
-        assert h1.makespan - 3 * m == zero_bubble_units("zb-h1", p, m)
-        assert max(h1.peak_in_flight) == min(p, m)
-    for m in range(2 * p, 4 * p + 1):
+        assert h1.makespan - 3 * m == pytest.approx(3 * bubbles.idle("zb-h1", p, m, (1, 1, 1)))
+        if m >= p:
+            assert h1.makespan - 3 * m == p - 1
         v = simulate(zbv(p, m), forward_time=1, backward_time=2, weight_time=1)
-        assert v.makespan - 6 * m == zero_bubble_units("zbv", p, m)
+        assert v.makespan - 6 * m == pytest.approx(3 * bubbles.idle("zbv", p, m, (1, 1, 1)))
+        slow_b = simulate(zbv(p, m), forward_time=3, backward_time=7, weight_time=3)  # B takes 4, F and W 3
+        assert slow_b.makespan - 20 * m == pytest.approx(10 * bubbles.idle("zbv", p, m, (3, 4, 3)))
+    if p == 16:
+        assert 3 * bubbles.idle("zbv", p, 2 * p, (1, 1, 1)) == pytest.approx(19)
+
+
+def _reduce_scatters(schedule: str) -> tuple[int, int, int]:
+    torch.manual_seed(0)
+    pm = parallelize(models.factory(models.gpt2, layers=4)(), Mesh(dp=2, pp=2), loss_fn=models.lm_loss,
+                     optimizer=models.adamw, schedule=schedule, microbatches=2, zero=3)
+    pm.step(IDS, target=TARGET)
+    op = "zero_reduce_scatter@dp"
+    return pm.mesh.coords(torch.distributed.get_rank())["pp"], pm.communication(calls=True)[op], \
+        pm.communication()[op]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_planner_counts_zero3s_reduce_scatters_as_they_run(launcher, schedule: str) -> None:
+    """Under a split backward ZeRO-3 reduce-scatters a layer's whole flat gradient when B finishes and again
+    for each weight matmul W computes (GPT-2: 1 + 4 per layer and microbatch); the planner charges the calls
+    and bytes the runtime counts, rank by rank."""
+    from autopar.planner.cluster import Cluster
+    from autopar.planner.cost_model import Config, CostModel, precision_of
+    from autopar.planner.model_profile import profile_model
+
+    profile = profile_model(models.factory(models.gpt2, layers=4)(), example_inputs=(IDS[:2],), tp_sizes=(1,))
+    cost = CostModel(profile, Cluster.preset("cpu"), precision_of(torch.float64), seq_len=IDS.shape[1])
+    config = Config(dp=2, pp=2, zero=3, schedule=schedule, microbatches=2, microbatch_size=2)
+    predicted = cost.zero3_reduce_scatters(config)
+    whole = cost.zero3_reduce_scatters(config, split=False)
+    for pp, calls, nbytes in launcher(_reduce_scatters, 4, schedule):
+        assert (calls, nbytes) == predicted[pp]
+        if schedule == "zb-h1":
+            assert calls > 2 * whole[pp][0] and nbytes > 4 * whole[pp][1]  # the layers' gradients 5 times over
+        else:
+            assert (calls, nbytes) == whole[pp]
+
+
+def test_the_plan_charges_and_explains_zero3s_repeated_reduce_scatters() -> None:
+    from autopar.planner import plan
+    from autopar.planner.cluster import Cluster
+    from autopar.planner.cost_model import Config, CostModel, precision_of
+    from autopar.planner.model_profile import profile_model
+
+    profile = profile_model(models.factory(models.gpt2, layers=4)(), example_inputs=(IDS[:2],), tp_sizes=(1,))
+    exposed = Cluster.preset("cpu").replace(overlap=0.0, cores=0)  # every collective shows, nothing is simulated
+    cost = CostModel(profile, exposed, precision_of(torch.float64), seq_len=IDS.shape[1])
+    split, whole = (Config(dp=2, pp=2, zero=3, schedule=s, microbatches=2, microbatch_size=2)
+                    for s in ("zb-h1", "1f1b"))
+    assert cost.estimate(split).time["data_parallel"] > cost.estimate(whole).time["data_parallel"]
+    zero1 = [cost.estimate(dataclasses.replace(c, zero=1)).time["data_parallel"] for c in (split, whole)]
+    assert zero1[0] == pytest.approx(zero1[1])  # below stage 3 the gradients are reduced once, in buckets
+    result = plan(None, 4, cluster=exposed, global_batch=8, seq_len=IDS.shape[1], profile=profile,
+                  precision="fp64", tp=(1,), pp=(2,), zero=(3,), schedules=("zb-h1",), recompute=("none",))
+    assert result.best.config.schedule == "zb-h1" and result.best.config.zero == 3
+    calls, nbytes = max(cost.zero3_reduce_scatters(result.best.config), key=lambda x: x[1])
+    assert (f"zero=3 with zb-h1: each layer's gradients are reduce-scattered after B and again after each of its "
+            f"weight gradients in W, {calls:,} times per step") in str(result)

@@ -81,6 +81,9 @@ class Action:
     microbatch: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kind in COMPUTE_KINDS and type(self.stage) is int and type(self.microbatch) is int \
+                and self.stage >= 0 and self.microbatch >= 0:
+            return  # the common case, valid (the generators make thousands)
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; the kinds are {', '.join(KINDS)}")
         has_stage = self.kind not in RANK_KINDS

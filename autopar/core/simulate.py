@@ -232,19 +232,11 @@ def simulate(
     ``backward_time`` is a whole backward's; in a schedule that splits it, ``W``
     takes ``weight_time`` (default half of it) and ``B`` the rest.
     """
-    weight_time = backward_time / 2 if weight_time is None else weight_time
-    if not (forward_time > 0 and backward_time > 0 and comm_time >= 0 and 0 < weight_time < backward_time):
-        raise ValueError(
-            f"durations must be forward_time > 0, backward_time > weight_time > 0, comm_time >= 0; "
-            f"got {forward_time}, {backward_time}, {weight_time}, {comm_time}"
-        )
+    duration = _durations(schedule.splits_backward, forward_time, backward_time, comm_time, weight_time)
     _check_complete(schedule)
     _check_pairs(schedule)
     _check_step_actions(schedule)
     lowered = any(a.is_comm for program in schedule.actions for a in program) or schedule.n_ranks == 1
-    duration = {F: forward_time, B: backward_time}
-    if schedule.splits_backward:
-        duration = {F: forward_time, B: backward_time - weight_time, W: weight_time}
     finished: dict[Key, float] = {}  # (rank, action) -> the time it finished
     clocks = [0.0] * schedule.n_ranks
     pcs = [0] * schedule.n_ranks
@@ -266,6 +258,81 @@ def simulate(
     if any(pc < len(program) for pc, program in zip(pcs, schedule.actions)):
         raise _deadlock(schedule, pcs, waits)
     return _result(schedule, timeline, duration)
+
+
+def _durations(splits_backward: bool, forward_time: float, backward_time: float, comm_time: float,
+               weight_time: float | None) -> dict[str, float]:
+    """The duration of each compute kind (``simulate``'s time model), the arguments checked."""
+    weight_time = backward_time / 2 if weight_time is None else weight_time
+    if not (forward_time > 0 and backward_time > 0 and comm_time >= 0 and 0 < weight_time < backward_time):
+        raise ValueError(
+            f"durations must be forward_time > 0, backward_time > weight_time > 0, comm_time >= 0; "
+            f"got {forward_time}, {backward_time}, {weight_time}, {comm_time}"
+        )
+    if splits_backward:
+        return {F: forward_time, B: backward_time - weight_time, W: weight_time}
+    return {F: forward_time, B: backward_time}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A compute-only schedule prepared to be timed at many durations (the planner's pipeline bubble).
+
+    ``Timing.of(schedule).makespan(...)`` is ``simulate(schedule, ...).makespan``, the same time model without
+    the checks and the timeline: ``steps`` holds every action once, in an order in which each comes after
+    the actions it waits for (its rank's previous one, and the other stage's it consumes).
+    """
+
+    n_ranks: int
+    splits_backward: bool
+    # (rank, kind, the position of the other stage's action it consumes or -1, whether that one runs elsewhere)
+    steps: tuple[tuple[int, str, int, bool], ...]
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> Timing:
+        """``schedule``'s actions in the order ``simulate``'s loop reaches them: each rank in turn as far as the
+        actions it consumes from other stages have run.
+
+        A schedule it would reject, when no such order exists, is handed to it so that its error is raised.
+        """
+        if not schedule.is_compute_only:
+            raise ValueError("Timing takes a compute-only schedule (no SEND/RECV or step actions); use simulate")
+        last, owner = schedule.n_stages - 1, schedule.stage_to_rank
+        position: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> its place in ``steps``
+        steps: list[tuple[int, str, int, bool]] = []
+        pcs = [0] * schedule.n_ranks
+        progress = True
+        while progress:  # run every rank as far as the actions it consumes from other stages have run
+            progress = False
+            for rank, program in enumerate(schedule.actions):
+                while pcs[rank] < len(program):
+                    a = program[pcs[rank]]
+                    s, mb = a.stage, a.microbatch
+                    need = (F, s - 1, mb) if a.kind == F and s > 0 else (B, s + 1, mb) if a.kind == B and s < last \
+                        else None
+                    if need is not None and need not in position:
+                        break
+                    position[(a.kind, s, mb)] = len(steps)
+                    steps.append((rank, a.kind, -1 if need is None else position[need],
+                                  need is not None and owner[need[1]] != rank))
+                    pcs[rank] += 1
+                    progress = True
+        if len(steps) < sum(map(len, schedule.actions)) or len(position) < len(steps):
+            simulate(schedule)  # raises, naming the deadlock or the repeated action
+        return cls(schedule.n_ranks, schedule.splits_backward, tuple(steps))
+
+    def makespan(self, forward_time: float = 1.0, backward_time: float = 2.0, comm_time: float = 0.0,
+                 weight_time: float | None = None) -> float:
+        """When the last rank finishes, every ``F``, ``B`` and ``W`` taking the given times (``simulate``'s)."""
+        duration = _durations(self.splits_backward, forward_time, backward_time, comm_time, weight_time)
+        finished = [0.0] * len(self.steps)
+        clocks = [0.0] * self.n_ranks
+        for i, (rank, kind, need, remote) in enumerate(self.steps):
+            start = clocks[rank]
+            if need >= 0:
+                start = max(start, finished[need] + comm_time * remote)
+            clocks[rank] = finished[i] = start + duration[kind]
+        return max(clocks)
 
 
 def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:

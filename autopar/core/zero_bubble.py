@@ -30,46 +30,59 @@ def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"zbv: {name} must be an integer >= 1, got {value!r}")
     p, m = n_ranks, n_microbatches
-    placement = v_placement(p)
     n_stages = 2 * p
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> the step it finished
+    # a stage runs its F (and its B) in microbatch order, so the next one of each stage is the only candidate
+    state = _State(n_stages, m)
     programs: list[list[Action]] = [[] for _ in range(p)]
     held = [0] * p  # microbatch-stages between F and W, per rank
     waiting: list[list[Action]] = [[] for _ in range(p)]  # W actions whose B has run, oldest first
-    total, t = 3 * n_stages * m, 0
-    while len(done) < total:
+    remaining, t = 3 * n_stages * m, 0
+    while remaining:
         for rank in range(p):
-            action = _pick(rank, placement, n_stages, m, done, t, held[rank] < 2 * p, waiting[rank])
+            action = _pick(state, (n_stages - 1 - rank, rank), t, held[rank] < 2 * p, waiting[rank])
             if action is None:
                 continue
             programs[rank].append(action)
-            done[(action.kind, action.stage, action.microbatch)] = t + 1
+            state.run(action, t)
             held[rank] += {F: 1, B: 0, W: -1}[action.kind]
             if action.kind == B:
                 waiting[rank].append(Action(action.stage, W, action.microbatch))
+            remaining -= 1
         t += 1
-    return Schedule(p, n_stages, m, placement, programs)
+    return Schedule(p, n_stages, m, v_placement(p), programs)
 
 
-def _ready(kind: str, s: int, mb: int, n_stages: int, done: dict, t: int) -> bool:
-    """Whether ``kind(s, mb)`` has not run and its inputs exist at step ``t``."""
-    if (kind, s, mb) in done:
-        return False
-    if kind == F:
-        return s == 0 or done.get((F, s - 1, mb), t + 1) <= t
-    return done.get((F, s, mb), t + 1) <= t and (s == n_stages - 1 or done.get((B, s + 1, mb), t + 1) <= t)
+class _State:
+    """When each stage's F and B of each microbatch finished (a step), and each stage's next F and B."""
+
+    def __init__(self, n_stages: int, m: int) -> None:
+        never = float("inf")
+        self.n_stages, self.m = n_stages, m
+        self.done = {F: [[never] * m for _ in range(n_stages)], B: [[never] * m for _ in range(n_stages)]}
+        self.next = {F: [0] * n_stages, B: [0] * n_stages}
+
+    def ready(self, kind: str, s: int, t: int) -> int | None:
+        """The microbatch of stage ``s``'s next ``kind`` if its inputs exist at step ``t``, else None."""
+        mb = self.next[kind][s]
+        if mb == self.m:
+            return None
+        if kind == F:
+            ok = s == 0 or self.done[F][s - 1][mb] <= t
+        else:
+            ok = self.done[F][s][mb] <= t and (s == self.n_stages - 1 or self.done[B][s + 1][mb] <= t)
+        return mb if ok else None
+
+    def run(self, action: Action, t: int) -> None:
+        if action.kind != W:
+            self.done[action.kind][action.stage][action.microbatch] = t + 1
+            self.next[action.kind][action.stage] += 1
 
 
-def _pick(rank: int, placement: tuple[int, ...], n_stages: int, m: int, done: dict, t: int, may_forward: bool,
-          waiting: list[Action]) -> Action | None:
-    mine = [s for s in range(n_stages) if placement[s] == rank]
-    for mb in range(m):
-        for s in sorted(mine, reverse=True):
-            if _ready(B, s, mb, n_stages, done, t):
-                return Action(s, B, mb)
-    if may_forward:
-        for mb in range(m):
-            for s in sorted(mine, reverse=True):
-                if _ready(F, s, mb, n_stages, done, t):
-                    return Action(s, F, mb)
+def _pick(state: _State, mine: tuple[int, int], t: int, may_forward: bool, waiting: list[Action]) -> Action | None:
+    """A ready B of the lowest microbatch (the later stage first), else such an F if allowed, else the oldest W."""
+    for kind in (B, F) if may_forward else (B,):
+        ready = [(mb, -s) for s in mine if (mb := state.ready(kind, s, t)) is not None]
+        if ready:
+            mb, s = min(ready)
+            return Action(-s, kind, mb)
     return waiting.pop(0) if waiting else None

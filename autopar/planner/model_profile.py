@@ -17,6 +17,8 @@ repeated layer, the nodes after the last):
 - the elements that enter the segment (what a pipeline stage receives, and
   what activation recomputation stores);
 - the tensor-parallel collectives per microbatch, with their elements;
+- the weight matmuls whose gradient a split backward (zero-bubble
+  schedules) leaves for ``W``, per parameter (``passes/split_backward.py``'s rule);
 - the operator count (what per-operator overhead costs).
 
 Repeated layers are the children of module lists whose entries have the same
@@ -37,6 +39,7 @@ puts the two together.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,7 @@ from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nod
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
                                    segment_params, shortened)
 from autopar.passes.cost import node_cost, requires_grad
+from autopar.passes.split_backward import deferred_weight
 from autopar.passes.tensor_parallel import collective_calls, tensor_parallel
 
 
@@ -89,6 +93,7 @@ class Part:
     ops: int
     kept_selective: sympy.Expr = sympy.Integer(0)  # elements of matmul and attention outputs (selective keeps them)
     communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps)
+    deferred: dict[str, int] = field(default_factory=dict)  # parameter -> its matmuls whose gradient W computes
 
     @property
     def param_elements(self) -> int:
@@ -130,6 +135,21 @@ class ModelProfile:
     @property
     def layers(self) -> list[Segment]:
         return [seg for seg in self.segments if seg.kind == "layer"]
+
+    def layer_names(self) -> list[str | None]:
+        """The module-list entry each segment of ``sequence()`` is (``"transformer.h.3"``, the name
+        ``parallelize(recompute={...})`` takes); None for the head and the tail."""
+        names: list[str | None] = []
+        seen: dict[str, int] = {}  # module list -> its entries named so far
+        for seg in self.segments:
+            for _ in range(seg.count):
+                if seg.kind != "layer":
+                    names.append(None)
+                    continue
+                index = seen.get(family(seg.name), 0)
+                seen[family(seg.name)] = index + 1
+                names.append(f"{family(seg.name)}.{index}" if seg.name.endswith(".*") else seg.name)
+        return names
 
     def part(self, segment: Segment, tp: int) -> Part:
         if tp not in segment.parts:
@@ -194,8 +214,8 @@ class _Analysis:
         self.param_nodes = {nd: aliases.get(name, name) for nd, name in param_names(ep).items()}
         self.requires = {n: p.requires_grad for n, p in model.named_parameters()}
         self.numel = {n: p.numel() for n, p in model.named_parameters()}
-        trainable = {nd for nd, name in self.param_nodes.items() if self.requires.get(name, True)}
-        self.saved = saved_tensors(self.gm, set(self.param_nodes), trainable)
+        self.trainable = {nd for nd, name in self.param_nodes.items() if self.requires.get(name, True)}
+        self.saved = saved_tensors(self.gm, set(self.param_nodes), self.trainable)
         order = list(dict.fromkeys(self.seg_of[n] for n in compute_nodes(self.gm)))
         keep, count = representatives(order, lists, distinct)
         self.keys = [k for k in order if k in keep]
@@ -229,7 +249,9 @@ class _Analysis:
         return Part(params=params, trainable={n for n in params if self.requires.get(n, True)},
                     flops=sum(flops.values(), zero), narrow=narrow, traffic=sympy.expand(traffic), saved=saved,
                     saved_other=saved_other, attention=attention, attention_fused=attention_fused, collectives=[],
-                    ops=ops, kept_selective=kept_elements(self.saved, set(nodes), self.names, act_factor))
+                    ops=ops, kept_selective=kept_elements(self.saved, set(nodes), self.names, act_factor),
+                    deferred=dict(Counter(self.param_nodes[w] for nd in nodes
+                                          if (w := deferred_weight(nd, self.trainable)) is not None)))
 
     def add_tensor_parallel(self, args: tuple, kwargs: dict, n: int) -> None:
         """Each segment's ``Part`` at tp size ``n``, from autopar's own solver and lowering of a static capture."""

@@ -14,7 +14,9 @@ Per microbatch, a segment keeps between its forward and its backward
 
 A value the head makes and every layer reads (RoPE's cos and sin) is one
 tensor, kept once per stage: the largest ``entering_head`` of the stage's
-layers. While backward re-runs a layer, that layer's other activations exist
+recomputed layers. Layers may run different modes (``Config.full_layers``:
+the first layers of each stage ``"full"``, the others ``"selective"``):
+``kept`` and ``rebuilt`` take one mode per unit. While backward re-runs a layer, that layer's other activations exist
 once more (``rebuilt``). Backward repeats each recomputed layer's forward
 compute: all of it under ``"full"``, the memory-bound operators (traffic and
 per-operator overhead, no matmul FLOPs) under ``"selective"`` (``redo``).
@@ -29,7 +31,13 @@ same bytes.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+Modes = str | Sequence[str]  # one recompute mode for every unit, or one per unit
+
+
+def _per_unit(mode: Modes, units: list[Any]) -> list[str]:
+    return [mode] * len(units) if isinstance(mode, str) else list(mode)
 
 
 def _max(xs: list[Any]) -> Any:
@@ -50,20 +58,20 @@ def kept_unit(mode: str, u: Any, *, recompute_collectives: bool = False) -> Any:
     return own + u.communicated + (u.kept_selective if mode == "selective" else 0)
 
 
-def kept(mode: str, units: list[Any], *, recompute_collectives: bool = False) -> Any:
-    """Bytes a stage of ``units`` keeps per microbatch under ``mode`` (shared head values once)."""
-    total = sum(kept_unit(mode, u, recompute_collectives=recompute_collectives) for u in units)
-    if mode == "none":
-        return total
-    return total + _max([u.entering_head for u in units if u.kind == "layer"] or [0])
+def kept(mode: Modes, units: list[Any], *, recompute_collectives: bool = False) -> Any:
+    """Bytes a stage of ``units`` keeps per microbatch under ``mode`` (one mode for all, or one per unit),
+    the values the head made for every layer once."""
+    modes = _per_unit(mode, units)
+    total = sum(kept_unit(m, u, recompute_collectives=recompute_collectives) for m, u in zip(modes, units))
+    heads = [u.entering_head for m, u in zip(modes, units) if u.kind == "layer" and m != "none"]
+    return total + _max(heads) if heads else total
 
 
-def rebuilt(mode: str, units: list[Any], *, recompute_collectives: bool = False) -> Any:
-    """Bytes one layer's recomputation adds while its backward runs: the most of any layer of ``units``."""
-    if mode == "none":
-        return 0
-    return _max([u.activations - kept_unit(mode, u, recompute_collectives=recompute_collectives)
-                 for u in units if u.kind == "layer"] or [0])
+def rebuilt(mode: Modes, units: list[Any], *, recompute_collectives: bool = False) -> Any:
+    """Bytes one layer's recomputation adds while its backward runs: the most of any recomputed layer of
+    ``units`` (``mode``: one for all, or one per unit)."""
+    return _max([u.activations - kept_unit(m, u, recompute_collectives=recompute_collectives)
+                 for m, u in zip(_per_unit(mode, units), units) if u.kind == "layer" and m != "none"])
 
 
 def redo(mode: str, u: Any, matmul_s: Any, other_s: Any) -> Any:

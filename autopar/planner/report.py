@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
-from autopar.planner.cost_model import ZERO_BUBBLE, b_sym
+from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
@@ -30,9 +30,17 @@ TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cor
 RC = {"none": "-", "selective": "s", "full": "f"}
 
 
+def rc_label(cfg: Config) -> str:
+    """The ``rc`` column: ``-``, ``s``, ``f``, or a mix: ``f3+s`` (full on 3 layers per stage, selective on the
+    rest), ``f3`` (full on 3, none on the rest)."""
+    if not cfg.full_layers:
+        return RC[cfg.recompute]
+    return f"f{cfg.full_layers}" + ("" if cfg.recompute == "none" else f"+{RC[cfg.recompute]}")
+
+
 def render_table(result: PlanResult, top: int = 10) -> str:
     """The ranked candidates, ``top`` rows: mesh, ZeRO, schedule, memory, step time, throughput."""
-    head = (f"{'#':>3}  {'mesh dp x pp x tp':<18} {'zero':>4}  {'schedule':<17} {'m x b':>8}  {'rc':<2} "
+    head = (f"{'#':>3}  {'mesh dp x pp x tp':<18} {'zero':>4}  {'schedule':<18} {'m x b':>8}  {'rc':<5} "
             f"{'params+grads+opt':>16} {'activ.':>9} {'total':>9}  {'step':>9} {'tokens/s':>10} {'TF/dev':>7}  run")
     lines = [head]
     for i, c in enumerate(result.candidates[:top], 1):
@@ -41,8 +49,8 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
         state = m["parameters"] + m["gradients"] + m["optimizer"]
         lines.append(
-            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}':<18} {cfg.zero:>4}  {sched:<17} "
-            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {RC[cfg.recompute]:<2} "
+            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}':<18} {cfg.zero:>4}  {sched:<18} "
+            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
             f"{_seconds(c.step_time):>9} {c.estimate.tokens_per_s:>10,.0f} "
             f"{c.estimate.flops_per_device / 1e12:>7.1f}"
@@ -58,7 +66,7 @@ def render_plan(result: PlanResult, top: int = 10) -> str:
              f"{result.precision.name} precision",
              f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
              f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
-             "f full), "
+             "f full, f2+s full on 2 layers per stage and selective on the others), "
              "run = autopar runs it today", "", render_table(result, top), "", "why:"]
     lines += [f"  - {line}" for line in result.explanation]
     return "\n".join(lines)
@@ -101,6 +109,7 @@ def explain(result: PlanResult) -> list[str]:
     elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
                    f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
+    out += _recompute_reason(result) + _split_reduce_scatters(result)
     peak = result.cluster.peak(prec.name)
     out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
                f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
@@ -176,9 +185,51 @@ def _zero_reason(result: PlanResult) -> list[str]:
         if twin is None:
             continue
         verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
+        if z == 3 and twin.fits and c.schedule in ZERO_BUBBLE and c.pp > 1:
+            verdict += f" ({_repeats(result, twin.config)})"
         out.append(f"zero={z} instead of {c.zero}: parameters+gradients+optimizer {gb(state(twin))} vs "
                    f"{gb(state(best))} per device; {verdict}")
     return out[:2]
+
+
+def _recompute_reason(result: PlanResult) -> list[str]:
+    """Why the best mixes recomputation modes: what one mode for every layer would need or take."""
+    best = result.candidates[0]
+    c = best.config
+    if not c.full_layers:
+        return []
+    layers = result.cost.layers_per_stage(c)
+    up_to = "up to " if len(set(layers)) > 1 else ""
+    where = "the model's" if len(layers) == 1 else f"each pipeline stage's {up_to}"
+    out = f"recomputation: full on {c.full_layers} of {where}{max(layers)} layers, {c.recompute} on the others"
+    one_mode = {x.config: x for x in result.candidates if x.config.recompute in ("full", c.recompute)
+                and not x.config.full_layers}
+    base = one_mode.get(dataclasses.replace(c, full_layers=0))
+    full = one_mode.get(dataclasses.replace(c, recompute="full", full_layers=0))
+    if base is not None:
+        out += (f": {gb(best.total_memory)} per device fits {gb(result.cluster.memory)}, where {c.recompute} on "
+                f"every layer needs {gb(base.total_memory)}")
+    if full is not None:
+        out += f"; full on every layer takes {_seconds(full.step_time)} ({full.step_time / best.step_time:.2f}x)"
+    return [out]
+
+
+def _split_reduce_scatters(result: PlanResult) -> list[str]:
+    """What ZeRO-3's gradient reduce-scatters cost the best under a split backward, when it has both."""
+    c = result.candidates[0].config
+    if c.zero != 3 or c.dp == 1 or c.pp == 1 or c.schedule not in ZERO_BUBBLE:
+        return []
+    t = float(result.candidates[0].estimate.time["data_parallel"])
+    return [f"zero=3 with {c.schedule}: {_repeats(result, c)}; data parallel {_seconds(t)} per step"]
+
+
+def _repeats(result: PlanResult, c: Config) -> str:
+    """How many reduce-scatters ZeRO-3 runs under ``c``'s split backward, against one per layer and microbatch."""
+    split = max(result.cost.zero3_reduce_scatters(c), key=lambda x: x[1])
+    whole = max(result.cost.zero3_reduce_scatters(c, split=False), key=lambda x: x[1])
+    return (f"each layer's gradients are reduce-scattered after B and again after each of its weight gradients "
+            f"in W, {split[0]:,} times per step and {gb(split[1])} on the busiest rank instead of {whole[0]:,} "
+            f"times and {gb(whole[1])}")
 
 
 # ---------------------------------------------------------------------------

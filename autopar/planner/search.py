@@ -12,6 +12,7 @@ nothing here recomputes memory or time.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -23,7 +24,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, RECOMPUTE, Config, CostModel, Estimate, Precision,
+from autopar.planner.config import MIXED_WITH
+from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision,
                                         precision_of)
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
@@ -39,6 +41,7 @@ class Candidate:
     runnable: bool  # autopar's runtime runs this configuration today
     not_runnable: str = ""  # why not, when it does not
     precision: str = ""  # the planner's precision name ("fp32", "bf16", "mixed", ...)
+    recompute: str | dict[str, str] = "none"  # what parallelize(recompute=...) takes (a mix: layer -> mode)
 
     @property
     def mesh(self) -> Mesh:
@@ -64,14 +67,14 @@ class Candidate:
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
                 "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
                 "precision": "bf16" if self.precision == "bf16" else "fp32",
-                "recompute": c.recompute}
+                "recompute": self.recompute}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
         return {
             "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "zero": c.zero, "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
-            "microbatch_size": c.microbatch_size, "recompute": c.recompute,
+            "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
             "memory_bytes": {**self.memory, "total": self.total_memory},
             "time_s": {**{k: float(v) for k, v in e.time.items()}, "step": self.step_time},
             "tokens_per_s": float(e.tokens_per_s), "flops_per_device": float(e.flops_per_device),
@@ -200,6 +203,7 @@ def plan(
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
+    evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
     if not evaluated:
         layers = sum(seg.count for seg in profile.layers)
         raise ValueError(f"no configuration of {devices} devices applies: global batch {global_batch} must divide by "
@@ -213,7 +217,7 @@ def plan(
     # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less
     # recomputation (its time is measured to exceed the model's where the model calls it negligible), less memory
     candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
-                                   c.config.zero, RECOMPUTE.index(c.config.recompute), c.total_memory))
+                                   c.config.zero, c.config.recompute_order, c.total_memory))
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
                         global_batch=global_batch, seq_len=seq_len or 1, candidates=candidates, explanation=[],
                         considered=len(evaluated), seconds=0.0, profile=profile, cost=cost)
@@ -266,7 +270,35 @@ def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
         return None
     reason = not_runnable(config, prec, profile)
     return Candidate(config=config, estimate=est, fits=float(est.total_memory) <= cluster.memory,
-                     runnable=not reason, not_runnable=reason, precision=prec.name)
+                     runnable=not reason, not_runnable=reason, precision=prec.name,
+                     recompute=cost.recompute_choice(config))
+
+
+def mixed_recompute(cost: CostModel, candidates: list[Candidate], cluster: Cluster, prec: Precision,
+                    profile: ModelProfile) -> list[Candidate]:
+    """Megatron-LM's mix where it fits better than one mode for every layer: for each configuration whose
+    ``"none"`` or ``"selective"`` does not fit the device and whose ``"full"`` does, the same with only as many
+    layers of each stage recomputed fully as it takes to fit (``Config.full_layers``), the others unchanged."""
+    by_mode: dict[Config, dict[str, Candidate]] = {}
+    for c in candidates:
+        by_mode.setdefault(dataclasses.replace(c.config, recompute="none"), {})[c.config.recompute] = c
+    out = []
+    for modes in by_mode.values():
+        full = modes.get("full")
+        if full is None or not full.fits:
+            continue
+        layers = max(cost.layers_per_stage(full.config))
+        for base in [m for m in MIXED_WITH if m in modes and not modes[m].fits]:
+            config = dataclasses.replace(full.config, recompute=base)
+            lo, hi = 0, layers  # base alone does not fit, all layers full does: the fewest full layers that fit
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if cost.fits(dataclasses.replace(config, full_layers=mid), cluster.memory) \
+                    else (mid, hi)
+            if hi < layers and (c := evaluate(cost, dataclasses.replace(config, full_layers=hi), cluster, prec,
+                                              profile)) is not None:
+                out.append(c)
+    return out
 
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:

@@ -1,0 +1,61 @@
+"""The pipeline bubble: how long the busiest pipeline rank waits in one step.
+
+GPipe and (interleaved) 1F1B wait ``(p - 1) / v`` microbatches' work,
+whatever the ratio of forward to backward time. The zero-bubble schedules have
+no such closed form: ZB-H1's wait depends on how ``W`` compares with ``F`` and
+``B``, and ZBV's programs come out of list scheduling
+(``autopar.core.zero_bubble``), whose wait changes irregularly with ``p`` and
+``m`` and grows with ``m`` when ``B`` takes longer than ``F`` (its programs
+were ordered as if they took the same time). So for those the planner runs the
+schedule autopar would run through the simulator (``autopar.core.simulate.Timing``)
+with the configuration's ``F``, ``B`` and ``W`` times.
+
+``Bubbles`` caches the schedules by ``(schedule, p, m)`` and the simulated
+waits by those and the three times' ratios, rounded to ``1 / RESOLUTION`` of a
+stage's work: the planner's candidates share few distinct ratios.
+
+Invariant: with ``F``, ``B`` and ``W`` taking the same time, the wait is what
+``autopar.core.simulate.simulate`` measures for the generated schedule
+(``tests/test_zero_bubble.py`` checks ``p`` up to 32).
+"""
+from __future__ import annotations
+
+from autopar.core.schedule import make_schedule
+from autopar.core.simulate import Timing
+
+RESOLUTION = 200  # F, B and W are rounded to 1/200 of a stage's F + B + W before simulating
+
+
+class Bubbles:
+    """Waits of generated pipeline schedules, simulated once per (schedule, p, m, rounded cost ratios)."""
+
+    def __init__(self) -> None:
+        self._timings: dict[tuple[str, int, int], Timing] = {}
+        self._idle: dict[tuple[str, int, int, int, int, int], float] = {}
+
+    def idle(self, schedule: str, pp: int, microbatches: int, costs: tuple[float, float, float]) -> float:
+        """A rank's waiting time in one step, in units of one stage's ``F + B + W`` of one microbatch, when
+        every stage's ``F``, ``B`` and ``W`` take ``costs`` (any unit: only their ratios count).
+
+        ``schedule`` splits its backwards (``"zb-h1"``, ``"zbv"``); every rank holds ``v`` stages of
+        the same cost, so its work is ``v * m`` units and the step ``v * m`` units plus this.
+        """
+        total = sum(costs)
+        if pp == 1 or total <= 0:
+            return 0.0
+        f, b, w = (max(1, round(RESOLUTION * x / total)) for x in costs)
+        key = (schedule, pp, microbatches, f, b, w)
+        if key not in self._idle:
+            timing, v = self.timing(schedule, pp, microbatches)
+            span = timing.makespan(forward_time=f, backward_time=b + w, weight_time=w)
+            self._idle[key] = (span - v * microbatches * (f + b + w)) / (f + b + w)
+        return self._idle[key]
+
+    def timing(self, name: str, pp: int, microbatches: int) -> tuple[Timing, int]:
+        """The compute-only schedule ``make_schedule`` generates, prepared for timing once; its stages per rank."""
+        key = (name, pp, microbatches)
+        if key not in self._timings:
+            self._timings[key] = Timing.of(make_schedule(name, pp, microbatches))
+        timing = self._timings[key]
+        return timing, len(timing.steps) // (3 * pp * microbatches)
+

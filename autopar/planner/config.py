@@ -1,0 +1,98 @@
+"""One way to run a training step, as the planner names it: mesh, ZeRO stage, schedule, microbatches, recomputation.
+
+Recomputation is one mode for every layer (``recompute``), or Megatron-LM's
+mix: the first ``full_layers`` layers of every pipeline stage recompute fully
+and the others use ``recompute`` ("none" or "selective"), so that only as
+many layers as needed pay for a whole forward again.
+
+Invariant: a ``Config`` is valid when constructed; ``layer_modes`` gives each
+segment of a stage the mode the runtime runs it with (``autopar.core.recompute``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W (bubble: simulated, `bubble.Bubbles`)
+RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
+MIXED_WITH = ("none", "selective")  # the modes the layers a mix does not recompute fully run with
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run a training step: the mesh, ZeRO stage, schedule, microbatches and recomputation."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    microbatch_size: int = 1
+    recompute: str | bool = "none"  # "none" | "selective" | "full" (True: "full", False: "none")
+    zero_prefetch: int = 1
+    full_layers: int = 0  # with recompute "none" or "selective": the first this many layers of each stage "full"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero} must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULE_NAMES)}")
+        if self.schedule == "zbv" and self.stages_per_rank != 2:
+            raise ValueError(f"schedule='zbv' holds 2 stages per rank, got stages_per_rank={self.stages_per_rank}")
+        if self.stages_per_rank > 1 and self.schedule not in ("interleaved-1f1b", "zbv"):
+            raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
+        object.__setattr__(self, "recompute", {True: "full", False: "none"}.get(self.recompute, self.recompute))
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        if not isinstance(self.full_layers, int) or self.full_layers < 0:
+            raise ValueError(f"full_layers={self.full_layers!r} must be an integer >= 0")
+        if self.full_layers and self.recompute not in MIXED_WITH:
+            raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
+                             f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatches * self.microbatch_size
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any layer is recomputed."""
+        return self.recompute != "none" or self.full_layers > 0
+
+    @property
+    def recompute_order(self) -> tuple[int, int]:
+        """Orders configurations by how much they recompute: none, mixes of it, selective, its mixes, full."""
+        return RECOMPUTE.index(self.recompute), self.full_layers
+
+    def recompute_label(self) -> str:
+        """``"selective"``, or a mix: ``"full on 3 layers per stage, selective on the rest"``."""
+        if not self.full_layers:
+            return self.recompute
+        n = self.full_layers
+        return f"full on {n} layer{'s' * (n > 1)} per stage, {self.recompute} on the rest"
+
+    def layer_modes(self, units: Sequence[Any]) -> list[str]:
+        """The mode of each of one stage's segments, in order (each has a ``kind``): the first ``full_layers``
+        layers ``"full"``, every other segment ``recompute``."""
+        out, layers = [], 0
+        for u in units:
+            out.append("full" if u.kind == "layer" and layers < self.full_layers else self.recompute)
+            layers += u.kind == "layer"
+        return out
+
+    def describe(self) -> str:
+        mesh = f"dp={self.dp} pp={self.pp} tp={self.tp}"
+        v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        sched = "" if self.pp == 1 else f" {self.schedule}{v}"
+        return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"
+                + (f" recompute={self.recompute_label()}" if self.recomputes else ""))
