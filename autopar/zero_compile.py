@@ -86,7 +86,8 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
         _gather_layers(program, mesh, options)
     return zero_collectives(layouts[worst], microbatches=options.microbatches,
                             gather_dtype=pol.compute if pol and options.zero == 3 else None,
-                            reduce_dtype=pol.reduce if pol else None)
+                            reduce_dtype=pol.reduce if pol else None,
+                            split=program.schedule is not None and program.schedule.splits_backward)
 
 
 def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int:

@@ -181,11 +181,12 @@ def memory_estimate(*, param_bytes: int, trainable_bytes: int, optimizer_factor:
 
 
 def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: torch.dtype | None = None,
-                     reduce_dtype: torch.dtype | None = None) -> list[Collective]:
+                     reduce_dtype: torch.dtype | None = None, split: bool = False) -> list[Collective]:
     """The kinds of collective a ZeRO step runs on one rank, with their counts and bytes.
 
     ``gather_dtype`` / ``reduce_dtype``: what stage 3 gathers and every stage reduces, when not the
-    parameters' dtype (mixed precision); the collectives then show their dtypes.
+    parameters' dtype (mixed precision); the collectives then show their dtypes. ``split``: backwards
+    run as B and W (stage 3 then reduce-scatters a layer's gradient when each finishes).
     """
     if layout.n == 1:
         return []
@@ -208,7 +209,9 @@ def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: tor
                 gather_after_step]
     return [kind("all_gather", 2 * k * m, gather_dtype, "each layer before its forward and again for its backward",
                  2 * m),
-            kind("reduce_scatter", k * m, reduce_dtype, "each layer's gradients in backward", m)]
+            kind("reduce_scatter", k * m * (1 + split), reduce_dtype,
+                 "each layer's gradients when B and again when W finishes" if split else "each layer's gradients in backward",
+                 m * (1 + split))]
 
 
 def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_bytes: int, stage: int, n: int,

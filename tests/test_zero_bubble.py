@@ -201,9 +201,10 @@ def _reduce_scatters(schedule: str) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_the_planner_counts_zero3s_reduce_scatters_as_they_run(launcher, schedule: str) -> None:
-    """Under a split backward ZeRO-3 reduce-scatters a layer's whole flat gradient when B finishes and again
-    for each weight matmul W computes (GPT-2: 1 + 4 per layer and microbatch); the planner charges the calls
-    and bytes the runtime counts, rank by rank."""
+    """Under a split backward ZeRO-3 reduce-scatters a layer's whole flat gradient when B finishes and once
+    again when W lands its weight gradients (all of them through one autograd call), not once per weight
+    matmul; groups without weight matmuls once. The planner charges the calls and bytes the runtime counts,
+    rank by rank."""
     from autopar.planner.cluster import Cluster
     from autopar.planner.cost_model import Config, CostModel, precision_of
     from autopar.planner.model_profile import profile_model
@@ -216,7 +217,7 @@ def test_the_planner_counts_zero3s_reduce_scatters_as_they_run(launcher, schedul
     for pp, calls, nbytes in launcher(_reduce_scatters, 4, schedule):
         assert (calls, nbytes) == predicted[pp]
         if schedule == "zb-h1":
-            assert calls > 2 * whole[pp][0] and nbytes > 4 * whole[pp][1]  # the layers' gradients 5 times over
+            assert whole[pp][0] < calls <= 2 * whole[pp][0] and nbytes <= 2 * whole[pp][1]  # at most twice over
         else:
             assert (calls, nbytes) == whole[pp]
 

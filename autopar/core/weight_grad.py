@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -37,13 +37,24 @@ class WeightGradients:
     """The weight gradients one backward left for later, in the order it met them."""
 
     def __init__(self) -> None:
-        self.pending: list[Callable[[], None]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (weight, a, b): grad a @ b
 
     def run(self) -> None:
-        """Computes every recorded weight gradient and accumulates it into its parameter."""
+        """Computes every recorded weight gradient and accumulates it into its parameter.
+
+        Weights that are not leaves (views of a ZeRO-3 layer's gathered buffer) go back through autograd in one
+        call, so each gathered buffer's backward (its reduce-scatter) runs once per ``W``, not once per weight.
+        """
         pending, self.pending = self.pending, []
-        for compute in pending:
-            compute()
+        views, grads = [], []
+        for weight, a, b in pending:
+            if weight.is_leaf:
+                _accumulate(weight, a, b)
+            else:
+                views.append(weight)
+                grads.append(a @ b)
+        if views:
+            torch.autograd.backward(views, grads)
 
 
 def _has_hooks(t: torch.Tensor) -> bool:
@@ -52,8 +63,8 @@ def _has_hooks(t: torch.Tensor) -> bool:
 
 
 def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``weight.grad += a @ b``, as one backward would accumulate it (see the module docstring)."""
-    grad = weight.grad if weight.is_leaf else None  # (a non-leaf, e.g. a bf16 cast of a master, has no .grad)
+    """``weight.grad += a @ b`` for a leaf, as one backward would accumulate it (see the module docstring)."""
+    grad = weight.grad
     if grad is not None and not _has_hooks(weight) and not grad.requires_grad:
         with torch.no_grad():
             grad.addmm_(a, b)
@@ -104,8 +115,7 @@ class _Split(torch.autograd.Function):
             if record is None:
                 gw = a @ b
             else:
-                weight = ctx.weight
-                record.pending.append(lambda: _accumulate(weight, a, b))
+                record.pending.append((ctx.weight, a, b))
         return gx, gw, gb, None
 
 

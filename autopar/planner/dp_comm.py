@@ -11,10 +11,9 @@ one per other module (``autopar.core.zero_layout.layer_of``), each padded to
 a multiple of dp (``zero3_groups``). A group's gradient is reduce-scattered
 whole each time autograd reaches its all-gather: once per microbatch when
 backward runs whole; under a split backward (``zb-h1``, ``zbv``) once when
-``B`` finishes and once more for each weight matmul whose gradient ``W``
-computes, since each lands through its own autograd call
-(``autopar.core.weight_grad``): a GPT-2 layer 1 + 4 times, a LLaMA layer 1 + 7
-(``reduce_scatters``).
+``B`` finishes and once more when ``W`` lands the weight gradients of the
+group's matmuls (``autopar.core.weight_grad`` sends them through autograd in
+one call), for a group with any (``reduce_scatters``).
 
 Invariant: ``reduce_scatters`` counts the calls and bytes ``pm.communication()``
 counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
@@ -63,7 +62,7 @@ def reduce_scatters(units: list[SegmentValues], dp: int, split: bool) -> tuple[i
     """(calls, elements) of one microbatch's ZeRO-3 gradient reduce-scatters on a rank holding ``units``;
     ``split``: the schedule splits backwards into B and W (see the module doc)."""
     groups = zero3_groups(units, dp)
-    times = [1 + (g.deferred if split else 0) for g in groups]
+    times = [1 + (1 if split and g.deferred else 0) for g in groups]
     return sum(times), sum(t * g.elements for t, g in zip(times, groups))
 
 
