@@ -187,7 +187,7 @@ def parallelize(
     precision: str = "fp32",
     reduce_dtype: str | torch.dtype | None = None,
     recompute: str | dict[str, str] | Callable[[str], str] | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -212,7 +212,8 @@ def parallelize(
     between tensor-parallel regions (residual stream, norms, dropout) for the
     least activation memory per rank, sharded along the sequence (or batch),
     each forward all-reduce becoming a reduce-scatter and an all-gather of the
-    same bytes (Korthikanti et al. 2022). The planner does not choose it yet.
+    same bytes (Korthikanti et al. 2022). Under ``mesh="auto"`` the planner
+    chooses it (where memory is short) unless given.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -225,6 +226,7 @@ def parallelize(
                                                          auto["stages_per_rank"])
         precision = auto["precision"]
         recompute = auto["recompute"] if recompute is None else recompute
+        sequence_parallel = auto["sequence_parallel"] if sequence_parallel is None else sequence_parallel
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
@@ -232,7 +234,7 @@ def parallelize(
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
                       max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
                       recompute="none" if recompute is None else recompute,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=bool(sequence_parallel))
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

@@ -122,3 +122,53 @@ def test_needs_a_tensor_parallel_axis() -> None:
     with pytest.raises(ValueError, match="tp=1"):
         parallelize(models.gpt2(), Mesh(dp=2), example_inputs=(IDS,), example_target=TARGET, loss_fn=models.lm_loss,
                     optimizer=models.adamw, sequence_parallel=True)
+
+
+# -- the planner ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def profile():
+    from autopar.planner.model_profile import profile_model
+
+    return profile_model(models.gpt2(layers=4, d=64, heads=4, vocab=128, dtype=torch.float32), tp_sizes=(1, 2))
+
+
+def test_the_planner_charges_less_activation_memory_with_it(profile) -> None:
+    """At tp=2 with every recompute mode, sequence parallelism keeps fewer activation bytes (the layer inputs that
+    recomputation keeps are shards too) at the same bytes communicated: each all-reduce an all-gather and a
+    reduce-scatter."""
+    from autopar.planner.cluster import Cluster
+    from autopar.planner.cost_model import PRECISIONS, Config, CostModel
+
+    cost = CostModel(profile, Cluster.preset("dgx-a100"), PRECISIONS["fp32"], seq_len=32)
+    for rc in ("none", "selective", "full"):
+        plain = cost.estimate(Config(dp=1, tp=2, microbatch_size=4, recompute=rc))
+        sharded = cost.estimate(Config(dp=1, tp=2, microbatch_size=4, recompute=rc, sequence_parallel=True))
+        assert float(sharded.memory["activations"]) < 0.95 * float(plain.memory["activations"]), rc
+    layer = next(seg for seg in profile.segments if seg.kind == "layer")
+    moved = {}
+    for name, part in (("plain", layer.parts[2]), ("sp", layer.sequence_parallel[2])):
+        for c in part.collectives:
+            moved[name] = moved.get(name, 0) + c.elements * (2 if c.op == "all_reduce" else 1)
+    assert moved["plain"] == moved["sp"]  # an all-reduce moves what an all-gather and a reduce-scatter move
+
+
+def test_the_planner_chooses_it_where_memory_is_short(profile) -> None:
+    import dataclasses
+
+    from autopar.planner import plan
+    from autopar.planner.cluster import Cluster
+    from autopar.planner.cost_model import PRECISIONS, Config, CostModel
+
+    cpu = Cluster.preset("cpu")
+    cost = CostModel(profile, cpu, PRECISIONS["fp32"], seq_len=32)
+    config = Config(dp=1, tp=2, microbatches=8, microbatch_size=1)  # the least memory without recomputation
+    budget = float(cost.estimate(dataclasses.replace(config, sequence_parallel=True)).total_memory)
+    assert float(cost.estimate(config).total_memory) > budget  # so nothing fits without sequence parallelism
+    options = dict(global_batch=8, seq_len=32, profile=profile, precision="fp32", tp=(2,), recompute=("none",),
+                   max_microbatch=8)
+    result = plan(None, 2, cluster=cpu.replace(memory=budget), **options)
+    assert result.best.config == dataclasses.replace(config, sequence_parallel=True)
+    assert result.best.parallelize_options()["sequence_parallel"] is True
+    assert "+sp" in result.table(1).splitlines()[1] and "sequence parallelism: the values between" in str(result)
+    roomy = plan(None, 2, cluster=cpu, **options)  # where everything fits, it is not worth its extra calls
+    assert not roomy.best.config.sequence_parallel

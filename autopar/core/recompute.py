@@ -9,7 +9,10 @@ the region dispatches (``keeps``; ``keep_contexts`` applies it while the region 
 
 - ``"full"`` keeps only the outputs of operators that communicate in forward
   (``COMMUNICATING``: tensor-parallel all-reduce, all-gather, ...), so backward
-  repeats no communication and gets the same numbers without it;
+  repeats no communication and gets the same numbers without it; the one
+  exception is sequence parallelism's gather of the shards a matmul reads
+  (``all_gather_rs``): backward gathers them again, as Megatron-LM does, so
+  only the shards are kept;
 - ``"selective"`` (Korthikanti et al. 2022) also keeps matmul and attention
   outputs (``KEPT_SELECTIVE``) and recomputes only the cheap operators between
   them: elementwise, normalization, softmax, dropout.
@@ -92,8 +95,10 @@ def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-# the autopar::* ops that communicate in forward (grad_all_reduce, chunk and to_partial compute locally)
-COMMUNICATING = _ops(torch.ops.autopar, tuple(name for name, op in OPS.items() if op.forward))
+# the autopar::* ops that communicate in forward and whose outputs recomputation keeps (grad_all_reduce, chunk and
+# to_partial compute locally; all_gather_rs is gathered again, keeping 1/n of the bytes: see the module doc)
+COMMUNICATING = _ops(torch.ops.autopar, tuple(name for name, op in OPS.items() if op.forward
+                                              and name != "all_gather_rs"))
 MATMULS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "convolution",
                                 "_grouped_mm", "_scaled_mm"))
 ATTENTION = _ops(torch.ops.aten, ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

@@ -34,6 +34,7 @@ class Config:
     recompute: str | bool = "none"  # "none" | "selective" | "full" (True: "full", False: "none")
     zero_prefetch: int = 1
     full_layers: int = 0  # with recompute "none" or "selective": the first this many layers of each stage "full"
+    sequence_parallel: bool = False  # tp > 1: the values between tensor-parallel regions sharded too
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -52,6 +53,8 @@ class Config:
             raise ValueError(f"recompute={self.recompute!r} must be one of {', '.join(RECOMPUTE)}")
         if not isinstance(self.full_layers, int) or self.full_layers < 0:
             raise ValueError(f"full_layers={self.full_layers!r} must be an integer >= 0")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True shards values over the tp axis; it needs tp > 1")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
@@ -91,7 +94,7 @@ class Config:
         return out
 
     def describe(self) -> str:
-        mesh = f"dp={self.dp} pp={self.pp} tp={self.tp}"
+        mesh = f"dp={self.dp} pp={self.pp} tp={self.tp}" + (" sequence-parallel" if self.sequence_parallel else "")
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"

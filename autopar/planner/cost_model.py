@@ -86,10 +86,10 @@ class CostModel:
         self._sample_flops: float | None = None
 
     # per segment ------------------------------------------------------------
-    def values(self, seg: Segment, tp: int, b: Any) -> SegmentValues:
-        key = (id(seg), tp, b)
+    def values(self, seg: Segment, tp: int, b: Any, sequence_parallel: bool = False) -> SegmentValues:
+        key = (id(seg), tp, b, sequence_parallel)
         if key not in self._values:
-            part = self.profile.part(seg, tp)
+            part = self.profile.part(seg, tp, sequence_parallel)
             at = {b_sym: b, s_sym: self.seq_len}
             act_bytes = self.precision.activation
             attention = part.attention_fused if self.cluster.fused_attention else part.attention
@@ -98,7 +98,8 @@ class CostModel:
                 flops=ev(part.flops + self.cluster.narrow * part.narrow),
                 traffic=ev(part.traffic * act_bytes),
                 activations=ev((part.saved + attention) * act_bytes + part.saved_other),
-                entering=ev(seg.entering * act_bytes), entering_head=ev(seg.entering_head * act_bytes),
+                entering=ev((seg.entering if part.entering is None else part.entering) * act_bytes),
+                entering_head=ev(seg.entering_head * act_bytes),
                 kept_selective=ev(part.kept_selective * act_bytes), communicated=ev(part.communicated * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
                 ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind,
@@ -146,7 +147,8 @@ class CostModel:
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
         """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b``."""
         seq, stages, placement = self.profile.sequence(), self.stages(config), self.placement(config)
-        return [[[self.values(seq[i], config.tp, b) for i in stages[s]] for s in range(len(stages))
+        return [[[self.values(seq[i], config.tp, b, config.sequence_parallel) for i in stages[s]]
+                 for s in range(len(stages))
                  if placement[s] == r] for r in range(config.pp)]
 
     def fits(self, config: Config, memory: float) -> bool:
@@ -292,8 +294,9 @@ class CostModel:
         return self._comm[id(u)]
 
     def _hop(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> Any:
-        """A stage's input arriving: whole from every tp rank, or Megatron's 1/tp then an all-gather."""
-        if not self.scatter_gather:
+        """A stage's input arriving: whole from every tp rank, or Megatron's 1/tp then an all-gather (sequence
+        parallel: each tp rank's shard, ``entering`` already)."""
+        if not self.scatter_gather or c.sequence_parallel:
             return p2p(st[0].entering, pp_link)
         return p2p(st[0].entering / c.tp, pp_link) + ring_gather(st[0].entering, c.tp, tp_link)
 

@@ -94,6 +94,7 @@ class Part:
     kept_selective: sympy.Expr = sympy.Integer(0)  # elements of matmul and attention outputs (selective keeps them)
     communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps)
     deferred: dict[str, int] = field(default_factory=dict)  # parameter -> its matmuls whose gradient W computes
+    entering: sympy.Expr | None = None  # sequence parallelism: elements entering, as sharded (None: the segment's)
 
     @property
     def param_elements(self) -> int:
@@ -114,6 +115,7 @@ class Segment:
     entering: sympy.Expr  # floating elements produced before the segment and used in it
     entering_head: sympy.Expr = sympy.Integer(0)  # the part the head made (RoPE's cos, sin): one tensor, all layers
     parts: dict[int, Part] = field(default_factory=dict)  # by tp size
+    sequence_parallel: dict[int, Part] = field(default_factory=dict)  # by tp size, with sequence parallelism
 
 
 @dataclass
@@ -151,11 +153,12 @@ class ModelProfile:
                 names.append(f"{family(seg.name)}.{index}" if seg.name.endswith(".*") else seg.name)
         return names
 
-    def part(self, segment: Segment, tp: int) -> Part:
-        if tp not in segment.parts:
-            raise ValueError(f"tp={tp} was not analyzed; the profile has tp sizes {list(self.tp_sizes)} "
-                             f"(pass tp_sizes=... to profile_model)")
-        return segment.parts[tp]
+    def part(self, segment: Segment, tp: int, sequence_parallel: bool = False) -> Part:
+        parts = segment.sequence_parallel if sequence_parallel else segment.parts
+        if tp not in parts:
+            raise ValueError(f"tp={tp}{' with sequence parallelism' if sequence_parallel else ''} was not analyzed; "
+                             f"the profile has tp sizes {list(self.tp_sizes)} (pass tp_sizes=... to profile_model)")
+        return parts[tp]
 
 
 # ---------------------------------------------------------------------------
@@ -263,7 +266,14 @@ class _Analysis:
             flops[node.name] = node_cost(node).flops if node.op == "call_function" else 0
             numel[node.name] = numel_of(node.meta.get("val"))
         same = match_nodes(self.gm, self.seg_of, cap.gm, static_seg)  # symbolic node name -> static node name
-        tp = tensor_parallel(cap, n, {k for k, v in self.requires.items() if v})
+        for sequence_parallel in (False, True):
+            tp = tensor_parallel(cap, n, {k for k, v in self.requires.items() if v},
+                                 sequence_parallel=sequence_parallel)
+            self._add_lowered(args, cap, tp, n, same, flops, numel, static_seg, sequence_parallel)
+
+    def _add_lowered(self, args: tuple, cap: Any, tp: Any, n: int, same: dict[str, str], flops: dict[str, int],
+                     numel: dict[str, int], static_seg: dict, sequence_parallel: bool) -> None:
+        """Each segment's ``Part`` from one tensor-parallel lowering of the static capture ``cap``."""
         lowered = tp.graphs[0]
         local_flops: dict[str, int] = {}
         local_numel: dict[str, int] = {}
@@ -277,6 +287,8 @@ class _Analysis:
                 width = weight_width(node, lowered_params)
                 if width:
                     local_width[origin] = width
+        for origin in _gathered(lowered):  # a value all-gathered for a matmul is saved whole, not as its shard
+            local_numel[origin] = numel[origin]
         flops_factor = {k: sympy.Rational(local_flops.get(o, flops[o]), flops[o]) for k, o in same.items() if flops[o]}
         act_factor = {k: sympy.Rational(local_numel.get(o, numel[o]), numel[o]) for k, o in same.items() if numel[o]}
         first = next(a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
@@ -294,7 +306,29 @@ class _Analysis:
             part.collectives = _collectives(by_key.get(key, []), n, tokens, grads)
             part.communicated = sympy.expand(sum((numel_of(nd.meta.get("val")) * tokens for nd in by_key.get(key, [])
                                                   if nd.target in COMMUNICATING), sympy.Integer(0)))
-            seg.parts[n] = part
+            if sequence_parallel:  # the values between layers arrive sharded
+                part.entering = entering_elements(set(self.nodes[key]), self.names, factors=act_factor)
+            (seg.sequence_parallel if sequence_parallel else seg.parts)[n] = part
+
+
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+         torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+         torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default}
+
+
+def _gathered(lowered: fx.GraphModule) -> set[str]:
+    """Origins of the values the tp lowering all-gathers, and of what they view: autograd saves them whole."""
+    found = set()
+    for node in lowered.graph.nodes:
+        if getattr(node.target, "namespace", None) != "autopar" or OPS.get(node.target._opname) is None \
+                or OPS[node.target._opname].forward != "all_gather":
+            continue
+        x = node.args[0]
+        while isinstance(x, fx.Node):
+            if x.meta.get(ORIGIN) is not None:
+                found.add(x.meta[ORIGIN])
+            x = x.args[0] if x.op == "call_function" and x.target in VIEWS else None
+    return found
 
 
 def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[fx.Node, bool]) -> list[Collective]:

@@ -118,9 +118,10 @@ def kept_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict, factors
 # what enters a segment, what leaves the model
 # ---------------------------------------------------------------------------
 
-def entering_elements(nodes: set[fx.Node], names: dict, made_by: set[fx.Node] | None = None) -> sympy.Expr:
+def entering_elements(nodes: set[fx.Node], names: dict, made_by: set[fx.Node] | None = None,
+                      factors: dict[str, Any] | None = None) -> sympy.Expr:
     """Floating elements made outside ``nodes`` (not parameters or inputs) and used by them; with ``made_by``,
-    only those made by these nodes."""
+    only those made by these nodes; ``factors``: local/full size by producing node name."""
     total = sympy.Integer(0)
     seen = set()
     for node in nodes:
@@ -131,7 +132,7 @@ def entering_elements(nodes: set[fx.Node], names: dict, made_by: set[fx.Node] | 
                     or not val.is_floating_point() or (made_by is not None and producer not in made_by)):
                 continue
             seen.add(arg)
-            total += to_sympy(val.numel(), names)
+            total += to_sympy(val.numel(), names) * (factors or {}).get(producer.name, 1)
     return total
 
 

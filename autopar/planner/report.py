@@ -49,7 +49,8 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
         state = m["parameters"] + m["gradients"] + m["optimizer"]
         lines.append(
-            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}':<18} {cfg.zero:>4}  {sched:<18} "
+            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}' + ('+sp' if cfg.sequence_parallel else ''):<18} "
+            f"{cfg.zero:>4}  {sched:<18} "
             f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
             f"{_seconds(c.step_time):>9} {c.estimate.tokens_per_s:>10,.0f} "
@@ -66,7 +67,7 @@ def render_plan(result: PlanResult, top: int = 10) -> str:
              f"{result.precision.name} precision",
              f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
              f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
-             "f full, f2+s full on 2 layers per stage and selective on the others), "
+             "f full, f2+s full on 2 layers per stage and selective on the others), +sp = sequence parallelism, "
              "run = autopar runs it today", "", render_table(result, top), "", "why:"]
     lines += [f"  - {line}" for line in result.explanation]
     return "\n".join(lines)
@@ -109,7 +110,7 @@ def explain(result: PlanResult) -> list[str]:
     elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
                    f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
-    out += _recompute_reason(result) + _split_reduce_scatters(result)
+    out += _recompute_reason(result) + _sequence_parallel_reason(result) + _split_reduce_scatters(result)
     peak = result.cluster.peak(prec.name)
     out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
                f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
@@ -211,6 +212,22 @@ def _recompute_reason(result: PlanResult) -> list[str]:
                 f"every layer needs {gb(base.total_memory)}")
     if full is not None:
         out += f"; full on every layer takes {_seconds(full.step_time)} ({full.step_time / best.step_time:.2f}x)"
+    return [out]
+
+
+def _sequence_parallel_reason(result: PlanResult) -> list[str]:
+    """Why the best shards the values between tensor-parallel regions: the same configuration without."""
+    best = result.candidates[0]
+    c = best.config
+    if not c.sequence_parallel:
+        return []
+    twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, sequence_parallel=False)), None)
+    out = (f"sequence parallelism: the values between tensor-parallel regions are sharded over tp={c.tp} too "
+           f"(each forward all-reduce a reduce-scatter and an all-gather, the same bytes)")
+    if twin is not None:
+        out += (f"; activations {gb(best.memory['activations'])} per device instead of "
+                f"{gb(twin.memory['activations'])}, without which {gb(twin.total_memory)} does not fit "
+                f"{gb(result.cluster.memory)}")
     return [out]
 
 

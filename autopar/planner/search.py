@@ -67,7 +67,7 @@ class Candidate:
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
                 "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
                 "precision": "bf16" if self.precision == "bf16" else "fp32",
-                "recompute": self.recompute}
+                "recompute": self.recompute, "sequence_parallel": c.sequence_parallel}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
@@ -75,6 +75,7 @@ class Candidate:
             "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "zero": c.zero, "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
+            "sequence_parallel": c.sequence_parallel,
             "memory_bytes": {**self.memory, "total": self.total_memory},
             "time_s": {**{k: float(v) for k, v in e.time.items()}, "step": self.step_time},
             "tokens_per_s": float(e.tokens_per_s), "flops_per_device": float(e.flops_per_device),
@@ -204,6 +205,7 @@ def plan(
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
     evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
+    evaluated += sequence_parallel(cost, evaluated, cluster, prec, profile)
     if not evaluated:
         layers = sum(seg.count for seg in profile.layers)
         raise ValueError(f"no configuration of {devices} devices applies: global batch {global_batch} must divide by "
@@ -299,6 +301,18 @@ def mixed_recompute(cost: CostModel, candidates: list[Candidate], cluster: Clust
                                               profile)) is not None:
                 out.append(c)
     return out
+
+
+def sequence_parallel(cost: CostModel, candidates: list[Candidate], cluster: Cluster, prec: Precision,
+                      profile: ModelProfile) -> list[Candidate]:
+    """Each tensor-parallel configuration that does not fit the device, again with sequence parallelism (it
+    shards activations for the same bytes communicated but twice the collective calls, so it pays only where
+    memory is short)."""
+    if not all(t in seg.sequence_parallel for seg in profile.segments for t in profile.tp_sizes if t > 1):
+        return []
+    return [c for x in candidates if x.config.tp > 1 and not x.fits
+            and (c := evaluate(cost, dataclasses.replace(x.config, sequence_parallel=True), cluster, prec,
+                               profile)) is not None]
 
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
