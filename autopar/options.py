@@ -7,8 +7,8 @@ from typing import Any, Callable
 from autopar.core.recompute import Choice, check_choice
 from autopar.precision import Policy, policy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-FIXED_STAGES_PER_RANK = {"zbv": 2}  # (the V holds two stages on every rank)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+FIXED_STAGES_PER_RANK = {"zbv": 2, "dualpipev": 2}  # (the V holds two stages on every rank)
 
 
 @dataclass(frozen=True)

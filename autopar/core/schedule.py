@@ -2,8 +2,8 @@
 
 A pipeline cuts the model into ``n_stages`` stages, spread over ``n_ranks``
 pipeline ranks; every rank runs a plain list of `Action` values in order. The
-generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`) are pure functions of
-the sizes and return *compute-only* schedules: each rank's list holds one ``F``
+generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`; the V-shaped `zbv` and
+`dualpipev` in modules of their own) are pure functions of the sizes and return *compute-only* schedules: each rank's list holds one ``F``
 and one ``B`` (and, for `zb_h1`, one ``W``) per (stage it owns, microbatch), and
 nothing else.
 `add_communication` lowers such a schedule to one that also says where values
@@ -375,6 +375,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "interleaved-1f1b": lambda p, v, m: interleaved_1f1b(p, v, m),
     "zb-h1": lambda p, v, m: zb_h1(p, m),
     "zbv": lambda p, v, m: _zbv(p, m),
+    "dualpipev": lambda p, v, m: _dualpipev(p, m),
 }
 
 
@@ -384,11 +385,18 @@ def _zbv(n_ranks: int, n_microbatches: int) -> Schedule:
     return zbv(n_ranks, n_microbatches)
 
 
-STAGES_PER_RANK = {"zbv": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
+def _dualpipev(n_ranks: int, n_microbatches: int) -> Schedule:
+    from autopar.core.dualpipe import dualpipev  # (its module imports this one)
+
+    return dualpipev(n_ranks, n_microbatches)
+
+
+STAGES_PER_RANK = {"zbv": 2, "dualpipev": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
 
 
 def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int | None = None) -> Schedule:
-    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1" or "zbv")."""
+    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv" or
+    "dualpipev")."""
     if name not in SCHEDULES:
         known = ", ".join(map(repr, SCHEDULES))
         raise ValueError(f"unknown pipeline schedule {name!r}; the known schedules are {known}")

@@ -67,7 +67,9 @@ class SimResult:
     ``busy_time[rank]`` is that rank's compute time; ``peak_in_flight[stage]``
     the most microbatches whose ``F`` had run on that stage while their ``B``
     (their ``W``, when the backward is split) had not (what the stage must hold
-    activations for).
+    activations for); ``rank_peak_in_flight[rank]`` the most such
+    (stage, microbatch) pairs held at once over all of the rank's stages (with
+    one stage per rank, that stage's peak).
     """
 
     makespan: float
@@ -75,6 +77,7 @@ class SimResult:
     bubble_fraction: float
     peak_in_flight: tuple[int, ...]
     timeline: tuple[Event, ...]
+    rank_peak_in_flight: tuple[int, ...] = ()
 
 
 def _check_complete(schedule: Schedule) -> None:
@@ -335,17 +338,22 @@ class Timing:
         return max(clocks)
 
 
-def _peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most microbatches forwarded and not yet backwarded, along its rank's program."""
+def _peak_in_flight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage and per rank, the most microbatches forwarded and not yet backwarded, along the rank's program."""
     in_flight = [0] * schedule.n_stages
     peak = [0] * schedule.n_stages
+    rank_peak = [0] * schedule.n_ranks
     done = W if schedule.splits_backward else B  # a microbatch's activations are freed by its last backward part
-    for program in schedule.actions:
+    for rank, program in enumerate(schedule.actions):
+        held = 0
         for action in program:
             if action.kind in (F, done):
-                in_flight[action.stage] += 1 if action.kind == F else -1
+                step = 1 if action.kind == F else -1
+                in_flight[action.stage] += step
+                held += step
                 peak[action.stage] = max(peak[action.stage], in_flight[action.stage])
-    return tuple(peak)
+                rank_peak[rank] = max(rank_peak[rank], held)
+    return tuple(peak), tuple(rank_peak)
 
 
 def _result(schedule: Schedule, timeline: list[Event], duration: dict[str, float]) -> SimResult:
@@ -356,7 +364,8 @@ def _result(schedule: Schedule, timeline: list[Event], duration: dict[str, float
     idle = sum(makespan - b for b in busy)
     timeline.sort(key=lambda e: (e.start, e.rank))  # stable: program order among equal starts
     fraction = idle / (schedule.n_ranks * makespan)
-    return SimResult(makespan, tuple(busy), fraction, _peak_in_flight(schedule), tuple(timeline))
+    peak, rank_peak = _peak_in_flight(schedule)
+    return SimResult(makespan, tuple(busy), fraction, peak, tuple(timeline), rank_peak)
 
 
 def check_channel_order(schedule: Schedule) -> None:
