@@ -150,3 +150,28 @@ def test_the_fewest_microbatches_are_exact(launcher) -> None:
     make = models.factory(models.llama, layers=4)
     assert_equivalent(make, Mesh(pp=2), (IDS[:6],), TARGET[:6], models.lm_loss, models.adamw, steps=2,
                       launcher=launcher, schedule="dualpipev", microbatches=3)
+
+
+def test_the_planner_searches_it_with_its_simulated_bubble_and_extra_half_stage() -> None:
+    """The planner prices DualPipeV like the other split schedules: its wait simulated from the generated
+    schedule (F = B = W: p - 1 steps, as the simulator counts), one more half-stage of activations than ZBV, and
+    only where it has its 2p - 1 microbatches."""
+    import dataclasses
+
+    from autopar.planner.bubble import Bubbles
+    from autopar.planner.cluster import Cluster
+    from autopar.planner.cost_model import PRECISIONS, Config, CostModel
+    from autopar.planner.model_profile import profile_model
+    from autopar.planner.search import search_space
+
+    bubbles = Bubbles()
+    for p, m in [(2, 3), (4, 8), (8, 16)]:
+        span = simulate(dualpipev(p, m), forward_time=1, backward_time=2, weight_time=1).makespan
+        assert span - 6 * m == pytest.approx(3 * bubbles.idle("dualpipev", p, m, (1, 1, 1)))
+    profile = profile_model(models.gpt2(layers=4, dtype=torch.float32), tp_sizes=(1,))
+    cost = CostModel(profile, Cluster.preset("cpu"), PRECISIONS["fp32"], seq_len=8)
+    zbv_config = Config(dp=1, pp=2, schedule="zbv", stages_per_rank=2, microbatches=4, microbatch_size=2)
+    dual = cost.estimate(dataclasses.replace(zbv_config, schedule="dualpipev"))
+    assert float(dual.memory["activations"]) > float(cost.estimate(zbv_config).memory["activations"])
+    found = {(c.schedule, c.microbatches) for c in search_space(profile, 2, 8, pp=(2,), recompute=("none",))}
+    assert ("dualpipev", 4) in found and ("dualpipev", 8) in found and ("dualpipev", 2) not in found  # 2p - 1 = 3

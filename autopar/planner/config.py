@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-ZERO_BUBBLE = ("zb-h1", "zbv")  # backwards split into B and W (bubble: simulated, `bubble.Bubbles`)
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backwards split into B and W (bubble: simulated, `bubble.Bubbles`)
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in a V (autopar.core.zero_bubble.v_placement)
 RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
 MIXED_WITH = ("none", "selective")  # the modes the layers a mix does not recompute fully run with
 
@@ -44,9 +45,10 @@ class Config:
             raise ValueError(f"zero={self.zero} must be 0, 1, 2 or 3")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULE_NAMES)}")
-        if self.schedule == "zbv" and self.stages_per_rank != 2:
-            raise ValueError(f"schedule='zbv' holds 2 stages per rank, got stages_per_rank={self.stages_per_rank}")
-        if self.stages_per_rank > 1 and self.schedule not in ("interleaved-1f1b", "zbv"):
+        if self.schedule in V_SHAPED and self.stages_per_rank != 2:
+            raise ValueError(f"schedule={self.schedule!r} holds 2 stages per rank, got stages_per_rank="
+                             f"{self.stages_per_rank}")
+        if self.stages_per_rank > 1 and self.schedule not in ("interleaved-1f1b", *V_SHAPED):
             raise ValueError(f"stages_per_rank={self.stages_per_rank} needs schedule='interleaved-1f1b'")
         object.__setattr__(self, "recompute", {True: "full", False: "none"}.get(self.recompute, self.recompute))
         if self.recompute not in RECOMPUTE:

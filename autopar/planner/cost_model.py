@@ -22,7 +22,7 @@ from autopar.passes.pipeline import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather
 from autopar.planner import recompute_cost
 from autopar.planner.bubble import Bubbles
-from autopar.planner.config import ZERO_BUBBLE, Config
+from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, reduce_scatters
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
@@ -122,7 +122,7 @@ class CostModel:
 
     def placement(self, config: Config) -> tuple[int, ...]:
         """The pp rank of every stage: looped, or the V of ``zbv``."""
-        if config.schedule == "zbv":
+        if config.schedule in V_SHAPED:
             return v_placement(config.pp)
         return tuple(s % config.pp for s in range(config.pp * config.stages_per_rank))
 
@@ -206,6 +206,8 @@ class CostModel:
             held = sum(per_stage) * c.microbatches
         elif c.schedule in ZERO_BUBBLE:  # every rank holds up to p microbatches (a W keeps its activations)
             held = sum(per_stage) * min(c.pp, c.microbatches)
+            if c.schedule == "dualpipev":  # and one more microbatch-stage (2p + 1 of its 2p stages' halves)
+                held += _max(per_stage)
         elif c.stages_per_rank == 1:
             held = per_stage[0] * min(c.pp - rank, c.microbatches)
         else:  # interleaved: warm-up forwards of chunks, each a 1/v share of the rank's layers

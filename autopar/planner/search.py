@@ -24,7 +24,8 @@ import torch
 
 from autopar.core.mesh import Mesh
 from autopar.planner.cluster import Cluster, gb
-from autopar.planner.config import MIXED_WITH
+from autopar.core.dualpipe import min_microbatches
+from autopar.planner.config import MIXED_WITH, SCHEDULE_NAMES
 from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision,
                                         precision_of)
 from autopar.planner.model_profile import ModelProfile, profile_model
@@ -153,7 +154,7 @@ def plan(
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
     zero: tuple[int, ...] = (0, 1, 2, 3),
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
+    schedules: tuple[str, ...] = SCHEDULE_NAMES,
     recompute: tuple[str | bool, ...] = ("none", "selective", "full"),
     tp: tuple[int, ...] | None = None,
     pp: tuple[int, ...] | None = None,
@@ -229,7 +230,7 @@ def plan(
 
 
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
-                 schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"),
+                 schedules: tuple[str, ...] = SCHEDULE_NAMES,
                  recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
@@ -260,6 +261,7 @@ def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tup
     if "interleaved-1f1b" in names:
         out += [("interleaved-1f1b", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
     out += [("zb-h1", 1)] * ("zb-h1" in names) + [("zbv", 2)] * ("zbv" in names and 2 * pp <= layers)
+    out += [("dualpipev", 2)] * ("dualpipev" in names and 2 * pp <= layers and m >= min_microbatches(pp))
     return out
 
 
