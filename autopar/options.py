@@ -5,10 +5,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autopar.core.recompute import Choice, check_choice
+from autopar.core.schedule import SCHEDULES as GENERATORS
+from autopar.core.schedule import STAGES_PER_RANK
 from autopar.precision import Policy, policy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
-FIXED_STAGES_PER_RANK = {"zbv": 2, "dualpipev": 2}  # (the V holds two stages on every rank)
+SCHEDULES = tuple(GENERATORS)  # the schedule names (autopar.core.schedule generates each)
+FIXED_STAGES_PER_RANK = STAGES_PER_RANK  # (the V holds two stages on every rank)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from scipy.sparse import coo_matrix
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.core.comm import LinkCost, conversion, conversion_time
+from autopar.core.comm import LinkCost, conversion, conversion_time, ops_time
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.rules import SUMS_INSIDE, Strategy, strategies
@@ -73,6 +73,7 @@ class Choice:
     strategies: list[Strategy]
     chosen: int = 0
     fastest: int | None = None  # least_activations: this node's strategy in the fastest plan
+    saved: list[float] | None = None  # with an activation objective: bytes per rank saved under each strategy
     inputs: list[tuple[fx.Node, int | None] | None] = field(default_factory=list)  # value feeding each input
 
     @property
@@ -181,11 +182,11 @@ def saved_bytes(gm: fx.GraphModule, n: int, choices: dict[fx.Node, Choice], para
     return found
 
 
-def chosen_saved_bytes(terms: list[tuple[fx.Node, list[float]]], choices: dict[fx.Node, Choice],
-                       fastest: bool = False) -> int:
-    """Bytes per rank saved for backward under the chosen strategies (``saved_bytes``'s terms); ``fastest``:
-    under those of the fastest plan instead (``solve_sharding(least_activations=True)`` records them)."""
-    return int(sum(row[choices[v].fastest if fastest else choices[v].chosen] for v, row in terms))
+def chosen_saved_bytes(choices: dict[fx.Node, Choice], fastest: bool = False) -> int:
+    """Bytes per rank saved for backward under the chosen strategies (``Choice.saved``, which
+    ``solve_sharding`` fills when it has an activation objective); ``fastest``: under those of the fastest
+    plan instead (``solve_sharding(least_activations=True)`` records them)."""
+    return int(sum(ch.saved[ch.fastest if fastest else ch.chosen] for ch in choices.values() if ch.saved))
 
 
 def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: LinkCost = DEFAULT_COST,
@@ -255,7 +256,8 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 for j, sv in enumerate(cv.strategies):
                     dst = sv.inputs[k]
                     sync = grad and dst is not None and needs_grad_sync(sv, dst)
-                    t = conversion_time(src, dst, nbytes, n, cost, grad=sync) + OP_S * len(conversion(src, dst, sync) or ())
+                    ops = conversion(src, dst, sync)
+                    t = math.inf if ops is None else ops_time(ops, nbytes, n, cost) + OP_S * len(ops)
                     if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
                         forbidden.append((offset[u] + i, offset[v] + j))
@@ -314,9 +316,12 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     seconds = np.array(c) * 1e6  # in microseconds: the solver's absolute gap (1e-6) is below OP_S
     within = f"a budget of {budget:,} bytes per rank for parameters"
     if activation_budget is not None or least_activations:
-        saved = np.zeros(n_vars)
         for v, row in saved_bytes(gm, n, choices, set(param_names), set(param_names) if trainable is None else trainable):
-            saved[offset[v] : offset[v] + len(row)] += row
+            choices[v].saved = row if choices[v].saved is None else [a + b for a, b in zip(choices[v].saved, row)]
+        saved = np.zeros(n_vars)
+        for v, ch in choices.items():
+            if ch.saved:
+                saved[offset[v] : offset[v] + len(ch.saved)] += ch.saved
         if forbidden:  # the penalty that keeps parameters as stored is not in the other objectives: a constraint
             pairs = coo_matrix((np.ones(2 * len(forbidden)), (np.repeat(np.arange(len(forbidden)), 2),
                                 np.array(forbidden).reshape(-1))), shape=(len(forbidden), n_vars))
@@ -325,8 +330,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             fastest = _milp(seconds, constraints, integrality, within).x
             for node in nodes:
                 choices[node].fastest = int(np.argmax(fastest[offset[node] : offset[node] + len(choices[node].strategies)]))
-            weights = [offset[nd] + int(np.argmax(fastest[offset[nd] : offset[nd] + len(choices[nd].strategies)]))
-                       for nd in param_names]
+            weights = [offset[nd] + choices[nd].fastest for nd in param_names]
             constraints.append(LinearConstraint(coo_matrix((np.ones(len(weights)), (np.arange(len(weights)), weights)),
                                                            shape=(len(weights), n_vars)), 1, 1))
             least = float(saved @ _milp(saved, constraints, integrality, within).x)

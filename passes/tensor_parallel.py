@@ -27,7 +27,7 @@ from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
 from autopar.passes.rules.base import BATCH_MEAN, VOCAB_PARALLEL
-from autopar.passes.sharding import DEFAULT_COST, chosen_saved_bytes, saved_bytes, solve_sharding
+from autopar.passes.sharding import DEFAULT_COST, chosen_saved_bytes, solve_sharding
 
 
 @dataclass
@@ -71,9 +71,8 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     if summary is not None:
         summary = dataclasses.replace(summary, inside=tuple(inside))
     if summary is not None and sequence_parallel:  # what it saves: the solver's account, with and without
-        terms = saved_bytes(cap.gm, n, choices, set(params), leaves)
-        summary = dataclasses.replace(summary, saved=(chosen_saved_bytes(terms, choices),
-                                                      chosen_saved_bytes(terms, choices, fastest=True)))
+        summary = dataclasses.replace(summary, saved=(chosen_saved_bytes(choices),
+                                                      chosen_saved_bytes(choices, fastest=True)))
     return TensorParallel([gm] * n, placements, counts, nbytes, fallbacks, layouts, summary)
 
 

@@ -160,7 +160,10 @@ def conversion_time(src: Any, dst: Any, nbytes: Any, n: int, cost: LinkCost, gra
     """Forward plus backward seconds to turn placement ``src`` into ``dst`` (``nbytes``: the whole tensor;
     ``grad``: as ``conversion``)."""
     ops = conversion(src, dst, grad)
-    if ops is None:
-        return float("inf")
+    return float("inf") if ops is None else ops_time(ops, nbytes, n, cost)
+
+
+def ops_time(ops: tuple[str, ...], nbytes: Any, n: int, cost: LinkCost) -> float:
+    """Forward plus backward seconds of the ops of ``OPS`` named in ``ops`` (``nbytes``: the whole tensor)."""
     kinds = [kind for op in ops for kind in (OPS[op].forward, OPS[op].backward) if kind is not None]
     return sum((collective_time(kind, nbytes, n, cost) for kind in kinds), 0.0)

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+from autopar.options import FIXED_STAGES_PER_RANK, SCHEDULES
+
+SCHEDULE_NAMES = SCHEDULES  # autopar.options: the schedules autopar runs
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backwards split into B and W (bubble: simulated, `bubble.Bubbles`)
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in a V (autopar.core.zero_bubble.v_placement)
+V_SHAPED = tuple(FIXED_STAGES_PER_RANK)  # two stages per rank in a V (autopar.core.zero_bubble.v_placement)
 RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
 MIXED_WITH = ("none", "selective")  # the modes the layers a mix does not recompute fully run with
 
