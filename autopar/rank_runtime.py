@@ -54,7 +54,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         if options.policy is not None and options.policy.reduce != options.policy.master:
             sync.reduce_in(options.policy.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
-    executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(placement[stage]), groups.device, groups.wire)
+    executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(placement[stage]), groups.device, groups.wire,
+                        regather=options.sequence_parallel)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))

@@ -73,6 +73,7 @@ class Choice:
     strategies: list[Strategy]
     chosen: int = 0
     fastest: int | None = None  # least_activations: this node's strategy in the fastest plan
+    saved_inputs: float = 0.0  # least_activations: bytes per rank its chosen inputs' pairs add to ``saved``
     saved: list[float] | None = None  # with an activation objective: bytes per rank saved under each strategy
     inputs: list[tuple[fx.Node, int | None] | None] = field(default_factory=list)  # value feeding each input
 
@@ -160,12 +161,14 @@ def default_budget(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
 
 
 def saved_bytes(gm: fx.GraphModule, n: int, choices: dict[fx.Node, Choice], params: set[fx.Node],
-                trainable: set[fx.Node]) -> list[tuple[fx.Node, list[float]]]:
-    """Bytes per rank that each node saves for backward under each of its strategies (``passes.saved``).
+                trainable: set[fx.Node]) -> list[tuple[fx.Node, int | None, int, list[float]]]:
+    """Bytes per rank that each node saves for backward under each of its strategies (``passes.saved``):
+    ``(node, k, nbytes, row)``, ``k`` the input it saves (None: a tensor it makes itself), ``nbytes`` the whole
+    tensor's bytes, ``row`` the bytes per rank under each strategy.
 
     A tensor a node saves from one of its inputs is held at the placement its strategy asks of that
-    input (an all-gathered input is saved whole); one it makes itself, at its output placement.
-    ``Shard``: 1/n of the bytes; Replicate and Partial: all of them.
+    input (an all-gathered input is saved whole, unless gathered again in backward: see ``solve_sharding``);
+    one it makes itself, at its output placement. ``Shard``: 1/n of the bytes; Replicate and Partial: all.
     """
     found = []
     run = saved_tensors(gm, params, trainable)
@@ -178,15 +181,17 @@ def saved_bytes(gm: fx.GraphModule, n: int, choices: dict[fx.Node, Choice], para
         k = next((k for k, value in enumerate(ch.inputs)  # the input it saves, or a view of
                   if value is not None and run.origin.get(value[0], value[0]) is rec.producer), None)
         held = [s.inputs[k] if k is not None else out_placement(s, 0) for s in ch.strategies]
-        found.append((v, [nbytes / n if isinstance(p, Shard) else nbytes for p in held]))
+        found.append((v, k, nbytes, [nbytes / n if isinstance(p, Shard) else nbytes for p in held]))
     return found
 
 
 def chosen_saved_bytes(choices: dict[fx.Node, Choice], fastest: bool = False) -> int:
     """Bytes per rank saved for backward under the chosen strategies (``Choice.saved``, which
-    ``solve_sharding`` fills when it has an activation objective); ``fastest``: under those of the fastest
-    plan instead (``solve_sharding(least_activations=True)`` records them)."""
-    return int(sum(ch.saved[ch.fastest if fastest else ch.chosen] for ch in choices.values() if ch.saved))
+    ``solve_sharding`` fills when it has an activation objective, plus the gathered inputs kept as shards);
+    ``fastest``: under those of the fastest plan instead, which gathers nothing again
+    (``solve_sharding(least_activations=True)`` records them)."""
+    return int(sum(ch.saved[ch.fastest if fastest else ch.chosen] + (0 if fastest else ch.saved_inputs)
+                   for ch in choices.values() if ch.saved))
 
 
 def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], *, cost: LinkCost = DEFAULT_COST,
@@ -202,7 +207,10 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     bytes any placement of the values reaches, then the cheapest communication within
     ``ACTIVATION_SLACK`` of it. In a transformer this is sequence parallelism (Korthikanti et al.
     2022): the values between the tensor-parallel regions (residual stream, norms, dropout) sharded
-    along the sequence, each forward all-reduce a reduce-scatter and an all-gather.
+    along the sequence, each forward all-reduce a reduce-scatter and an all-gather. The runtime then
+    keeps an all-gathered input a node saves as its shards and gathers it again in backward
+    (``runtime/regather.py``): the pair of choices that gathers it saves 1/n of its bytes and pays
+    one more all-gather.
     """
     same_as = {a: b for a, b in repeated_blocks(gm).items()  # identical layers are decided once
                if a.target is not operator.getitem}
@@ -239,7 +247,12 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
         row = len(rhs)
         rows += [(row, offset[node] + i, 1.0) for i in range(len(choices[node].strategies))]
         rhs.append(1.0)
-    pair_cost: list[tuple[fx.Node, fx.Node, np.ndarray]] = []
+    saved_rows = saved_bytes(gm, n, choices, set(param_names), set(param_names) if trainable is None else trainable) \
+        if activation_budget is not None or least_activations else []
+    # least_activations: an all-gathered input a node saves is kept as its shards and gathered again in
+    # backward (runtime/regather.py), as Megatron-LM's sequence parallelism does
+    regathered = {(v, k): nbytes for v, k, nbytes, _ in saved_rows if k is not None} if least_activations else {}
+    pair_cost: list[tuple[fx.Node, fx.Node, np.ndarray, np.ndarray]] = []  # (u, v, seconds, saved bytes per rank)
     for v in nodes:
         cv = choices[v]
         for k, value in enumerate(cv.inputs):
@@ -251,6 +264,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             grad = rg.get(u, False) and _floating(u, idx)
             narrow = NARROW_SUM_S if _floating(u, idx) and _itemsize(u, idx) < wide else 0.0
             m = np.zeros((len(cu.strategies), len(cv.strategies)))
+            r = np.zeros_like(m)
             for i, su in enumerate(cu.strategies):
                 src = out_placement(su, idx)
                 for j, sv in enumerate(cv.strategies):
@@ -262,8 +276,11 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
                         forbidden.append((offset[u] + i, offset[v] + j))
                     t += narrow * (sums_over_ranks(src, dst) + sync)
+                    if ops and ops[-1] == "all_gather_rs" and (v, k) in regathered:
+                        t += ops_time(("all_gather",), nbytes, n, cost)
+                        r[i, j] = regathered[(v, k)] / n - regathered[(v, k)]
                     m[i, j] = min(t, 1e6)
-            pair_cost.append((u, v, m))
+            pair_cost.append((u, v, m, r))
     out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
     for a in pytree.tree_leaves(out_node.args):
         if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
@@ -274,26 +291,31 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
                 for i, su in enumerate(choices[u].strategies):
                     src = out_placement(su, idx)
                     c[offset[u] + i] += conversion_time(src, R, nbytes, n, cost) + narrow * sums_over_ranks(src, R)
-    merged: dict[tuple[int, int], tuple[fx.Node, fx.Node, np.ndarray]] = {}
-    for u, v, m in pair_cost:  # edges between the same shared variables add up
+    merged: dict[tuple[int, int], tuple[fx.Node, fx.Node, np.ndarray, np.ndarray]] = {}
+    for u, v, m, r in pair_cost:  # edges between the same shared variables add up
         key = (offset[u], offset[v])
-        merged[key] = (u, v, merged[key][2] + m) if key in merged else (u, v, m)
-    for u, v, m in merged.values():
+        merged[key] = (u, v, merged[key][2] + m, merged[key][3] + r) if key in merged else (u, v, m, r)
+    saved_on_edges: list[tuple[int, float]] = []  # (variable, saved bytes per rank) the pairs of choices add
+    for u, v, m, r in merged.values():
         if offset[u] == offset[v]:
             for i in range(m.shape[0]):  # a node tied to itself: only the diagonal can be chosen
                 c[offset[u] + i] += m[i, i]
+                saved_on_edges.append((offset[u] + i, r[i, i]))
             continue
-        if len(choices[v].strategies) == 1 or np.ptp(m, axis=1).max() == 0:
+        if len(choices[v].strategies) == 1 or max(np.ptp(m, axis=1).max(), np.ptp(r, axis=1).max()) == 0:
             for i in range(m.shape[0]):  # the cost depends on u's choice only
                 c[offset[u] + i] += m[i, 0]
+                saved_on_edges.append((offset[u] + i, r[i, 0]))
             continue
-        if len(choices[u].strategies) == 1 or np.ptp(m, axis=0).max() == 0:
+        if len(choices[u].strategies) == 1 or max(np.ptp(m, axis=0).max(), np.ptp(r, axis=0).max()) == 0:
             for j in range(m.shape[1]):  # ... or on v's only
                 c[offset[v] + j] += m[0, j]
+                saved_on_edges.append((offset[v] + j, r[0, j]))
             continue
         base = n_vars
         n_vars += m.shape[0] * m.shape[1]
         c += list(m.reshape(-1))
+        saved_on_edges += [(base + e, b) for e, b in enumerate(r.reshape(-1))]
         for i in range(m.shape[0]):  # sum_j e_ij = x_ui
             row = len(rhs)
             rows += [(row, base + i * m.shape[1] + j, 1.0) for j in range(m.shape[1])] + [(row, offset[u] + i, -1.0)]
@@ -316,12 +338,14 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
     seconds = np.array(c) * 1e6  # in microseconds: the solver's absolute gap (1e-6) is below OP_S
     within = f"a budget of {budget:,} bytes per rank for parameters"
     if activation_budget is not None or least_activations:
-        for v, row in saved_bytes(gm, n, choices, set(param_names), set(param_names) if trainable is None else trainable):
+        for v, _, _, row in saved_rows:
             choices[v].saved = row if choices[v].saved is None else [a + b for a, b in zip(choices[v].saved, row)]
         saved = np.zeros(n_vars)
         for v, ch in choices.items():
             if ch.saved:
                 saved[offset[v] : offset[v] + len(ch.saved)] += ch.saved
+        for var, nbytes in saved_on_edges:
+            saved[var] += nbytes
         if forbidden:  # the penalty that keeps parameters as stored is not in the other objectives: a constraint
             pairs = coo_matrix((np.ones(2 * len(forbidden)), (np.repeat(np.arange(len(forbidden)), 2),
                                 np.array(forbidden).reshape(-1))), shape=(len(forbidden), n_vars))
@@ -343,6 +367,8 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
         k = len(choices[node].strategies)
         choices[node].chosen = int(np.argmax(result.x[offset[node] : offset[node] + k]))
         node.meta[KEY] = choices[node].strategy
+    for u, v, _, r in merged.values():
+        choices[v].saved_inputs += float(r[choices[u].chosen, choices[v].chosen])
     return choices
 
 

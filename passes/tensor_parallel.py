@@ -66,8 +66,9 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
     lowered = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]  # the signature is unchanged by lowering
-    counts, nbytes = count_collectives(gm, requires_grad(gm, {lowered[placeholders.index(nd)] for nd in leaves}))
-    summary = layer_summary(gm, repeated_blocks(cap.gm))
+    counts, nbytes = count_collectives(gm, requires_grad(gm, {lowered[placeholders.index(nd)] for nd in leaves}),
+                                       regather=sequence_parallel)
+    summary = layer_summary(gm, repeated_blocks(cap.gm), regather=sequence_parallel)
     if summary is not None:
         summary = dataclasses.replace(summary, inside=tuple(inside))
     if summary is not None and sequence_parallel:  # what it saves: the solver's account, with and without
@@ -79,8 +80,9 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
 SHOWN = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "scaled_dot_product_attention", "embedding"}
 
 
-def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerLayout | None:
-    """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective."""
+def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node], regather: bool = False) -> LayerLayout | None:
+    """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective
+    (``regather``: sequence parallelism gathers its ``all_gather_rs`` inputs again in backward)."""
     from autopar.passes.pipeline import module_path
 
     firsts = set(same_as.values())
@@ -101,7 +103,8 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerL
         if getattr(nd.target, "namespace", None) == "autopar":
             name = nd.target._opname
             if name in OPS and OPS[name].role:
-                rows.append(CollectiveRow(name, OPS[name].role))
+                again = ", all-gather again in backward" if regather and name == "all_gather_rs" else ""
+                rows.append(CollectiveRow(name, OPS[name].role + again))
             continue
         op = getattr(nd.target, "_opname", str(nd.target))
         if op not in SHOWN:
@@ -113,12 +116,15 @@ def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node]) -> LayerL
     return LayerLayout(block, tuple(rows))
 
 
-def collective_calls(nodes: Iterable[fx.Node], needs_grad: dict[fx.Node, bool]) -> Iterator[tuple[fx.Node, str, str]]:
+def collective_calls(nodes: Iterable[fx.Node], needs_grad: dict[fx.Node, bool],
+                     regather: bool = False) -> Iterator[tuple[fx.Node, str, str]]:
     """``(node, direction, collective)`` for each collective that the tp ops among ``nodes`` perform in one
     forward and backward (``comm.OPS``).
 
     A collective has a backward only where its input needs a gradient (``needs_grad``, from
     ``passes.cost.requires_grad``): not on user inputs, integer values or what frozen parameters compute.
+    ``regather`` (sequence parallelism): an ``all_gather_rs`` output that a consumer saves for its
+    weight's gradient is kept as its shards and gathered again in backward (``runtime/regather.py``).
     """
     for nd in nodes:
         if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "autopar":
@@ -128,14 +134,35 @@ def collective_calls(nodes: Iterable[fx.Node], needs_grad: dict[fx.Node, bool]) 
             yield nd, "forward", op.forward
         if op is not None and op.backward and needs_grad.get(nd.args[0], False):
             yield nd, "backward", op.backward
+            if regather and nd.target._opname == "all_gather_rs" and _saved_for_a_weight(nd, needs_grad):
+                yield nd, "backward", "all_gather"
 
 
-def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> tuple[Counter, Counter]:
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+         torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+         torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default}
+
+
+def _saved_for_a_weight(nd: fx.Node, needs_grad: dict[fx.Node, bool]) -> bool:
+    """Whether a consumer of ``nd`` (or of a view of it) has another input that needs a gradient: a matmul
+    with a trainable weight, which saves ``nd`` to compute that gradient."""
+    users = list(nd.users)
+    while users:
+        user = users.pop()
+        if user.op == "call_function" and user.target in VIEWS:
+            users += list(user.users)
+        elif any(needs_grad.get(a, False) for a in user.all_input_nodes if a is not nd):
+            return True
+    return False
+
+
+def count_collectives(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool],
+                      regather: bool = False) -> tuple[Counter, Counter]:
     """The tp collectives one forward and backward of ``gm`` performs, by direction and op, and their bytes
     (``collective_calls``)."""
     counts: Counter = Counter()
     nbytes: Counter = Counter()
-    for nd, direction, kind in collective_calls(gm.graph.nodes, needs_grad):
+    for nd, direction, kind in collective_calls(gm.graph.nodes, needs_grad, regather):
         # bytes each rank contributes (as the runtime counts them): the local piece of an all-gather
         source = nd.args[0] if OPS[nd.target._opname].forward == "all_gather" else nd
         counts[(direction, kind)] += 1

@@ -38,6 +38,7 @@ from autopar.core.schedule import (
     SEND_F, UNSHARD, Action,
 )
 from autopar.core.step_schedule import last_backwards
+from autopar.runtime.regather import forward_run
 
 
 def _tag(stage: int, microbatch: int, backward: bool, n_stages: int) -> int:
@@ -117,14 +118,16 @@ class Executor:
 
     ``global_rank_of_stage(s)`` is the global rank holding stage ``s`` with this
     rank's dp and tp coordinates; ``device`` is where the rank computes, ``wire``
-    where its messages travel (default ``device``).
+    where its messages travel (default ``device``). ``regather``: forwards save sequence parallelism's
+    gathered activations as their shards (``runtime/regather.py``).
     """
 
     def __init__(self, global_rank_of_stage: Callable[[int], int], device: torch.device,
-                 wire: torch.device | None = None) -> None:
+                 wire: torch.device | None = None, regather: bool = False) -> None:
         self.rank_of_stage = global_rank_of_stage
         self.device = device
         self.wire = wire or device
+        self.regather = regather
         self.stages: list[StageGraph] = []
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last run, perf_counter s
         self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last run
@@ -184,7 +187,8 @@ class Executor:
         elif a.kind == F:
             if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
                 ctx.inputs[key] = self._hand_over(ctx, s, mb)
-            outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
+            with forward_run(self.regather and ctx.training):
+                outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
             k = len(stage.mutated)
             with torch.no_grad():
                 for name, value in zip(stage.mutated, outs[:k]):

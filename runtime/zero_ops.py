@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
+from autopar.runtime import regather
 from autopar.runtime.zero_group import FlatShard
 
 _ACTIVE = threading.local()  # per thread: the stack of forward runs between zero_begin and zero_end
@@ -120,7 +121,7 @@ class _ForwardRun:
             return t
         entry = self._entry(t)
         if entry is None:
-            return t
+            return regather.pack(t)  # (a sequence-parallel gathered activation, or kept as it is)
         address, group = entry
         if t.dtype != self.dtypes[address]:  # a reinterpreting view: keep the buffer alive instead
             self.kept.add(address)
@@ -130,7 +131,7 @@ class _ForwardRun:
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Handle):
-            return saved
+            return regather.unpack(saved)
         group = saved.group
         full = self.regathered.get(group)
         if full is None:

@@ -9,6 +9,7 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.core.plan import CollectiveRow, MatmulRow
+from autopar.runtime import regather
 from autopar.testing import assert_equivalent, parallel_run, relative_errors
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
@@ -90,21 +91,32 @@ def test_dropout_draws_the_replicated_plans_numbers(launcher) -> None:
 
 
 def _saved_bytes(sp: bool) -> tuple[int, tuple[int, int]]:
-    """Bytes of the distinct storages one forward saves for backward on this rank (parameters aside)."""
+    """Bytes of the distinct storages one forward saves for backward on this rank (parameters aside).
+
+    Under sequence parallelism the runtime's own saved-tensor hooks run inside the test's and keep gathered
+    activations as their shards (``runtime/regather.py``): what they keep is counted through ``regather.pack``.
+    """
     ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(4))
     pm = parallelize(models.gpt2(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
                      sequence_parallel=sp)
     pm.step(ids, target=ids)  # compile and warm up
     storages: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if not (base.is_leaf and base.requires_grad):
-            storages[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
+    def note(t: object) -> object:
+        kept = t.source.shard if isinstance(t, regather.Handle) else t
+        if isinstance(kept, torch.Tensor):
+            base = kept._base if kept._base is not None else kept
+            if not (base.is_leaf and base.requires_grad):
+                storages[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        pm.step(ids, target=ids)
+    runtime_pack = regather.pack
+    regather.pack = lambda t: note(runtime_pack(t))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+            pm.step(ids, target=ids)
+    finally:
+        regather.pack = runtime_pack
     plan = parallelize(models.gpt2(d=64), Mesh(tp=2), example_inputs=(ids,), example_target=ids,
                        loss_fn=models.lm_loss, optimizer=models.sgd, sequence_parallel=True).plan
     return sum(storages.values()), plan.tensor_parallel.saved
@@ -116,6 +128,28 @@ def test_activation_memory_is_lower_by_the_predicted_amount(launcher) -> None:
     assert sharded == pytest.approx(predicted[0], rel=0.10)
     assert replicated == pytest.approx(predicted[1], rel=0.10)
     assert replicated - sharded == pytest.approx(predicted[1] - predicted[0], rel=0.10)
+
+
+def _gathers_per_step() -> tuple[dict, dict]:
+    pm = parallelize(models.gpt2(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
+                     sequence_parallel=True)
+    pm.step(IDS, target=TARGET)
+    before = pm.communication(calls=True)
+    pm.step(IDS, target=TARGET)
+    calls = {k: v - before.get(k, 0) for k, v in pm.communication(calls=True).items()}
+    planned = {(c.op, c.direction): c.count for c in pm.plan.collectives}
+    return calls, planned
+
+
+def test_backward_gathers_the_kept_shards_again(launcher) -> None:
+    """Each column-parallel input is kept as its shard and gathered again in backward (Megatron-LM's sequence
+    parallelism): one backward all-gather per forward one, beyond the reduce-scatters' own; the plan counts
+    the calls the runtime makes."""
+    for calls, planned in launcher(_gathers_per_step, 2):
+        forward = planned[("all_gather", "forward")]
+        assert forward > 0
+        assert planned[("all_gather", "backward")] == planned[("reduce_scatter", "forward")] + forward
+        assert calls["all_gather@tp"] == forward + planned[("all_gather", "backward")]
 
 
 def test_needs_a_tensor_parallel_axis() -> None:
@@ -134,8 +168,9 @@ def profile():
 
 def test_the_planner_charges_less_activation_memory_with_it(profile) -> None:
     """At tp=2 with every recompute mode, sequence parallelism keeps fewer activation bytes (the layer inputs that
-    recomputation keeps are shards too) at the same bytes communicated: each all-reduce an all-gather and a
-    reduce-scatter."""
+    recomputation keeps are shards too). It communicates what the plain plan does (each all-reduce an all-gather
+    and a reduce-scatter) plus one all-gather in backward per forward one: the column-parallel inputs, kept as
+    shards, gathered again."""
     from autopar.planner.cluster import Cluster
     from autopar.planner.cost_model import PRECISIONS, Config, CostModel
 
@@ -149,7 +184,14 @@ def test_the_planner_charges_less_activation_memory_with_it(profile) -> None:
     for name, part in (("plain", layer.parts[2]), ("sp", layer.sequence_parallel[2])):
         for c in part.collectives:
             moved[name] = moved.get(name, 0) + c.elements * (2 if c.op == "all_reduce" else 1)
-    assert moved["plain"] == moved["sp"]  # an all-reduce moves what an all-gather and a reduce-scatter move
+    sp = layer.sequence_parallel[2].collectives
+    def elements(op: str, direction: str) -> object:
+        return sum(c.elements for c in sp if c.op == op and c.direction == direction)
+
+    gathered = elements("all_gather", "forward")
+    assert gathered != 0  # a reduce-scatter's backward gathers, and so does each column-parallel input's again
+    assert elements("all_gather", "backward") == elements("reduce_scatter", "forward") + gathered
+    assert moved["sp"] == moved["plain"] + gathered
 
 
 def test_the_planner_chooses_it_where_memory_is_short(profile) -> None:

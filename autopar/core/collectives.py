@@ -29,7 +29,7 @@ import contextlib
 import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,20 @@ def current() -> Binding:
     if b is None:
         raise RuntimeError("an autopar collective ran outside a bound runtime (no process groups)")
     return b
+
+
+_GATHER_OBSERVER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("autopar_gathers", default=None)
+
+
+@contextlib.contextmanager
+def observe_gathers(observer: Callable[[torch.Tensor, torch.Tensor, str, int], None]) -> Iterator[None]:
+    """Calls ``observer(shard, gathered, axis, dim)`` after every ``all_gather_rs`` run inside the block
+    (``runtime/regather.py`` saves those outputs for backward as their shards)."""
+    token = _GATHER_OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _GATHER_OBSERVER.reset(token)
 
 
 def record(op: str, axis: str, t: torch.Tensor) -> None:
@@ -169,7 +183,11 @@ def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 
 @torch.library.custom_op("autopar::all_gather_rs", mutates_args=())
 def all_gather_rs(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    return _all_gather(x, axis, dim)
+    out = _all_gather(x, axis, dim)
+    observer = _GATHER_OBSERVER.get()
+    if observer is not None:
+        observer(x, out, axis, dim)
+    return out
 
 
 @torch.library.custom_op("autopar::chunk", mutates_args=())

@@ -64,7 +64,7 @@ from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nod
                                    segment_params, shortened)
 from autopar.passes.cost import node_cost, requires_grad
 from autopar.passes.split_backward import deferred_weight
-from autopar.passes.tensor_parallel import collective_calls, tensor_parallel
+from autopar.passes.tensor_parallel import VIEWS, collective_calls, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ class _Analysis:
                 width = weight_width(node, lowered_params)
                 if width:
                     local_width[origin] = width
-        for origin in _gathered(lowered):  # a value all-gathered for a matmul is saved whole, not as its shard
+        for origin in _gathered(lowered, sequence_parallel):  # a value all-gathered for a matmul: saved whole
             local_numel[origin] = numel[origin]
         flops_factor = {k: sympy.Rational(local_flops.get(o, flops[o]), flops[o]) for k, o in same.items() if flops[o]}
         act_factor = {k: sympy.Rational(local_numel.get(o, numel[o]), numel[o]) for k, o in same.items() if numel[o]}
@@ -303,7 +303,7 @@ class _Analysis:
                       for name, e in seg.parts[1].params.items()}
             widths = {k: local_width[o] for k, o in same.items() if o in local_width}
             part = self._part(key, params, flops_factor, act_factor, len(by_key.get(key, [])), widths)
-            part.collectives = _collectives(by_key.get(key, []), n, tokens, grads)
+            part.collectives = _collectives(by_key.get(key, []), n, tokens, grads, sequence_parallel)
             part.communicated = sympy.expand(sum((numel_of(nd.meta.get("val")) * tokens for nd in by_key.get(key, [])
                                                   if nd.target in COMMUNICATING), sympy.Integer(0)))
             if sequence_parallel:  # the values between layers arrive sharded
@@ -311,17 +311,14 @@ class _Analysis:
             (seg.sequence_parallel if sequence_parallel else seg.parts)[n] = part
 
 
-VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-         torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-         torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default}
-
-
-def _gathered(lowered: fx.GraphModule) -> set[str]:
-    """Origins of the values the tp lowering all-gathers, and of what they view: autograd saves them whole."""
+def _gathered(lowered: fx.GraphModule, regather: bool) -> set[str]:
+    """Origins of the values the tp lowering all-gathers, and of what they view: autograd saves them whole
+    (except, under sequence parallelism, ``all_gather_rs`` outputs: kept as shards, ``runtime/regather.py``)."""
     found = set()
     for node in lowered.graph.nodes:
         if getattr(node.target, "namespace", None) != "autopar" or OPS.get(node.target._opname) is None \
-                or OPS[node.target._opname].forward != "all_gather":
+                or OPS[node.target._opname].forward != "all_gather" \
+                or (regather and node.target._opname == "all_gather_rs"):
             continue
         x = node.args[0]
         while isinstance(x, fx.Node):
@@ -331,11 +328,13 @@ def _gathered(lowered: fx.GraphModule) -> set[str]:
     return found
 
 
-def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[fx.Node, bool]) -> list[Collective]:
+def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[fx.Node, bool],
+                 regather: bool) -> list[Collective]:
     """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape;
-    a backward only where the collective's input needs a gradient (``grads``)."""
+    a backward only where the collective's input needs a gradient (``grads``); ``regather``: sequence
+    parallelism's gathers again in backward (``collective_calls``)."""
     out = []
-    for node, direction, kind in collective_calls(nodes, grads):
+    for node, direction, kind in collective_calls(nodes, grads, regather):
         local = numel_of(node.meta.get("val"))
         whole = local * n if OPS[node.target._opname].sharded_output else local  # unsharded elements
         out.append(Collective(kind, direction, sympy.expand(whole * tokens)))

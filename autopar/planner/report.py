@@ -223,7 +223,8 @@ def _sequence_parallel_reason(result: PlanResult) -> list[str]:
         return []
     twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, sequence_parallel=False)), None)
     out = (f"sequence parallelism: the values between tensor-parallel regions are sharded over tp={c.tp} too "
-           f"(each forward all-reduce a reduce-scatter and an all-gather, the same bytes)")
+           f"(each forward all-reduce a reduce-scatter and an all-gather, the same bytes; backward gathers each "
+           f"column-parallel input again, so that only its shard is kept)")
     if twin is not None:
         out += (f"; activations {gb(best.memory['activations'])} per device instead of "
                 f"{gb(twin.memory['activations'])}, without which {gb(twin.total_memory)} does not fit "
