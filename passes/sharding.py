@@ -59,6 +59,8 @@ NARROW_SUM_S = 1.0  # charged per sum over ranks in a dtype narrower than the pa
 NARROW_SHARD_S = 1e-8  # per node computing a narrow value on shards (see above)
 OP_S = 1e-9  # per inserted op: of two conversions priced alike, the one with fewer ops (reduce-scatter, not
              # all-reduce then chunk)
+MILP_NODES = 100_000  # branch-and-bound nodes a solve may explore (the models tried need one)
+MILP_SECONDS = 600
 ACTIVATION_SLACK = 0.01  # least_activations: communication time may buy back up to 1% more saved activations
 
 
@@ -373,7 +375,13 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
 
 
 def _milp(c: np.ndarray, constraints: list[LinearConstraint], integrality: np.ndarray, within: str) -> Any:
-    result = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1), options={"time_limit": 60, "mip_rel_gap": 1e-7})
+    """Solves the program. Every rank solves it on its own, so the answer must not depend on the machine's
+    speed: the search is bounded by branch-and-bound nodes, and the time limit only stops a runaway solve."""
+    result = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
+                  options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
+    if result.status == 1 and "time" in str(result.message).lower():
+        raise RuntimeError(f"the sharding program did not finish in {MILP_SECONDS} s within {within}, and the plan "
+                           "it would stop at could differ between ranks; use a smaller tp or report the model")
     if result.x is None:
         raise RuntimeError(f"the sharding program found no plan within {within} ({result.message}); "
                            "raise memory_budget (or activation_budget)")
