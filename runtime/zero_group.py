@@ -10,7 +10,9 @@ the optimizer's in-place update needs no copy; stage 1 also keeps the full flat
 gradient (``grad_full``) with ``grad`` a view into it. Stage 3 keeps only the
 shard; ``gather``/``prefetch`` materialise the full flat parameters on demand
 (in another dtype when asked: mixed precision gathers bf16 copies of fp32
-shards), and ``GatheredBytes`` measures how many bytes of them are alive.
+shards; the shard is cast straight into its own slice of the gathered buffer,
+which the all-gather reads in place), and ``GatheredBytes`` measures how many
+bytes of them are alive.
 Gradients are reduced in ``reduce_dtype`` (default the parameters') and
 accumulate into ``grad`` in the parameters' dtype.
 """
@@ -32,18 +34,23 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 class _SliceAfter:
-    """An all-reduce in flight; waiting for it also copies one rank's slice of the result into ``out``."""
+    """An all-reduce in flight; ``result`` is one rank's slice of the sum once waited on (copied into ``out``
+    when one was given, else a view of the reduced tensor)."""
 
-    def __init__(self, work: object, out: torch.Tensor, part: torch.Tensor) -> None:
+    def __init__(self, work: object, out: torch.Tensor | None, part: torch.Tensor) -> None:
         self.work, self.out, self.part = work, out, part
 
     def wait(self) -> None:
         self.work.wait()
-        if self.out.data_ptr() != self.part.data_ptr():
+        if self.out is not None and self.out.data_ptr() != self.part.data_ptr():
             self.out.copy_(self.part)
 
+    @property
+    def result(self) -> torch.Tensor:
+        return self.out if self.out is not None else self.part
 
-def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, index: int,
+
+def reduce_scatter_async(out: torch.Tensor | None, flat: torch.Tensor, index: int,
                          group: dist.ProcessGroup | None = None) -> object:
     """Starts reducing ``flat`` over ``group`` into ``out``, rank ``index``'s slice of the sum; returns the work.
 
@@ -51,12 +58,16 @@ def reduce_scatter_async(out: torch.Tensor, flat: torch.Tensor, index: int,
     through per-rank buffers, and it measures 1.5x an all-reduce of the same
     tensor (4 ranks, 4-32 MB). There ``flat`` is all-reduced in place (so it
     is overwritten: pass a tensor nothing else reads) and the slice copied
-    when the work is waited on.
+    into ``out`` when the work is waited on; with ``out=None`` nothing is
+    allocated and the work's ``result`` is a view of ``flat``. Other backends
+    need ``out``.
     """
     record("zero_reduce_scatter", "dp", flat)
     if dist.get_backend(group) != "gloo":
+        if out is None:
+            raise ValueError(f"reduce_scatter_async on {dist.get_backend(group)} needs an output tensor")
         return reduce_scatter_flat(out, flat, group=group, async_op=True)
-    n = out.numel()
+    n = flat.numel() // dist.get_world_size(group)
     return _SliceAfter(dist.all_reduce(flat, group=group, async_op=True), out, flat[index * n: (index + 1) * n])
 
 
@@ -143,14 +154,17 @@ class FlatShard:
 
     # stage 3 ------------------------------------------------------------------
     def _start_gather(self, dtype: torch.dtype) -> _Prefetch:
+        """Allocates the full buffer and gathers into it in place: this rank's shard is cast straight into its
+        own slice, which is the collective's input (no separate copy of the shard in ``dtype``)."""
         full = torch.empty(self.spec.padded, dtype=dtype, device=self.shard.device)
         self.tracker.add(full)
-        local = self.shard.detach().to(dtype)
+        lo = self.index * self.spec.shard
+        mine = full[lo : lo + self.spec.shard]
+        mine.copy_(self.shard.detach())
         if self.group is None:
-            full.copy_(local)
             return _Prefetch(None, full, self.shard._version)
-        record("zero_all_gather", "dp", local)
-        work = all_gather_flat(full, local, group=self.group, async_op=True)
+        record("zero_all_gather", "dp", mine)
+        work = all_gather_flat(full, mine, group=self.group, async_op=True)
         return _Prefetch(work, full, self.shard._version)
 
     def prefetch(self, dtype: torch.dtype | None = None) -> None:
@@ -182,7 +196,7 @@ class FlatShard:
         """Stages 2-3: reduce-scatters the group's padded flat gradient (in ``reduce_dtype``); the average lands
         in ``grad``.
 
-        ``owned``: nothing else reads ``flat``, so the reduction may overwrite it.
+        ``owned``: nothing else reads ``flat``, so the reduction may overwrite it and release it when done.
         """
         if flat.dtype != self.reduce_dtype:
             flat, owned = flat.to(self.reduce_dtype), True
@@ -190,42 +204,63 @@ class FlatShard:
 
     def accumulate(self, reduced: torch.Tensor, *, in_place: bool) -> None:
         """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average, in the
-        parameters' dtype."""
+        parameters' dtype. Unless ``in_place`` (``reduced`` is ``grad``), keeps no reference to ``reduced``."""
         n = len(self.ranks)
         with torch.no_grad():
             if in_place:  # stage 1: ``reduced`` is ``grad`` itself
                 reduced.div_(n)
             elif self.grad_full is not None:  # stage 1 reduced in another dtype: back into the view
                 self.grad.copy_(reduced).div_(n)
-            elif self.fresh or self.grad is None:
-                self.grad = reduced.to(self.spec.dtype).div_(n)
+            elif self.fresh or self.grad is None:  # a new tensor: ``reduced`` may view a buffer about to be freed
+                same = reduced.dtype == self.spec.dtype
+                self.grad = torch.div(reduced, n) if same else reduced.to(self.spec.dtype).div_(n)
             else:
                 self.grad.add_(reduced.to(self.spec.dtype), alpha=1.0 / n)
         self.fresh = False
 
 
+@dataclass
+class _Reduction:
+    """One reduce-scatter in flight: its averaged slice goes to ``shard`` when ``work`` completes."""
+
+    shard: FlatShard
+    work: object
+    out: torch.Tensor | None  # None: the slice is read from the work's result (gloo, in place)
+    src: torch.Tensor  # the flat gradient being reduced
+    in_place: bool  # stage 1: ``out`` is the shard's gradient itself
+    owned: bool  # nothing else reads ``src``: its storage is released once the slice is taken
+
+
 class ReduceQueue:
-    """Asynchronous reduce-scatters of flat gradients, at most ``inflight`` outstanding at a time."""
+    """Asynchronous reduce-scatters of flat gradients, at most ``inflight`` outstanding at a time.
+
+    A flat gradient the queue owns (converted, copied or handed over with ``owned``) is released when its
+    reduction completes, as gathered buffers are: gloo may keep a completed collective's tensor referenced
+    for a while, and memory should follow the step, not that timing.
+    """
 
     def __init__(self, inflight: int = 1) -> None:
         self.inflight = inflight
-        self._pending: deque[tuple[FlatShard, object, torch.Tensor, torch.Tensor, bool]] = deque()
+        self._pending: deque[_Reduction] = deque()
         self.launched = 0  # reduce-scatters launched since construction (for tests and the plan)
 
     def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, *, wait: bool = True, owned: bool = False) -> None:
         """Reduce-scatters ``flat`` (the group's padded flat gradient) into a new slice, added to ``grad`` later.
 
         With ``wait``, older reduce-scatters beyond ``inflight`` are completed first; without, call ``limit``.
+        ``owned``: nothing else reads ``flat``, so the reduction may overwrite it and free it when done.
         """
         if shard.group is None:
             lo = shard.index * shard.spec.shard
             shard.accumulate(flat[lo : lo + shard.spec.shard].clone(), in_place=False)
             return
-        out = torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
-        if not owned and dist.get_backend(shard.group) == "gloo":
-            flat = flat.clone()  # gloo's reduction overwrites its input
+        gloo = dist.get_backend(shard.group) == "gloo"
+        if not owned and gloo:
+            flat, owned = flat.clone(), True  # gloo's reduction overwrites its input
+        # gloo reduces in place and its slice is read when the work completes: no output buffer while in flight
+        out = None if gloo else torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
         work = reduce_scatter_async(out, flat, shard.index, shard.group)
-        self._push(shard, work, out, flat, False)
+        self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned))
         if wait:
             self.limit()
 
@@ -239,12 +274,12 @@ class ReduceQueue:
             self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
             return
         work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group)
-        self._push(shard, work, shard.grad, shard.grad_full, True)
+        self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False))
         self.limit()
 
-    def _push(self, shard: FlatShard, work: object, out: torch.Tensor, src: torch.Tensor, in_place: bool) -> None:
+    def _push(self, reduction: _Reduction) -> None:
         self.launched += 1
-        self._pending.append((shard, work, out, src, in_place))
+        self._pending.append(reduction)
 
     def limit(self) -> None:
         """Completes the oldest reduce-scatters until at most ``inflight`` are outstanding."""
@@ -252,9 +287,11 @@ class ReduceQueue:
             self._complete()
 
     def _complete(self) -> None:
-        shard, work, out, _src, in_place = self._pending.popleft()
-        work.wait()
-        shard.accumulate(out, in_place=in_place)
+        r = self._pending.popleft()
+        r.work.wait()
+        r.shard.accumulate(r.out if r.out is not None else r.work.result, in_place=r.in_place)
+        if r.owned:
+            r.src.untyped_storage().resize_(0)
 
     def drain(self) -> None:
         while self._pending:

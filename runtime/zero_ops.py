@@ -12,9 +12,14 @@ buffer is stored as a handle (group, size, stride, offset) instead, so freeing
 the buffer loses nothing; backward re-gathers the group on first need and frees
 that copy once the autograd node that used its last handle has run, or once the
 gradients of the layer's parameters are complete (before they are concatenated
-and reduce-scattered), whichever comes first; the layer backward reaches
-next is prefetched when this layer's reduce-scatter starts, so the two
-collectives overlap and one backward copy is alive during compute.
+and reduce-scattered), whichever comes first. A pre-hook on the op's backward
+node starts the reduce-scatter (from a copy only where the reduction needs one:
+another reduce dtype, or gloo, which overwrites its input) and hands the node a
+zero-byte stand-in, so autograd drops the layer's incoming gradient before the
+node runs; the node
+then prefetches the layer backward reaches next. The two collectives overlap,
+one backward copy is alive during compute, and the prefetched layer never
+shares memory with two copies of a layer's gradient.
 
 Buffers are freed by releasing their storage (``resize_(0)``) rather than by
 dropping references, because a completed collective may keep a reference to
@@ -206,13 +211,38 @@ def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int],
 def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.group = owner(*inputs[:3])
     ctx.run = _current()
+    ctx.set_materialize_grads(False)  # the body never reads the gradient: _ReduceFirst has taken it
+    ctx.register_prehook(_ReduceFirst(ctx.run, ctx.group, output))
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+class _ReduceFirst:
+    """The pre-hook of a gathered layer's backward node: starts the reduce-scatter of the layer's gradient and
+    hands the node a zero-byte stand-in, so autograd frees the gradient before the node body prefetches the next
+    layer. (The reduction reads a copy in ``reduce_dtype``, or a copy the backend may overwrite, where it needs one;
+    autograd's reference to the incoming gradient is dropped, never its storage released.) A backward that brings
+    the layer no gradient (a split backward's B when the layer has only deferred weights) reduces zeros, as
+    autograd's materialised gradient did."""
+
+    def __init__(self, run: _ForwardRun | None, group: FlatShard, output: torch.Tensor) -> None:
+        self.run, self.group = run, group
+        self.shape, self.device = output.shape, output.device
+
+    def __call__(self, grads: tuple) -> tuple | None:
+        grad = grads[0]
+        if self.run is not None:
+            self.run.release_regathered(self.group)
+        if grad is None:
+            zeros = torch.zeros(self.shape, dtype=self.group.reduce_dtype, device=self.device)
+            self.group.reduce_gradient(zeros, wait=False, owned=True)
+            return None
+        flat = grad.contiguous()
+        self.group.reduce_gradient(flat, wait=False, owned=flat is not grad)
+        return (grad.new_zeros(()).expand(grad.shape),)
+
+
+def _backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None, None]:
+    """Runs after ``_ReduceFirst``: the layer's gradient is already being reduced and autograd has dropped it."""
     run, group = ctx.run, ctx.group
-    if run is not None:
-        run.release_regathered(group)
-    group.reduce_gradient(grad.contiguous(), wait=False)
     if run is not None:
         run.prefetch_before(group)  # the layers backward reaches next, gathered while this one reduces
     group.queue.limit()
