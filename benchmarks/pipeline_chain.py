@@ -1,14 +1,19 @@
 """What the pipeline benchmarks share: the skip-free chains, their torch.distributed.pipelining twin, timeline sums.
 
 A chain is ``depth`` blocks in float32, one (rows, width) tensor crossing
-every cut; the ranks run one intra-op thread each. Two kinds of block:
+every cut; the ranks run one intra-op thread each. Two kinds (``CHAINS``):
 
-- ``mlp``: a transformer block's MLP with its residual add,
+- ``mlp``: token ids into a small embedding, then blocks shaped like a
+  transformer block's MLP with its residual add,
   x + Linear(4d, d)(GELU(Linear(d, 4d)(x))), without biases (as in LLaMA,
-  Mistral or PaLM). Its backward has the shape of a transformer's: the
-  weight gradients are half the matmul work, the rest is elementwise.
-- ``tanh``: Linear(d, d) + Tanh with bias, the first chain: one small matmul
-  per block, so that messages and per-action overheads weigh more.
+  Mistral or PaLM). The weight gradients are half the matmul work of a
+  backward, the rest is elementwise, as in a transformer. The embedding makes
+  the first stage compute its input's gradient, as every stage of a
+  transformer does (the first one for the embedding's), so that the stages
+  stay equal; its table is small (``VOCAB`` rows), so that it adds little.
+- ``tanh``: float inputs into Linear(d, d) + Tanh blocks with bias, the first
+  chain: one small matmul per block, so that messages and per-action
+  overheads weigh more; its first stage computes no input gradient.
 
 A timeline is one rank's ``(action, start, end)`` records of a step
 (``ParallelModel.timeline``). Imported by ``benchmarks/pipeline.py`` and
@@ -23,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -65,22 +71,35 @@ class TanhBlock(nn.Module):
         return linear(x, self.linear.weight, self.linear.bias).tanh()  # (rows, width)
 
 
-BLOCKS = {"mlp": MlpBlock, "tanh": TanhBlock}
-# chain -> its default (blocks, width, rows): an mlp action (F, B or W of one stage and microbatch at pp=2) is
-# about 20-25 ms of one core, a tanh action about 3-5 ms
-SIZES = {"mlp": (8, 512, 128), "tanh": (32, 512, 32)}
+@dataclass(frozen=True)
+class ChainKind:
+    """A kind of chain: its block, whether it starts from token ids (an embedding), its default sizes."""
+
+    block: type[nn.Module]
+    tokens: bool
+    blocks: int
+    width: int
+    rows: int
+
+
+VOCAB = 512  # rows of the mlp chain's embedding
+# an mlp action (F, B or W of one stage and microbatch at pp=2) is about 20-25 ms of one core, a tanh one 3-5 ms
+CHAINS = {"mlp": ChainKind(MlpBlock, tokens=True, blocks=8, width=512, rows=128),
+          "tanh": ChainKind(TanhBlock, tokens=False, blocks=32, width=512, rows=32)}
 
 
 class Chain(nn.Module):
-    """``depth`` blocks of kind ``block`` (a key of ``BLOCKS``): no skips across blocks, one (rows, width) tensor
-    crosses each cut."""
+    """``depth`` blocks of the chain ``kind`` (a key of ``CHAINS``), after an embedding if it takes token ids:
+    no skips across blocks, one (rows, width) tensor crosses each cut."""
 
-    def __init__(self, block: str, width: int, depth: int, seed: int = 0) -> None:
+    def __init__(self, kind: str, width: int, depth: int, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(BLOCKS[block](width) for _ in range(depth))
+        self.embed = nn.Embedding(VOCAB, width) if CHAINS[kind].tokens else nn.Identity()
+        self.blocks = nn.ModuleList(CHAINS[kind].block(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)  # (rows, width)
         for block in self.blocks:
             x = block(x)  # (rows, width)
         return x
@@ -92,10 +111,11 @@ def chain(args: argparse.Namespace) -> Chain:
 
 
 def describe(args: argparse.Namespace) -> str:
-    """The chain in a few words, e.g. "8 x (x + Linear(512, 2048) + GELU + Linear(2048, 512)), no biases"."""
+    """The chain in a few words, e.g. "32 x (Linear(512, 512) + Tanh)"."""
     d = args.width
     if args.chain == "mlp":
-        return f"{args.blocks} x (x + Linear({d}, {4 * d}) + GELU + Linear({4 * d}, {d})), no biases"
+        return (f"Embedding({VOCAB}, {d}), {args.blocks} x (x + Linear({d}, {4 * d}) + GELU + Linear({4 * d}, {d})), "
+                f"no biases")
     return f"{args.blocks} x (Linear({d}, {d}) + Tanh)"
 
 
@@ -117,22 +137,22 @@ def cut_blocks(depth: int, n_stages: int) -> list[int]:
 def add_chain_arguments(p: argparse.ArgumentParser, default: str) -> None:
     """The chain's kind and size and the warm-up, options of every chain benchmark; ``default``: the kind.
 
-    Sizes left out take the kind's defaults (``SIZES``): call `chain_sizes` on the parsed arguments.
+    Sizes left out take the kind's defaults (``CHAINS``): call `chain_sizes` on the parsed arguments.
     """
-    p.add_argument("--chain", choices=list(BLOCKS), default=default,
+    p.add_argument("--chain", choices=list(CHAINS), default=default,
                    help=f"blocks of the chain: mlp (transformer MLP + residual) or tanh (Linear + Tanh); "
                         f"default {default}")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    for i, (name, what) in enumerate((("blocks", "blocks in the chain"), ("width", "d"), ("rows", "rows per microbatch"))):
-        defaults = ", ".join(f"{kind} {sizes[i]}" for kind, sizes in SIZES.items())
+    for name, what in (("blocks", "blocks in the chain"), ("width", "d"), ("rows", "rows per microbatch")):
+        defaults = ", ".join(f"{kind} {getattr(c, name)}" for kind, c in CHAINS.items())
         p.add_argument(f"--{name}", type=int, help=f"{what} (default: {defaults})")
 
 
 def chain_sizes(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the sizes it leaves out set to its chain's defaults."""
-    for name, value in zip(("blocks", "width", "rows"), SIZES[args.chain]):
+    for name in ("blocks", "width", "rows"):
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, getattr(CHAINS[args.chain], name))
     return args
 
 
@@ -145,9 +165,12 @@ def header(benchmark: str, args: argparse.Namespace) -> str:
 
 
 def chain_batch(args: argparse.Namespace, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m`` microbatches of ``args.rows`` rows: inputs and targets."""
+    """``m`` microbatches of ``args.rows`` rows: inputs (token ids or floats) and targets."""
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(args.rows * m, args.width, generator=g)  # (m * rows, width)
+    if CHAINS[args.chain].tokens:
+        x = torch.randint(VOCAB, (args.rows * m,), generator=g)  # (m * rows,)
+    else:
+        x = torch.randn(args.rows * m, args.width, generator=g)  # (m * rows, width)
     return x, torch.randn(args.rows * m, args.width, generator=g).tanh()
 
 
@@ -181,8 +204,8 @@ def torch_chain_step(args: argparse.Namespace, schedule_cls: type, m: int, stage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     bounds = [0, *cut_blocks(args.blocks, n_stages), args.blocks]
-    blocks = chain(args).blocks
-    modules = [nn.Sequential(*blocks[bounds[s]:bounds[s + 1]]) for s in stage_ids]
+    model = chain(args)
+    modules = [nn.Sequential(*([model.embed] if s == 0 else []), *model.blocks[bounds[s]:bounds[s + 1]]) for s in stage_ids]
     stages = [PipelineStage(mod, s, n_stages, torch.device("cpu")) for mod, s in zip(modules, stage_ids)]
     schedule = schedule_cls(stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages, m, loss_fn=mse)
     opt = sgd([p for mod in modules for p in mod.parameters()])

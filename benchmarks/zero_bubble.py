@@ -21,11 +21,11 @@ Prints, for each pp:
 All runs of one pp share one job, and its steps are interleaved (order rotated
 every step, a barrier before each): machine noise lands on every side alike.
 The chain (benchmarks/pipeline_chain.py), float32, one intra-op thread per rank:
-by default transformer MLP blocks (x + Linear(d, 4d) + GELU + Linear(4d, d), no
-biases; 8 blocks, d = 512, 128 rows per microbatch), where one action is some
-20-25 ms of a core and a message 256 KiB; `--chain tanh` is the first chain
-(32 x Linear(512, 512) + Tanh, 32 rows), whose 3-5 ms actions make per-message
-costs weigh more. Ranks beyond the machine's cores share them; the output says so.
+by default token ids into a small embedding, then transformer MLP blocks
+(x + Linear(d, 4d) + GELU + Linear(4d, d), no biases; 8 blocks, d = 512, 128
+rows per microbatch), where one action is some 20-25 ms of a core and a message
+256 KiB; `--chain tanh` is the first chain (32 x Linear(512, 512) + Tanh, 32
+rows), whose 3-5 ms actions make per-message costs weigh more. Ranks beyond the machine's cores share them; the output says so.
 Run: python benchmarks/zero_bubble.py [--pp 2] [--microbatches 8] [--steps 20] [--chain mlp|tanh]
      [--blocks B] [--width D] [--rows R]
 (about 2 minutes on 2 idle cores, the tanh chain under one; --pp 2 4 adds an oversubscribed pp=4)
