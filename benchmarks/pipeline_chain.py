@@ -205,7 +205,8 @@ def torch_chain_step(args: argparse.Namespace, schedule_cls: type, m: int, stage
 
     bounds = [0, *cut_blocks(args.blocks, n_stages), args.blocks]
     model = chain(args)
-    modules = [nn.Sequential(*([model.embed] if s == 0 else []), *model.blocks[bounds[s]:bounds[s + 1]]) for s in stage_ids]
+    modules = [nn.Sequential(*([model.embed] if s == 0 else []), *model.blocks[bounds[s]:bounds[s + 1]])
+               for s in stage_ids]
     stages = [PipelineStage(mod, s, n_stages, torch.device("cpu")) for mod, s in zip(modules, stage_ids)]
     schedule = schedule_cls(stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages, m, loss_fn=mse)
     opt = sgd([p for mod in modules for p in mod.parameters()])

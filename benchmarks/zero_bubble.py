@@ -25,10 +25,11 @@ by default token ids into a small embedding, then transformer MLP blocks
 (x + Linear(d, 4d) + GELU + Linear(4d, d), no biases; 8 blocks, d = 512, 128
 rows per microbatch), where one action is some 20-25 ms of a core and a message
 256 KiB; `--chain tanh` is the first chain (32 x Linear(512, 512) + Tanh, 32
-rows), whose 3-5 ms actions make per-message costs weigh more. Ranks beyond the machine's cores share them; the output says so.
+rows), whose 3-5 ms actions make per-message costs weigh more. Ranks beyond the
+machine's cores share them; the output says so.
 Run: python benchmarks/zero_bubble.py [--pp 2] [--microbatches 8] [--steps 20] [--chain mlp|tanh]
      [--blocks B] [--width D] [--rows R]
-(about 2 minutes on 2 idle cores, the tanh chain under one; --pp 2 4 adds an oversubscribed pp=4)
+(about 90 s on 2 idle cores, the tanh chain about 20 s; --pp 2 4 adds an oversubscribed pp=4)
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ import autopar
 from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
 from autopar.core.weight_grad import collect, split_linear
-from pipeline_chain import Chain, Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
-from pipeline_chain import add_chain_arguments, chain_sizes, header, torch_chain_step
+from pipeline_chain import Chain, Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd
+from pipeline_chain import add_chain_arguments, chain_sizes, header, step_fractions, torch_chain_step
 
 AUTOPAR = ("1f1b", "zb-h1")
 # torch schedule -> the stages rank r of p holds (of how many)
@@ -254,7 +255,8 @@ def print_cpu(cpu: dict[str, float], pp: int, args: argparse.Namespace, p2p: flo
     ms = {k: v * 1e3 for k, v in cpu.items()}
     print(f"  one stage ({args.blocks // pp} blocks) per microbatch, thread CPU time in one process: 1f1b F "
           f"{ms['F']:.2f} ms, B {ms['B']:.2f} ms; zb-h1 F {ms['F split']:.2f} ms, B {ms['B split']:.2f} ms, "
-          f"W {ms['W']:.2f} ms (with a gradient hook on every weight, as data parallelism has: {ms['W hooked']:.2f} ms)")
+          f"W {ms['W']:.2f} ms (with a gradient hook on every weight, as data parallelism has: "
+          f"{ms['W hooked']:.2f} ms)")
     split = cpu["F split"] + cpu["B split"] + cpu["W"]
     print(f"    W is {cpu['W'] / (cpu['B split'] + cpu['W']):.0%} of zb-h1's backward; zb-h1 computes "
           f"{split / (cpu['F'] + cpu['B']) - 1:+.1%} per microbatch (F {cpu['F split'] / cpu['F'] - 1:+.1%}, "
