@@ -18,9 +18,10 @@ Prints four results:
    what torch.distributed.pipelining does with it at 2 and 4 stages, and
    autopar's losses against single-device training.
 
-The chain model is wide Linear+Tanh blocks in float32, one intra-op thread per
-rank, so that compute dominates communication. Ranks beyond the machine's
-cores share them; the output says so.
+The chain model is wide Linear+Tanh blocks in float32 (``--chain mlp``: transformer
+MLP blocks, see benchmarks/pipeline_chain.py), one intra-op thread per rank, so
+that compute dominates communication. Ranks beyond the machine's cores share
+them; the output says so.
 Run: python benchmarks/pipeline.py [--pp 2 4] [--microbatches 4 8] [--steps 8] [--blocks 32] [--width 512]
 (about 2 minutes on 2 cores; --blocks 64 --width 1024 --steps 20 --compare-pp 2 4 for a bigger run)
 """
@@ -44,8 +45,8 @@ from autopar.core.schedule import F as FORWARD
 from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
 from autopar.testing import reference_run
-from pipeline_chain import Chain, Timeline, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
-from pipeline_chain import add_chain_arguments, header, torch_chain_step
+from pipeline_chain import Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
+from pipeline_chain import add_chain_arguments, chain_sizes, header, torch_chain_step
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -92,7 +93,7 @@ def runs(args: argparse.Namespace, pp: int) -> list[tuple[str, int]]:
 def parallel_chain(args: argparse.Namespace, pp: int, schedule: str, m: int) -> Any:
     v = stages_per_rank(schedule)
     return autopar.parallelize(
-        Chain(args.width, args.blocks), autopar.Mesh(pp=pp), loss_fn=mse, optimizer=sgd, schedule=schedule,
+        chain(args), autopar.Mesh(pp=pp), loss_fn=mse, optimizer=sgd, schedule=schedule,
         microbatches=m, stages_per_rank=v, split_points=[f"blocks.{b}" for b in cut_blocks(args.blocks, pp * v)],
     )
 
@@ -329,12 +330,12 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--steps", type=int, default=8, help="measured steps per bubble run")
     p.add_argument("--compare-steps", type=int, default=12, help="measured steps per autopar/torch pair")
-    add_chain_arguments(p)
+    add_chain_arguments(p, default="tanh")
     p.add_argument("--compare-pp", type=int, nargs="*", default=[2], help="pp values to time against torch")
     p.add_argument("--skip-pp", type=int, nargs="*", default=[2, 4], help="pp values for the LLaMA demonstration")
     p.add_argument("--llama-layers", type=int, default=4)
     p.add_argument("--llama-steps", type=int, default=3)
-    args = p.parse_args()
+    args = chain_sizes(p.parse_args())
 
     cores = os.cpu_count() or 1
     began = time.perf_counter()

@@ -20,10 +20,16 @@ Prints, for each pp:
 
 All runs of one pp share one job, and its steps are interleaved (order rotated
 every step, a barrier before each): machine noise lands on every side alike.
-The chain: wide Linear+Tanh blocks in float32, one intra-op thread per rank.
-Ranks beyond the machine's cores share them; the output says so.
-Run: python benchmarks/zero_bubble.py [--pp 2] [--microbatches 8] [--steps 20] [--blocks 32] [--width 512]
-(under a minute on 2 idle cores, a few minutes on busy ones; --pp 2 4 adds an oversubscribed pp=4)
+The chain (benchmarks/pipeline_chain.py), float32, one intra-op thread per rank:
+by default token ids into a small embedding, then transformer MLP blocks
+(x + Linear(d, 4d) + GELU + Linear(4d, d), no biases; 8 blocks, d = 512, 128
+rows per microbatch), where one action is some 20-25 ms of a core and a message
+256 KiB; `--chain tanh` is the first chain (32 x Linear(512, 512) + Tanh, 32
+rows), whose 3-5 ms actions make per-message costs weigh more. Ranks beyond the
+machine's cores share them; the output says so.
+Run: python benchmarks/zero_bubble.py [--pp 2] [--microbatches 8] [--steps 20] [--chain mlp|tanh]
+     [--blocks B] [--width D] [--rows R]
+(about 90 s on 2 idle cores, the tanh chain about 20 s; --pp 2 4 adds an oversubscribed pp=4)
 """
 from __future__ import annotations
 
@@ -40,8 +46,8 @@ import autopar
 from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule, add_communication, make_schedule
 from autopar.core.simulate import simulate
 from autopar.core.weight_grad import collect, split_linear
-from pipeline_chain import Chain, Timeline, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions
-from pipeline_chain import add_chain_arguments, header, torch_chain_step
+from pipeline_chain import Chain, Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd
+from pipeline_chain import add_chain_arguments, chain_sizes, header, step_fractions, torch_chain_step
 
 AUTOPAR = ("1f1b", "zb-h1")
 # torch schedule -> the stages rank r of p holds (of how many)
@@ -54,7 +60,7 @@ TORCH = {
 
 def parallel_chain(args: argparse.Namespace, pp: int, schedule: str) -> Any:
     return autopar.parallelize(
-        Chain(args.width, args.blocks), autopar.Mesh(pp=pp), loss_fn=mse, optimizer=sgd, schedule=schedule,
+        chain(args), autopar.Mesh(pp=pp), loss_fn=mse, optimizer=sgd, schedule=schedule,
         microbatches=args.microbatches, split_points=[f"blocks.{b}" for b in cut_blocks(args.blocks, pp)],
     )
 
@@ -132,14 +138,15 @@ def stage_cpu_seconds(args: argparse.Namespace, pp: int, repeats: int = 30) -> d
 
     "F", "B": forward and whole backward with plain linears (1f1b); "F split",
     "B split", "W": with zb-h1's split linears, the backward split as the
-    executor runs it; "W autograd": W when the weights have a gradient hook, so
-    that each weight gradient lands through autograd's accumulation. Unlike the
+    executor runs it; "W hooked": W when the weights have a post-accumulate-grad
+    hook, as data-parallel gradient sync registers (a no-op hook here). Unlike the
     ranks' wall-clock timelines, CPU time does not grow while other jobs hold
     the cores.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    params = [(blk[0].weight, blk[0].bias) for blk in Chain(args.width, args.blocks // pp).blocks]
+    blocks = Chain(args.chain, args.width, args.blocks // pp).blocks
+    weights = [p for p in blocks.parameters() if p.dim() == 2]  # the ones zb-h1 leaves to W
     x = torch.randn(args.rows, args.width, requires_grad=True)  # a received activation: its gradient goes back
     samples: dict[str, list[float]] = {}
 
@@ -151,19 +158,19 @@ def stage_cpu_seconds(args: argparse.Namespace, pp: int, repeats: int = 30) -> d
 
     def forward(linear: Callable[..., torch.Tensor]) -> torch.Tensor:
         h = x
-        for w, b in params:
-            h = linear(h, w, b).tanh()  # (rows, width)
+        for block in blocks:
+            h = block(h, linear)  # (rows, width)
         return h
 
     for _ in range(repeats):  # gradients keep accumulating, as over a step's microbatches
         y = timed("F", lambda: forward(torch.nn.functional.linear))
         timed("B", lambda: y.sum().backward())
         for hooked in (False, True):
-            hooks = [w.register_post_accumulate_grad_hook(lambda p: None) for w, _ in params] if hooked else []
+            hooks = [w.register_post_accumulate_grad_hook(lambda p: None) for w in weights] if hooked else []
             y = timed("F split", lambda: forward(split_linear))
             with collect() as deferred:
                 timed("B split", lambda: y.sum().backward())
-            timed("W autograd" if hooked else "W", deferred.run)
+            timed("W hooked" if hooked else "W", deferred.run)
             for hook in hooks:
                 hook.remove()
     torch.set_num_threads(threads)
@@ -248,7 +255,8 @@ def print_cpu(cpu: dict[str, float], pp: int, args: argparse.Namespace, p2p: flo
     ms = {k: v * 1e3 for k, v in cpu.items()}
     print(f"  one stage ({args.blocks // pp} blocks) per microbatch, thread CPU time in one process: 1f1b F "
           f"{ms['F']:.2f} ms, B {ms['B']:.2f} ms; zb-h1 F {ms['F split']:.2f} ms, B {ms['B split']:.2f} ms, "
-          f"W {ms['W']:.2f} ms (W through autograd's accumulation, as for a hooked weight: {ms['W autograd']:.2f} ms)")
+          f"W {ms['W']:.2f} ms (with a gradient hook on every weight, as data parallelism has: "
+          f"{ms['W hooked']:.2f} ms)")
     split = cpu["F split"] + cpu["B split"] + cpu["W"]
     print(f"    W is {cpu['W'] / (cpu['B split'] + cpu['W']):.0%} of zb-h1's backward; zb-h1 computes "
           f"{split / (cpu['F'] + cpu['B']) - 1:+.1%} per microbatch (F {cpu['F split'] / cpu['F'] - 1:+.1%}, "
@@ -270,10 +278,10 @@ def main() -> None:
     p.add_argument("--pp", type=int, nargs="+", default=[2], help="pipeline ranks (beyond the cores: oversubscribed)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="measured steps of every run")
-    add_chain_arguments(p)
+    add_chain_arguments(p, default="mlp")
     p.add_argument("--torch", nargs="*", default=list(TORCH), choices=list(TORCH), metavar="SCHEDULE",
                    help=f"torch schedules to compare with (default all: {', '.join(TORCH)})")
-    args = p.parse_args()
+    args = chain_sizes(p.parse_args())
 
     cores = os.cpu_count() or 1
     began = time.perf_counter()

@@ -1,5 +1,7 @@
-"""Deferred weight gradients over several microbatches: the fused accumulation and the hooked one."""
+"""Deferred weight gradients over several microbatches: the fused accumulation, with and without hooks."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -35,8 +37,9 @@ def test_weight_gradients_accumulate_over_microbatches(linear: bool) -> None:
         torch.testing.assert_close(deferred, native, rtol=1e-13, atol=1e-13)
 
 
-def test_a_weight_with_a_hook_accumulates_through_autograd() -> None:
-    """Each W of a hooked weight fires its post-accumulate-grad hook after adding its microbatch's gradient."""
+def test_a_hooked_weight_fires_its_hook_after_each_accumulation() -> None:
+    """Each W of a weight with a post-accumulate-grad hook calls the hook once, after adding its microbatch's
+    gradient (the first W through autograd, the next ones with addmm_ and the hook called directly)."""
     w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     in_w: list[bool] = [False]
     seen: list[torch.Tensor] = []
@@ -51,3 +54,39 @@ def test_a_weight_with_a_hook_accumulates_through_autograd() -> None:
         expected += torch.ones(2, 6, dtype=torch.float64).t() @ x
         torch.testing.assert_close(seen[-1], expected)
     assert len(seen) == 3
+
+
+@pytest.mark.parametrize("hook", ["post_accumulate", "tensor"])
+def test_hooked_weights_get_what_one_backward_gives(hook: str) -> None:
+    """Over microbatches, a deferred hooked weight's gradient and its hooks' calls in ``W`` match undeferred
+    backwards: a post-accumulate hook that replaces ``.grad`` (as data-parallel sync makes it a bucket's view)
+    and a tensor hook that scales the gradient (which only autograd's accumulation applies). In ``B`` the
+    hooks see no gradient of the weight's own and are ignored here (the runtime disarms them there)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for split in (False, True):
+        w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+        calls: list[torch.Tensor] = []
+        armed = [not split]
+        if hook == "tensor":
+            w.register_hook(lambda grad: 2 * grad if armed[0] else grad)
+        else:
+            def move(p: torch.Tensor) -> None:
+                if armed[0]:
+                    calls.append(p.grad.clone())
+                    p.grad = p.grad.clone()
+            w.register_post_accumulate_grad_hook(move)
+        for x in xs:
+            with collect() if split else contextlib.nullcontext() as deferred:
+                (split_linear(x, w).tanh() ** 2).sum().backward()
+            if deferred is not None:
+                armed[0] = True
+                deferred.run()
+                armed[0] = False
+        results.append((w.grad, calls))
+    (native, native_calls), (deferred, deferred_calls) = results
+    torch.testing.assert_close(deferred, native, rtol=1e-13, atol=1e-13)
+    assert len(deferred_calls) == len(native_calls) == (3 if hook == "post_accumulate" else 0)
+    for got, want in zip(deferred_calls, native_calls):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)

@@ -15,11 +15,13 @@ multiply-add). Each site of a parameter used several times (tied embeddings)
 records its own contribution, so nothing is counted twice; the parameter's
 gradient hooks fire as they would in one backward, once per site.
 
-How a recorded gradient lands: into an existing ``.grad`` of a parameter
-without gradient hooks, one ``addmm_`` (the matmul accumulates in place: no
-temporary weight-sized tensor, no separate add; on CPU about a third of
-``W``'s time); otherwise through autograd's own accumulation, which runs the
-hooks (data-parallel gradient sync, ZeRO).
+How a recorded gradient lands: into an existing ``.grad``, one ``addmm_``
+(the matmul accumulates in place: no temporary weight-sized tensor, no
+separate add; on CPU a quarter to a third of ``W``'s time), after which the
+parameter's post-accumulate-grad hooks (data-parallel gradient sync, ZeRO-1/2)
+are called with it, as autograd's accumulation calls them. A parameter without
+``.grad`` yet, or with hooks on its gradient itself (``register_hook``, which
+may replace the gradient), takes autograd's own accumulation.
 """
 from __future__ import annotations
 
@@ -57,19 +59,21 @@ class WeightGradients:
             torch.autograd.backward(views, grads)
 
 
-def _has_hooks(t: torch.Tensor) -> bool:
-    """Whether gradient hooks are registered on ``t`` (torch keeps them in these attributes, None when none)."""
-    return bool(getattr(t, "_post_accumulate_grad_hooks", None) or getattr(t, "_backward_hooks", None))
+def _post_accumulate_hooks(t: torch.Tensor) -> list:
+    """The post-accumulate-grad hooks of ``t`` in registration order (torch keeps them in this attribute)."""
+    return list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
 def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``weight.grad += a @ b`` for a leaf, as one backward would accumulate it (see the module docstring)."""
     grad = weight.grad
-    if grad is not None and not _has_hooks(weight) and not grad.requires_grad:
-        with torch.no_grad():
-            grad.addmm_(a, b)
-    else:
+    if grad is None or grad.requires_grad or getattr(weight, "_backward_hooks", None):
         torch.autograd.backward(weight, a @ b)
+        return
+    with torch.no_grad():
+        grad.addmm_(a, b)
+        for hook in _post_accumulate_hooks(weight):  # (autograd calls them under no_grad too)
+            hook(weight)
 
 
 @contextmanager
