@@ -317,7 +317,7 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
         base = n_vars
         n_vars += m.shape[0] * m.shape[1]
         c += list(m.reshape(-1))
-        saved_on_edges += [(base + e, b) for e, b in enumerate(r.reshape(-1))]
+        saved_on_edges += [(base + e, b) for e, b in enumerate(r.reshape(-1)) if b]
         for i in range(m.shape[0]):  # sum_j e_ij = x_ui
             row = len(rhs)
             rows += [(row, base + i * m.shape[1] + j, 1.0) for j in range(m.shape[1])] + [(row, offset[u] + i, -1.0)]
