@@ -8,6 +8,8 @@ therefore rewrites their storage, and only these functions do:
   rank 0's values;
 - ``shard_for_tp``: parameters take the compiler's fused storage layout and,
   where the plan shards them over tp, this tp rank's chunk;
+- ``store_trainable_in``: trainable parameters take the dtype the runtime stores
+  them in (``precision="mixed"``: bfloat16, the optimizer keeping float32 masters);
 - ``release_other_stages``: parameters of pipeline stages this rank does not
   run become empty tensors;
 - ``full_size_for_capture``: tp-sharded parameters take their full shapes
@@ -49,6 +51,17 @@ def shard_for_tp(model: torch.nn.Module, placements: dict[str, Placement], layou
             if isinstance(placement, Shard):
                 p.data = p.data.chunk(tp, placement.dim)[tp_index].clone()
     return full_shapes
+
+
+def store_trainable_in(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Trainable floating parameters of another dtype take ``dtype``; returns their values before, by name."""
+    before = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                before[name] = p.data
+                p.data = p.data.to(dtype)
+    return before
 
 
 def release_other_stages(model: torch.nn.Module, kept: set[str]) -> None:

@@ -25,8 +25,9 @@ class Options:
     split_points: tuple[str, ...] | None = None  # module names to cut pipeline stages before (None: automatic)
     stages_per_rank: int | None = None  # pipeline stages per pp rank (default 2 for interleaved-1f1b, else 1)
     max_grad_norm: float | None = None  # clip gradients to this global 2-norm before each optimizer step
-    precision: str = "fp32"  # "fp32": the model's own dtype; "bf16": fp32 masters, bf16 compute (autopar/precision.py)
-    reduce_dtype: Any = None  # precision="bf16": dtype of gradient reductions over dp ("fp32" when None, or "bf16")
+    precision: str = "fp32"  # "fp32": the model's own dtype; "bf16": fp32 masters, bf16 compute; "mixed": bf16
+    # parameters and gradients, fp32 masters in the optimizer (autopar/precision.py)
+    reduce_dtype: Any = None  # dtype of gradient reductions over dp (None: "fp32" under "bf16", "bf16" under "mixed")
     recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
     sequence_parallel: bool = False  # tp: shard the values between tensor-parallel regions (least activations)
 

@@ -127,8 +127,14 @@ class ParallelModel:
         program = self._programs.require()
         aliases = tied_aliases(self.model)
         full = full_state(self.model, self.mesh, program, self._rt) if self._rt is not None else {}
-        return {k: full.get(aliases.get(k, k), v).detach().to("cpu", copy=True)
-                for k, v in self.model.state_dict().items()}
+        pol = self.options.policy
+        widen = {n for n, p in self.model.named_parameters() if p.is_floating_point()} \
+            if pol is not None and pol.separate_masters else set()  # (bf16-stored parameters without masters)
+        out = {}
+        for k, v in self.model.state_dict().items():
+            t = full.get(aliases.get(k, k), v).detach()
+            out[k] = t.to("cpu", dtype=pol.master if aliases.get(k, k) in widen else t.dtype, copy=True)
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a full state (``state_dict()`` of this model from any mesh, or of the single-device model)."""
@@ -142,6 +148,11 @@ class ParallelModel:
             rt.zero.load_full_state_dict(local)
         else:
             self.model.load_state_dict(local)
+            if rt.masters is not None:  # mixed precision: the masters take the full-precision values
+                with torch.no_grad():
+                    for name, p in self.model.named_parameters():
+                        if rt.masters.of(p) is not p:
+                            rt.masters.of(p).copy_(local[name])
 
     def save(self, path: str, extra: Any = None) -> None:
         """Writes a new checkpoint version to the folder ``path``, each rank its own shards (every rank calls it).
@@ -202,6 +213,12 @@ def parallelize(
     compute, activations, tp collectives, pipeline hops and ZeRO-3 gathers, gradients
     reduced in ``reduce_dtype`` ("fp32" by default, or "bf16"), float32 loss
     (``autopar/precision.py``); "fp32" (the default) runs the model in its own dtype.
+    ``precision="mixed"``: the ZeRO paper's layout (DeepSpeed's bf16): bfloat16
+    trainable parameters and gradients (microbatches accumulate in bf16), float32
+    masters kept and stepped by the optimizer (sharded with its state under ZeRO):
+    2 + 2 + 12 bytes per parameter with Adam; bf16 compute as under "bf16";
+    gradients reduced in ``reduce_dtype`` ("bf16" by default, or "fp32");
+    ``state_dict`` and checkpoints hold the float32 masters.
     ``recompute``: activation recomputation per layer (entry of a module list):
     ``"none"`` (default), ``"selective"`` (keep matmul and attention outputs,
     recompute the rest) or ``"full"`` (keep each layer's inputs), the same for

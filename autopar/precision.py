@@ -14,6 +14,15 @@ under FSDP2; tensor parallelism and pipeline cuts work on that graph; then
 ``passes/mixed_precision.py`` gives every rank's graph float32 parameter
 placeholders with a cast at their first use, and a float32 loss.
 
+``precision="mixed"`` is the ZeRO paper's layout (DeepSpeed's and Megatron-LM's
+bf16 training): the runtime stores the trainable parameters in bfloat16 (2
+bytes), their gradients are bfloat16 and accumulate over microbatches in it (2
+bytes), and the optimizer steps float32 master copies of them, kept with its
+state and sharded with it under ZeRO (4 + 8 bytes for Adam): 2 + 2 + 12 bytes per
+parameter. Gradients are reduced over dp in ``reduce_dtype``: bfloat16 by default
+(their own dtype, as in the paper and DeepSpeed; the planner prices that), or "fp32". The masters are what ``state_dict`` and checkpoints hold
+(``runtime/master.py``). Frozen parameters stay float32 and are cast at use.
+
 ``precision="fp32"`` (the default) runs the model in its own dtype, unchanged.
 """
 from __future__ import annotations
@@ -33,20 +42,35 @@ from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
 from autopar.runtime.groups import job_device
 
 NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED = "mixed"  # bf16 parameters and gradients, fp32 masters in the optimizer (the ZeRO paper's 2 + 2 + 12)
 FP16 = ("precision='fp16' needs a loss scaler (fp16 gradients underflow without one), which autopar does not have; "
         "use precision='bf16' (the same memory and speed on GPUs since Ampere, and no scaling needed)")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What each dtype is: parameters as stored (``master``), compute, and gradient reduction over dp."""
+    """What each dtype is: master parameters, compute, gradient reduction over dp, and the trainable
+    parameters as the runtime stores them (``stored``: ``master``, or the compute dtype when the optimizer
+    keeps the masters apart)."""
 
     compute: torch.dtype
     reduce: torch.dtype
     master: torch.dtype = torch.float32
+    stored: torch.dtype = torch.float32
+
+    @property
+    def separate_masters(self) -> bool:
+        """Whether the optimizer steps master copies of parameters stored in another dtype."""
+        return self.stored != self.master
 
     def describe(self) -> str:
         compute, master = dtype_name(self.compute), dtype_name(self.master)
+        if self.separate_masters:
+            stored = dtype_name(self.stored)
+            return (f"{stored} trainable parameters and gradients (microbatches accumulate in {stored}); "
+                    f"{master} master parameters and optimizer state, kept by the optimizer; {compute} compute, "
+                    f"activations, tp collectives and pipeline hops; gradients reduced over dp in "
+                    f"{dtype_name(self.reduce)}; ZeRO-3 gathers {compute}; loss {master}")
         return (f"{compute} compute, activations, tp collectives and pipeline hops; {master} master parameters, "
                 f"gradients and optimizer state; gradients reduced over dp in {dtype_name(self.reduce)}; ZeRO-3 "
                 f"gathers {compute}; loss {master}")
@@ -56,19 +80,23 @@ def _dtype(value: Any, option: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     if value not in NAMES:
-        raise ValueError(f"{option}={value!r} must be one of {', '.join(map(repr, NAMES))}")
+        names = [*NAMES, MIXED] if option == "precision" else NAMES
+        raise ValueError(f"{option}={value!r} must be one of {', '.join(map(repr, names))}")
     return NAMES[value]
 
 
 def policy(precision: str, reduce_dtype: Any = None) -> Policy | None:
     """The policy of ``parallelize(precision=, reduce_dtype=)``; None for "fp32" (the model's own dtype)."""
+    if precision == MIXED:  # gradients are reduced in their own dtype unless asked (the ZeRO paper, DeepSpeed)
+        bf16 = policy("bf16", "bf16" if reduce_dtype is None else reduce_dtype)
+        return dataclasses.replace(bf16, stored=bf16.compute)
     compute = _dtype(precision, "precision")
     if compute == torch.float16:
         raise ValueError(FP16)
     if compute == torch.float32:
         if reduce_dtype is not None:
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} applies to precision='bf16'; with precision='fp32' "
-                             "gradients are reduced in the model's own dtype")
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} applies to precision='bf16' or 'mixed'; with "
+                             "precision='fp32' gradients are reduced in the model's own dtype")
         return None
     reduce = torch.float32 if reduce_dtype is None else _dtype(reduce_dtype, "reduce_dtype")
     if reduce not in (torch.float32, torch.bfloat16):
@@ -90,15 +118,18 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def check_model(model: torch.nn.Module, pol: Policy | None, device: torch.device | None = None) -> None:
-    """Raises unless ``model`` can train under ``pol``: float32 parameters to keep as masters, a bf16 device."""
+    """Raises unless ``model`` can train under ``pol``: float32 parameters to keep as masters (under "mixed"
+    trainable ones may already be stored in bf16: their masters start from those values), a bf16 device."""
     if pol is None:
         return
-    wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != pol.master]
+    wrong = [(n, p.dtype) for n, p in model.named_parameters()
+             if p.is_floating_point() and p.dtype not in (pol.master, stored_dtype(p, pol))]
     if wrong:
         name, dtype = wrong[0]
         compute, master = dtype_name(pol.compute), dtype_name(pol.master)
+        option = MIXED if pol.separate_masters else compute
         raise ValueError(
-            f"precision='{compute}' keeps {master} master parameters, but {name!r} (and {len(wrong) - 1} more) is "
+            f"precision='{option}' keeps {master} master parameters, but {name!r} (and {len(wrong) - 1} more) is "
             f"{dtype}; call model.float() first to train in {compute} with {master} masters, or keep "
             "precision='fp32', which trains in the model's own dtype")
     device = device if device is not None else job_device()  # where this process's rank will compute
@@ -110,6 +141,13 @@ def check_model(model: torch.nn.Module, pol: Policy | None, device: torch.device
         raise ValueError(f"precision='bf16' needs bfloat16 support on the training device, and {what} has none; "
                          "use precision='fp32' (the default), or a device with bfloat16 (CPU, or a GPU of compute "
                          "capability 8.0 or later: A100, H100, ...)")
+
+
+def stored_dtype(p: torch.nn.Parameter, pol: Policy | None) -> torch.dtype:
+    """The dtype the runtime stores parameter ``p`` in under ``pol``: trainable floating ones in ``pol.stored``."""
+    if pol is not None and p.requires_grad and p.is_floating_point():
+        return pol.stored
+    return p.dtype
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode, dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +198,7 @@ def widened(tree: Any, dtype: torch.dtype) -> Any:
 def apply_to_program(program: Any, model: torch.nn.Module, pol: Policy, *, with_loss: bool) -> None:
     """Every graph of ``program`` takes its parameters and inputs as fed (float32 masters, the user's inputs)
     and casts them where they are used; a loss graph returns a float32 loss (``passes/mixed_precision.py``)."""
-    params = {n: p.dtype for n, p in model.named_parameters()}
+    params = {n: stored_dtype(p, pol) for n, p in model.named_parameters()}
     inputs = program.captured.input_dtypes
     done: set[int] = set()
     for gm, slots, last in _graphs(program):
@@ -187,7 +225,7 @@ def _describe_graphs(program: Any, model: torch.nn.Module, pol: Policy) -> None:
     plan = program.plan
     params = dict(model.named_parameters())
     plan.precision = pol.describe()
-    plan.params = [dataclasses.replace(p, dtypes=(params[p.name].dtype, pol.compute))
+    plan.params = [dataclasses.replace(p, dtypes=(stored_dtype(params[p.name], pol), pol.compute))
                    if params[p.name].is_floating_point() else p for p in plan.params]
     graphs = [st.gm for st in program.stages] if program.stages is not None else [program.graphs[0]]
     found: dict[tuple[str, str], dict[torch.dtype, None]] = {}
@@ -214,7 +252,7 @@ def describe_reductions(program: Any, pol: Policy | None) -> Any:
     if pol is None:
         return program
     program.plan.collectives = [
-        dataclasses.replace(c, bytes=c.bytes * pol.reduce.itemsize // pol.master.itemsize, dtypes=(pol.reduce,))
+        dataclasses.replace(c, bytes=c.bytes * pol.reduce.itemsize // pol.stored.itemsize, dtypes=(pol.reduce,))
         if c.axis == "dp" and c.op == "all_reduce" and not c.dtypes else c for c in program.plan.collectives]
     return program
 

@@ -283,14 +283,20 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
 
 
 def optimizer_state_factor(options: Options) -> int:
-    """Optimizer state elements per parameter element: 2 for Adam-like, 1 for SGD with momentum."""
+    """Optimizer bytes per byte of a trainable parameter as stored: state elements per parameter element (2 for
+    Adam-like, 1 for SGD with momentum), and under ``precision="mixed"`` with the float32 master counted as one
+    more, each as many times the stored element's bytes as float32 has."""
     if options.optimizer is None:
         return 0
     probe = torch.nn.Parameter(torch.zeros(1))
     opt = options.optimizer([probe])
     name = type(opt).__name__.lower()
+    states = 2
     if "adam" in name:
-        return 2
-    if name == "sgd":
-        return 1 if opt.defaults.get("momentum", 0) else 0
-    return 2
+        states = 2
+    elif name == "sgd":
+        states = 1 if opt.defaults.get("momentum", 0) else 0
+    pol = options.policy
+    if pol is not None and pol.separate_masters:
+        return (states + 1) * pol.master.itemsize // pol.stored.itemsize
+    return states

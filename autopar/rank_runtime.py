@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 from autopar.core.collectives import Binding, set_process_binding
 from autopar.core.mesh import Mesh
-from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp
+from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
 from autopar.program import Program, shared_parameters
 from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.groups import Groups, join
+from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.pipeline import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
@@ -33,6 +34,9 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
     set_process_binding(binding)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
+    pol = options.policy
+    separate = pol is not None and pol.separate_masters  # (masters exist only for an optimizer to step)
+    values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state)
     if program.stages is not None:
@@ -40,25 +44,29 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
     if options.zero:
-        zero = ZeroRuntime(model, groups, options, params, alone=shared_across_pp(program))
+        zero = ZeroRuntime(model, groups, options, params, alone=shared_across_pp(program), values=values)
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "
                                f"{program.zero_layouts[groups.rank].describe()}; please report it with the model")
     opt: Optimizer | None = zero.optimizer if zero else None
+    masters = zero.masters if zero else None
     if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
-        opt = options.optimizer(params) if params else NoParameters()  # (a head-less interleaved stage)
+        names = {id(p): n for n, p in model.named_parameters()}
+        masters = Masters(params, [values[names[id(p)]] for p in params]) if values is not None else None
+        opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None:
         sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
-        if options.policy is not None and options.policy.reduce != options.policy.master:
-            sync.reduce_in(options.policy.reduce)  # (ZeRO's flat groups read the policy from the options)
+        if pol is not None and pol.reduce != pol.stored:
+            sync.reduce_in(pol.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
     executor = Executor(lambda stage: pp_rank_fn(mesh, groups)(placement[stage]), groups.device, groups.wire,
                         regather=options.sequence_parallel)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
-                     memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
+                     memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt),
+                     masters=masters)
     if program.stages is not None:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)

@@ -8,12 +8,16 @@ communication); ``checkpoint_state`` says where each tensor a rank stores lies i
 the logical tensor (the boxes it reads from and writes to a checkpoint) and which
 copies it writes.
 
+Under ``precision="mixed"`` the optimizer's float32 masters (``runtime/master.py``)
+stand for the bfloat16 parameters they are rounded into: the full state and the
+checkpoint entries hold the masters.
+
 Invariant: ``local_state(full_state())`` on every rank gives back what each rank stores.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,15 +37,17 @@ if TYPE_CHECKING:
 
 def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size, by canonical name, from the ranks' shards (collective)."""
-    current = {n: t.data for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    of = rt.masters.of if rt.masters is not None else (lambda t: t)
+    current = {n: of(t).data for n, t in [*model.named_parameters(), *model.named_buffers()]}
     if rt.zero is not None:
-        current.update(rt.zero.full_parameters())
+        current.update(rt.zero.full_parameters(masters=True))
     full_shapes = {p.name: p.shape for p in program.plan.params}
     tp = mesh.coords(rt.groups.rank)["tp"]
     for name, t in current.items():  # other stages' parameters are not kept: buffers to receive them into
         if t.numel() == 0 and name in full_shapes:
             shape = local_shape(full_shapes[name], program.placements.get(name), mesh.tp, tp)
-            current[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+            dtype = torch.float32 if rt.masters is not None and name in program.trainable else t.dtype
+            current[name] = torch.empty(shape, dtype=dtype, device=t.device)
     if program.stages is not None:
         _broadcast_from_owners(mesh, program, rt, current)
     return _gather_tp(mesh, program, rt, current)
@@ -100,12 +106,14 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
     writer = _pp_writers(program)
     coords = mesh.coords(rt.groups.rank)
     zero_of = {n: (fs, k) for fs in rt.zero.shards for k, n in enumerate(fs.spec.params)} if rt.zero else {}
+    of = rt.masters.of if rt.masters is not None else (lambda t: t)  # mixed precision: the masters are saved
     entries, expected, trainable = [], {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if name in aliases or (name in params and used is not None and name not in used):
             continue  # a tied alias is saved once; a parameter no stage uses is not kept by any rank
         shape = full_shapes[name] if name in params else tuple(t.shape)
-        expected[name] = (shape, t.dtype)
+        mastered = rt.masters is not None and name in params and t.requires_grad and t.is_floating_point()
+        expected[name] = (shape, torch.float32 if mastered else t.dtype)
         if name in params and t.requires_grad:
             trainable.add(name)
         if name in params and held is not None and name not in held:
@@ -115,14 +123,16 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
                                             writes=writes and coords["tp"] == 0))
         else:
-            entries.append(_param_entry(name, shape, t, program, mesh, coords, zero_of.get(name), writes))
+            entries.append(_param_entry(name, shape, of(t), program, mesh, coords, zero_of.get(name), writes, of))
     return checkpoint.RankState(tuple(entries), expected, frozenset(trainable),
                                 f"zero={rt.zero.stage if rt.zero else 0} on {mesh!r}")
 
 
-def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, program: Program, mesh: Mesh,
-                 coords: dict[str, int], zero: tuple[Any, int] | None, writes: bool) -> checkpoint.Entry:
-    """A parameter's entry: its tp chunk (in storage order), and under ZeRO the part of it in this rank's shard."""
+def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Program, mesh: Mesh,
+                 coords: dict[str, int], zero: tuple[Any, int] | None, writes: bool,
+                 of: Callable[[torch.Tensor], torch.Tensor]) -> checkpoint.Entry:
+    """A parameter's entry: its tp chunk (in storage order), and under ZeRO the part of it in this rank's shard
+    (``of``: the tensor saved for a stored one, its master under mixed precision)."""
     placement = program.placements.get(name)
     local = local_shape(shape, placement, mesh.tp, coords["tp"])
     dim = placement.dim if isinstance(placement, Shard) and mesh.tp > 1 else None
@@ -141,7 +151,7 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.nn.Parameter, progr
     b = max(a, min(offset + fs.spec.numels[k], hi))  # [a, b): its elements in the shard (empty: none)
     if tuple(fs.spec.shapes[k]) != local:
         raise RuntimeError(f"internal error: {name!r} is laid out as {fs.spec.shapes[k]}, expected {local}")
-    return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), fs.shard,
+    return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), of(fs.shard),
                             window=(a - lo, b - lo), writes=writes, trainable=True)
 
 

@@ -102,6 +102,8 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
                 loss = loss_fn(out, tgt) if loss_fn is not None else model_loss(out)
                 (loss / len(parts)).backward()
             total += float(loss.detach()) / len(parts)
+        if mixed is not None:
+            mixed.gradients_to_masters()
         for n, p in trainable:
             if p.grad is not None:
                 grad_max[n] = torch.maximum(grad_max[n], p.grad.detach().double().abs().cpu())
@@ -122,7 +124,9 @@ class MixedPrecisionReference:
     compute dtype (buffers keep their own); floating inputs are cast to it, its floating outputs to float32
     before the loss (which is float32); the copy's
     gradients are added to the masters' in float32 (so microbatches accumulate in float32), where the
-    caller's optimizer steps them.
+    caller's optimizer steps them. Under ``precision="mixed"`` (bf16 gradients) the parts' gradients
+    accumulate in the copy, in bf16, and reach the masters in float32 once per step
+    (``gradients_to_masters``), as DeepSpeed's and Megatron-LM's bf16 optimizers hand them over.
     """
 
     def __init__(self, master: torch.nn.Module, precision: str) -> None:
@@ -152,12 +156,17 @@ class MixedPrecisionReference:
         out = widened(self.copy(*args, **kwargs), self.policy.master)  # the loss is computed in float32
         loss = (loss_fn(out, target) if loss_fn is not None else model_loss(out)).float()
         (loss / parts).backward()
+        if not self.policy.separate_masters:
+            self.gradients_to_masters()
+        return loss
+
+    def gradients_to_masters(self) -> None:
+        """The copy's gradients, widened, are added to the masters' (the copy's are dropped)."""
         for mine, theirs in zip(self.copy.parameters(), self.master.parameters()):
             if mine.grad is not None:
                 grad = mine.grad.to(theirs.dtype)
                 theirs.grad = grad if theirs.grad is None else theirs.grad + grad
                 mine.grad = None
-        return loss
 
     def forward(self, args: tuple, kwargs: dict) -> Any:
         self._sync()

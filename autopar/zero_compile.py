@@ -25,7 +25,7 @@ from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
 from autopar.passes.pipeline import shared_parameters
 from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
-from autopar.precision import Policy
+from autopar.precision import Policy, stored_dtype
 
 
 def held_names(program: Any, rank: int) -> set[str] | None:
@@ -36,12 +36,14 @@ def held_names(program: Any, rank: int) -> set[str] | None:
     return {s.name for st in own for s in st.slots if s.kind in ("param", "buffer")}
 
 
-def rank_parameters(program: Any, model: torch.nn.Module, rank: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(name, local shape, dtype)`` of the trainable parameters ``rank`` holds, in the model's order."""
+def rank_parameters(program: Any, model: torch.nn.Module, rank: int,
+                    pol: Policy | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, local shape, dtype as the runtime stores it under ``pol``)`` of the trainable parameters
+    ``rank`` holds, in the model's order."""
     mesh = program.plan.mesh
     held = held_names(program, rank)
     tp = mesh.coords(rank)["tp"]
-    return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), p.dtype)
+    return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), stored_dtype(p, pol))
             for n, p in model.named_parameters()
             if p.requires_grad and (held is None or n in held)]
 
@@ -53,8 +55,8 @@ def shared_across_pp(program: Any) -> set[str]:
 
 def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
     """The ZeRO layout of the parameters ``rank`` holds (what its runtime computes from its tensors)."""
-    return zero_layout(rank_parameters(program, model, rank), stage=options.zero, n=program.plan.mesh.dp,
-                       bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
+    return zero_layout(rank_parameters(program, model, rank, options.policy), stage=options.zero,
+                       n=program.plan.mesh.dp, bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
 
 
 def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,

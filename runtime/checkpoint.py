@@ -115,6 +115,8 @@ def load(root: str, rt: RankRuntime, state: RankState) -> Any:
     if rt.optimizer is not None:
         problem = restore_optimizer(rt.optimizer, trainable, items, tensors)
     _agree(problem)
+    if rt.masters is not None:  # mixed precision: the masters were loaded; the stored tensors are their rounding
+        rt.masters.round_to_stored()
     if rt.zero is not None and rt.zero.stage < 3:  # stages 1-2 keep full parameters: gather the loaded shards
         for work in [fs.all_gather_in_place() for fs in rt.zero.shards]:
             if work is not None:

@@ -28,10 +28,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """Every tensor in a ``torch.optim.Optimizer``'s per-parameter state."""
+    """Every tensor in a ``torch.optim.Optimizer``'s per-parameter state, and the master weights it steps
+    (``runtime/master.py``) when it keeps them."""
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    masters = getattr(optimizer, "masters", None)
+    return [*(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)),
+            *(masters.tensors if masters is not None else ())]
 
 
 class MemoryAccount:

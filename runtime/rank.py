@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autopar.core.collectives import Binding
 from autopar.runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.master import Masters
 from autopar.runtime.groups import Groups
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.pipeline import Executor
@@ -67,3 +68,4 @@ class RankRuntime:
     holders: dict[str, int] = field(default_factory=dict)  # parameter -> pp ranks holding it, when several
     rng_base: int | None = None  # the seed tp ranks agree on (``seed_rng``), and the calls since
     rng_calls: int = 0
+    masters: Masters | None = None  # precision="mixed": the float32 masters of ``params`` the optimizer steps

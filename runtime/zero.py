@@ -24,6 +24,7 @@ from autopar.core.graph import tied_aliases
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
 from autopar.runtime.groups import Groups
+from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
 
@@ -62,10 +63,13 @@ class ZeroRuntime:
     """The ZeRO state of one rank; see the module docstring for how ``ParallelModel`` drives it."""
 
     def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter],
-                 alone: set[str] | frozenset[str] = frozenset()) -> None:
+                 alone: set[str] | frozenset[str] = frozenset(),
+                 values: dict[str, torch.Tensor] | None = None) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups["dp"]``.
 
         Each parameter named in ``alone`` (held by several pipeline ranks) gets a flat group of its own.
+        ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
+        is cut for the optimizer to step (``runtime/master.py``).
         """
         mesh = groups.mesh
         self.model = model
@@ -98,7 +102,11 @@ class ZeroRuntime:
             for fs in self.shards:
                 self.state.update(dict.fromkeys(fs.spec.params, fs.shard))
         self.params = [fs.shard for fs in self.shards]
-        self.optimizer = options.optimizer(self.params) if options.optimizer is not None else None
+        self.masters: Masters | None = None
+        if values is not None and options.optimizer is not None:
+            self.masters = Masters(self.params, [fs.local_flat([values[n] for n in fs.spec.params], torch.float32)
+                                                 for fs in self.shards])
+        self.optimizer = build_optimizer(options.optimizer, self.params, self.masters)
         if self.optimizer is not None:
             self.optimizer.register_step_post_hook(self._after_step)
         self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
@@ -210,11 +218,15 @@ class ZeroRuntime:
                 fs.drop_prefetch()
 
     # full state ----------------------------------------------------------------
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every sharded parameter at full size over dp (stage 3 all-gathers: every dp rank must call this)."""
+    def full_parameters(self, *, masters: bool = False) -> dict[str, torch.Tensor]:
+        """Every sharded parameter at full size over dp (stage 3 all-gathers: every dp rank must call this);
+        with ``masters``, the float32 masters where the optimizer keeps them (all-gathered at every stage)."""
         out = {}
         for fs in self.shards:
-            full = fs.full if fs.full is not None else fs.gather()
+            if masters and self.masters is not None:
+                full = fs.gather_from(self.masters.of(fs.shard))
+            else:
+                full = fs.full if fs.full is not None else fs.gather()
             out.update(zip(fs.spec.params, fs.views(full)))
         return out
 
@@ -228,7 +240,11 @@ class ZeroRuntime:
                            f"unexpected {unexpected[:5]} ({len(unexpected)} in all); pass a full state_dict() of "
                            "this model (pm.state_dict() on any mesh, or the single-device model's)")
         for fs in self.shards:
-            fs.load_full([state[name] for name in fs.spec.params])
+            values = [state[name] for name in fs.spec.params]
+            fs.load_full(values)
+            if self.masters is not None:
+                with torch.no_grad():
+                    self.masters.of(fs.shard).copy_(fs.local_flat(values, torch.float32))
         sharded = {name for fs in self.shards for name in fs.spec.params}
         with torch.no_grad():
             for key, value in self.model.state_dict(keep_vars=True).items():

@@ -135,15 +135,32 @@ class FlatShard:
         """``base`` (a padded flat buffer of this group) cut into tensors shaped like the parameters."""
         return [base[o : o + k].view(s) for o, k, s in zip(self.spec.offsets, self.spec.numels, self.spec.shapes)]
 
+    def _flat(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The group's padded flat parameters from full tensors, in ``dtype``."""
+        flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, self.spec.padded - self.spec.numel))
+
+    def local_flat(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slice of the group's padded flat parameters, from full tensors, in ``dtype`` (a copy)."""
+        return self._flat(tensors, dtype)[self.index * self.spec.shard : (self.index + 1) * self.spec.shard].clone()
+
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Sets the group's parameters from full tensors (this rank keeps its slice)."""
-        flat = torch.cat([t.detach().reshape(-1).to(self.spec.dtype) for t in tensors])
-        flat = torch.nn.functional.pad(flat, (0, self.spec.padded - self.spec.numel))
+        flat = self._flat(tensors, self.spec.dtype)
         with torch.no_grad():
             if self.full is not None:
                 self.full.copy_(flat)
             else:
                 self.shard.copy_(flat[self.index * self.spec.shard : (self.index + 1) * self.spec.shard])
+
+    def gather_from(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full padded flat tensor whose rank slices are every rank's ``shard`` (shaped as ``self.shard``,
+        e.g. its float32 master), all-gathered over dp."""
+        if self.group is None:
+            return shard.detach().clone()
+        full = torch.empty(self.spec.padded, dtype=shard.dtype, device=shard.device)
+        all_gather_flat(full, shard.detach().contiguous(), group=self.group)
+        return full
 
     def all_gather_in_place(self) -> object:
         """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""

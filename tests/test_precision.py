@@ -211,8 +211,8 @@ def test_dtype_names() -> None:
 # --- planner ------------------------------------------------------------------------------------------------
 def test_the_planner_runs_bf16_plans_and_auto_takes_their_precision() -> None:
     """``PRECISIONS["bf16"]`` is what precision="bf16" runs: every candidate is runnable and hands
-    ``parallelize`` precision="bf16"; the ZeRO paper's "mixed" layout (persistent half-precision weights and
-    gradients) is planned but not run, and says why."""
+    ``parallelize`` precision="bf16"; so does the ZeRO paper's "mixed" layout (persistent bf16 weights and
+    gradients, precision="mixed"); a float64 plan for a float32 model is not run, and says why."""
     from autopar.planner import plan
 
     model = models.gpt2(dtype=FP32)
@@ -222,7 +222,12 @@ def test_the_planner_runs_bf16_plans_and_auto_takes_their_precision() -> None:
     assert bf16.best.parallelize_options()["precision"] == "bf16"
     mixed = plan(model, 2, cluster="cpu", global_batch=8, seq_len=8, precision="mixed", optimizer="adam",
                  recompute=(False,), zero=(0,), schedules=("1f1b",), profile=bf16.profile)
-    assert not any(c.runnable for c in mixed.candidates) and "precision='bf16'" in mixed.candidates[0].not_runnable
+    assert all(c.runnable for c in mixed.candidates)
+    assert mixed.best.parallelize_options()["precision"] == "mixed"
+    fp64 = plan(model, 2, cluster="cpu", global_batch=8, seq_len=8, precision="fp64", optimizer="adam",
+                recompute=(False,), zero=(0,), schedules=("1f1b",), profile=bf16.profile)
+    assert not any(c.runnable for c in fp64.candidates) and "precision='bf16' or 'mixed'" in \
+        fp64.candidates[0].not_runnable
     fp32 = plan(model, 2, cluster="cpu", global_batch=8, seq_len=8, precision="fp32", optimizer="adam",
                 recompute=(False,), zero=(0,), schedules=("1f1b",), profile=bf16.profile)
     assert fp32.best.parallelize_options()["precision"] == "fp32"
@@ -239,3 +244,5 @@ def _auto(precision: str) -> tuple[str, str, float]:
 def test_parallelize_auto_runs_the_plans_precision(launcher) -> None:
     for precision, described, loss in launcher(_auto, 2, "bf16"):
         assert precision == "bf16" and described.startswith("bf16 compute") and loss > 0
+    for precision, described, loss in launcher(_auto, 2, "mixed"):
+        assert precision == "mixed" and described.startswith("bf16 trainable parameters") and loss > 0

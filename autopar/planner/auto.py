@@ -50,7 +50,8 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     states = _optimizer_states(optimizer)
     cluster = _local_cluster(devices)
     result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
-                  precision=PRECISIONS["bf16"] if precision == "bf16" else precision_of(next(model.parameters()).dtype),
+                  precision=PRECISIONS[precision] if precision in ("bf16", "mixed")
+                  else precision_of(next(model.parameters()).dtype),
                   optimizer=states,
                   example_inputs=small, example_kwargs=small_kwargs, runnable_only=True,
                   recompute=MODES if recompute is None else (recompute if recompute in MODES else "none",))

@@ -36,7 +36,8 @@ class Precision:
 
 PRECISIONS = {
     "fp32": Precision("fp32", 4, 4, 0, 4, 4),
-    # bf16 weights, gradients and activations; fp32 master weights and Adam moments (the ZeRO paper's K = 12)
+    # bf16 weights, gradients (reduced over dp in bf16) and activations; fp32 master weights and Adam moments
+    # (the ZeRO paper's K = 12): what precision="mixed" runs
     "mixed": Precision("mixed", 2, 2, 4, 4, 2),
     "fp64": Precision("fp64", 8, 8, 0, 8, 8),
     # autopar's precision="bf16" (FSDP2's policy): the fp32 parameters are the masters, fp32 gradients, bf16

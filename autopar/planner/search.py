@@ -67,7 +67,7 @@ class Candidate:
         c = self.config
         return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
                 "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
-                "precision": "bf16" if self.precision == "bf16" else "fp32",
+                "precision": self.precision if self.precision in ("bf16", "mixed") else "fp32",
                 "recompute": self.recompute, "sequence_parallel": c.sequence_parallel}
 
     def as_dict(self) -> dict[str, Any]:
@@ -169,7 +169,8 @@ def plan(
 
     ``model`` may live on the meta device. ``seq_len``: tokens per sequence
     (``None`` for a model whose inputs have no sequence dim). ``precision``:
-    ``"fp32"``, ``"mixed"`` (bf16 weights, gradients and activations; fp32
+    ``"fp32"``, ``"mixed"`` (what ``parallelize(precision="mixed")`` runs:
+    bf16 weights, gradients and activations, gradients reduced in bf16; fp32
     master weights and optimizer state: the ZeRO paper's 2 + 2 + 12 bytes) or
     ``"bf16"`` (what ``parallelize(precision="bf16")`` runs: fp32 parameters as
     the masters and fp32 gradients, bf16 activations and ZeRO-3 gathers). ``optimizer``: ``"adam"`` (2 state
@@ -319,11 +320,11 @@ def sequence_parallel(cost: CostModel, candidates: list[Candidate], cluster: Clu
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
-    if prec.name == "bf16" and profile.dtype == torch.float32:
-        return ""  # precision="bf16": the fp32 parameters are the masters
+    if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
+        return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
     if prec != precision_of(profile.dtype):
         return (f"autopar runs the model in its own dtype ({profile.dtype}) or, for a float32 model, in bf16 with "
-                f"float32 masters (precision='bf16'), not {prec.name} precision")
+                f"float32 masters (precision='bf16' or 'mixed'), not {prec.name} precision")
     return ""
 
 
