@@ -3,7 +3,8 @@
 Phase 1, one rank: NCCL with world size 1 on the GPU (on a machine without CUDA, gloo on the CPU; the
 script says so). Phase 2, 2 and 4 ranks sharing the one device over gloo (CUDA tensors: gloo stages them
 through host memory): dp=2, tp=2 (also with sequence parallelism), pp=2 under 1F1B and under the
-zero-bubble ZB-H1, dp=2 with ZeRO-3 and full recomputation, and two 2x2 meshes. Each configuration trains a small GPT-2 or LLaMA (Hugging Face
+zero-bubble ZB-H1, dp=2 with ZeRO-3 and full recomputation, two 2x2 meshes, and two with ``precision="mixed"``
+(bf16 parameters and gradients, float32 masters in the optimizer). Each configuration trains a small GPT-2 or LLaMA (Hugging Face
 configurations, random weights) for ``--steps`` steps with ``precision="bf16"`` and ``recompute="selective"``
 (or "full"), then compares the losses, the forward output and the update of the parameters with
 ``autopar.testing.MixedPrecisionReference`` (the same policy as an eager loop on the same device) within
@@ -45,13 +46,14 @@ class Config:
     mesh: dict[str, int]
     options: dict[str, Any] = field(default_factory=dict)
     exact: bool = False  # float64 and fp32 precision, compared at EXACT; else float32 masters in bf16
+    precision: str = "bf16"  # or "mixed": bf16 parameters and gradients, float32 masters in the optimizer
 
     @property
     def ranks(self) -> int:
         return autopar.Mesh(**self.mesh).size
 
     def parallelize_options(self) -> dict[str, Any]:
-        mixed = {} if self.exact else {"precision": "bf16"}
+        mixed = {} if self.exact else {"precision": self.precision}
         return {"recompute": "selective", **mixed, **self.options}
 
 
@@ -64,6 +66,8 @@ CONFIGS = [
     Config("pp=2 zb-h1", "llama", dict(pp=2), dict(schedule="zb-h1", microbatches=2)),
     Config("dp=2 zero=3 recompute=full", "llama", dict(dp=2), dict(zero=3, recompute="full")),
     Config("dp=2 x tp=2 zero=3", "gpt2", dict(dp=2, tp=2), dict(zero=3)),
+    Config("dp=2 zero=1 mixed", "gpt2", dict(dp=2), dict(zero=1), precision="mixed"),
+    Config("dp=2 x pp=2 zero=3 mixed", "llama", dict(dp=2, pp=2), dict(zero=3, microbatches=2), precision="mixed"),
     Config("pp=2 x tp=2 float64", "llama", dict(pp=2, tp=2), dict(microbatches=2), exact=True),
 ]
 
@@ -183,7 +187,7 @@ def main() -> int:
         for config in configs:
             t0 = time.perf_counter()
             reference = reference_run(model_factory(config), (ids,), target, loss_fn, sgd, args.steps,
-                                      precision="fp32" if config.exact else "bf16", device=args.device)
+                                      precision="fp32" if config.exact else config.precision, device=args.device)
             out = check(config, single if config.ranks == 1 else shared, reference, args.steps, args.timed)
             rows.append((config, out))
             print(f"  {config.name}: {'PASS' if out['ok'] else 'FAIL'} ({time.perf_counter() - t0:.0f} s)", flush=True)

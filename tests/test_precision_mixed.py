@@ -36,6 +36,9 @@ SLOW_CASES = [(name, mesh, opts, models.sgd if "tp" in mesh else models.adamw)
               for mesh, opts in [(dict(dp=2), {}), (dict(tp=2), {}), (dict(pp=2), dict(microbatches=2)),
                                  (dict(dp=2), dict(zero=2)), (dict(dp=2), dict(zero=3)),
                                  (dict(dp=2, pp=2, tp=2), dict(microbatches=2, zero=3))]]
+SLOW_CASES += [("gpt2", dict(pp=2), dict(microbatches=2, schedule="zb-h1", zero=1, recompute="selective",
+                                         max_grad_norm=0.5), models.adamw),
+               ("llama", dict(dp=2), dict(zero=3, recompute="full", reduce_dtype="fp32"), models.adamw)]
 
 
 @pytest.mark.parametrize("name, mesh, options, optimizer", DEFAULT_CASES)
@@ -112,6 +115,11 @@ def test_a_checkpoint_keeps_the_masters_and_resumes_exactly(launcher, tmp_path) 
         assert loaded.keys() == straight["state"].keys()
         for key, value in straight["state"].items():
             assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), (mesh, stage, key)
+
+
+def test_mixed_needs_fp32_or_bf16_parameters() -> None:
+    with pytest.raises(ValueError, match="precision='mixed' keeps fp32 master parameters, but .* is torch.float64"):
+        parallelize(models.gpt2(dtype=torch.float64), Mesh(dp=2), precision="mixed")
 
 
 def test_mixed_is_a_policy_with_bf16_storage_and_fp32_masters() -> None:
