@@ -132,3 +132,20 @@ def test_mixed_is_a_policy_with_bf16_storage_and_fp32_masters() -> None:
     assert "precision: bf16 trainable parameters and gradients" in text
     params = [nd for nd in pm.graph(0).graph.nodes if nd.op == "placeholder" and nd.name.startswith("p_")]
     assert params and all(nd.meta["val"].dtype == BF16 for nd in params)  # fed bf16: no casts
+
+
+def _load_state(stage: int) -> bool:
+    torch.manual_seed(0)
+    fresh = models.gpt2(layers=2, dtype=FP32)
+    pm = parallelize(models.gpt2(layers=2, dtype=FP32), Mesh(dp=2), loss_fn=models.lm_loss,
+                     optimizer=models.adamw, zero=stage, precision="mixed")
+    pm.step(IDS, target=TARGET)
+    pm.load_state_dict(fresh.state_dict())
+    got = pm.state_dict()
+    return all(torch.equal(got[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_load_state_dict_sets_the_masters_to_the_fp32_values(launcher) -> None:
+    """A full fp32 state loaded after training comes back exactly from ``state_dict`` (not via bf16)."""
+    for stage in (0, 2):
+        assert all(launcher(_load_state, 2, stage)), stage
