@@ -20,7 +20,8 @@ bytes), their gradients are bfloat16 and accumulate over microbatches in it (2
 bytes), and the optimizer steps float32 master copies of them, kept with its
 state and sharded with it under ZeRO (4 + 8 bytes for Adam): 2 + 2 + 12 bytes per
 parameter. Gradients are reduced over dp in ``reduce_dtype``: bfloat16 by default
-(their own dtype, as in the paper and DeepSpeed; the planner prices that), or "fp32". The masters are what ``state_dict`` and checkpoints hold
+(their own dtype, as in the paper and DeepSpeed; the planner prices that), or
+"fp32". The masters are what ``state_dict`` and checkpoints hold
 (``runtime/master.py``). Frozen parameters stay float32 and are cast at use.
 
 ``precision="fp32"`` (the default) runs the model in its own dtype, unchanged.

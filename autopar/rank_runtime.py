@@ -65,8 +65,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
                         regather=options.sequence_parallel)
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
-                     memory=zero.memory if zero else MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt),
-                     masters=masters)
+                     masters=masters, memory=zero.memory if zero else
+                     MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
     if program.stages is not None:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
