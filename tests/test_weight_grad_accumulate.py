@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from autopar.core.weight_grad import collect, split_addmm, split_linear
+from autopar.core.weight_grad import KeptGradients, collect, split_addmm, split_linear
 
 
 def _microbatches(split: bool, w: torch.Tensor, b: torch.Tensor, xs: list[torch.Tensor], linear: bool) -> None:
@@ -90,3 +90,55 @@ def test_hooked_weights_get_what_one_backward_gives(hook: str) -> None:
     assert len(deferred_calls) == len(native_calls) == (3 if hook == "post_accumulate" else 0)
     for got, want in zip(deferred_calls, native_calls):
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
+def _w_of_steps(w: torch.Tensor, xs: list[torch.Tensor], kept: KeptGradients | None, hold: list | None = None,
+                view: bool = False) -> list[torch.Tensor]:
+    """Steps of one deferred microbatch each, the gradient freed after each step (``zero_grad(set_to_none=True)``);
+    returns the gradient tensor each step's ``W`` made, or what ``hold`` keeps of it."""
+    made = []
+    for x in xs:
+        with collect() as deferred:
+            (split_linear(x, w).tanh() ** 2).sum().backward()
+        deferred.run(kept)
+        made.append(w.grad.clone())
+        if hold is not None:
+            hold.append(w.grad[0] if view else w.grad)
+
+        def free() -> None:
+            w.grad = None
+        kept.through(free) if kept is not None else free()
+    return made
+
+
+def test_kept_gradients_are_written_in_place_with_the_same_numbers() -> None:
+    """The next step's first ``W`` writes the weight gradient into last step's tensor (resident memory) and gets
+    bitwise the gradient autograd's accumulation gives; ``.grad`` is None between steps, as torch leaves it."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    grads = []
+    for kept in (None, KeptGradients()):
+        w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+        storages: list[int] = []
+        w.register_post_accumulate_grad_hook(lambda p: storages.append(p.grad.data_ptr()) if p.grad is not None else None)
+        grads.append(_w_of_steps(w, xs, kept))
+        assert w.grad is None
+        if kept is not None:
+            assert len(kept) == 1 and len(set(storages)) == 1  # one tensor, three steps
+    for native, in_place in zip(*grads):
+        assert torch.equal(native, in_place)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_gradient_someone_holds_is_not_overwritten(view: bool) -> None:
+    """A gradient tensor referred to after the step (kept by the caller, or viewed, as a data-parallel bucket's
+    slot is) is left as it was: the next ``W`` takes autograd's new tensor."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(2)]
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
+    held: list[torch.Tensor] = []
+    kept = KeptGradients()
+    made = _w_of_steps(w, xs, kept, held, view)
+    first = made[0][0] if view else made[0]
+    assert torch.equal(held[0], first) and not torch.equal(made[1], made[0])
+    assert held[0].data_ptr() != held[1].data_ptr()

@@ -21,13 +21,16 @@ separate add; on CPU a quarter to a third of ``W``'s time), after which the
 parameter's post-accumulate-grad hooks (data-parallel gradient sync, ZeRO-1/2)
 are called with it, as autograd's accumulation calls them. A parameter without
 ``.grad`` yet, or with hooks on its gradient itself (``register_hook``, which
-may replace the gradient), takes autograd's own accumulation.
+may replace the gradient), takes autograd's own accumulation, unless a
+`KeptGradients` holds last step's gradient tensor of that parameter: then the
+matmul writes into that tensor (``mm`` with ``out``), which becomes ``.grad``.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -41,8 +44,10 @@ class WeightGradients:
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (weight, a, b): grad a @ b
 
-    def run(self) -> None:
+    def run(self, kept: KeptGradients | None = None) -> None:
         """Computes every recorded weight gradient and accumulates it into its parameter.
+
+        A parameter without ``.grad`` gets the tensor ``kept`` holds for it, if any (see `KeptGradients`).
 
         Weights that are not leaves (views of a ZeRO-3 layer's gathered buffer) go back through autograd in one
         call, so each gathered buffer's backward (its reduce-scatter) runs once per ``W``, not once per weight.
@@ -51,7 +56,7 @@ class WeightGradients:
         views, grads = [], []
         for weight, a, b in pending:
             if weight.is_leaf:
-                _accumulate(weight, a, b)
+                _accumulate(weight, a, b, kept)
             else:
                 views.append(weight)
                 grads.append(a @ b)
@@ -64,16 +69,83 @@ def _post_accumulate_hooks(t: torch.Tensor) -> list:
     return list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
-def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kept: KeptGradients | None) -> None:
     """``weight.grad += a @ b`` for a leaf, as one backward would accumulate it (see the module docstring)."""
     grad = weight.grad
-    if grad is None or grad.requires_grad or getattr(weight, "_backward_hooks", None):
+    if getattr(weight, "_backward_hooks", None) or (grad is not None and grad.requires_grad):
         torch.autograd.backward(weight, a @ b)
         return
+    if grad is None:
+        grad = kept.take(weight, a, b) if kept is not None else None
+        if grad is None:
+            torch.autograd.backward(weight, a @ b)
+            return
+        with torch.no_grad():
+            torch.mm(a, b, out=grad)  # the kernel ``a @ b`` runs, into memory that is already resident
+        weight.grad = grad
+    else:
+        with torch.no_grad():
+            grad.addmm_(a, b)
     with torch.no_grad():
-        grad.addmm_(a, b)
         for hook in _post_accumulate_hooks(weight):  # (autograd calls them under no_grad too)
             hook(weight)
+
+
+class KeptGradients:
+    """Weight-gradient tensors kept from one step to the next for the first ``W`` of the next step to write into.
+
+    Why: the optimizer's ``zero_grad(set_to_none=True)`` frees the gradients and
+    the next step's first ``W`` allocates them again. On CPU the C allocator
+    hands large freed blocks back to the system, so that ``W`` touches fresh
+    pages (a page fault per 4 KiB: some 5 ms per 32 MiB of weights), and in a
+    zero-bubble schedule every delay of an action lengthens the step. Kept
+    here, the memory stays resident and ``.grad`` is still None between steps,
+    as torch leaves it: optimizers and hooks see what they saw before, and the
+    gradient is the same matmul (``mm`` with ``out``: the kernel of ``a @ b``).
+    No memory is added: the kept tensors are the gradients the step's optimizer
+    read (``pm.memory()`` counts them there).
+
+    A tensor is reused only if nothing else refers to it (no other Python
+    reference, no view of its storage, e.g. a data-parallel bucket's slot) and
+    its shape, dtype, device and layout are those of ``a @ b``: a gradient
+    someone kept from an earlier step never changes under them.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, torch.Tensor] = {}  # id(weight) -> weight, for the weights W accumulated into
+        self._kept: dict[int, torch.Tensor] = {}  # id(weight) -> its gradient tensor of the last step
+
+    def note(self, weight: torch.Tensor) -> None:
+        """Remembers that ``W`` accumulates into ``weight``'s gradient (its tensor is kept past the optimizer)."""
+        self._seen.setdefault(id(weight), weight)
+
+    def through(self, free: Callable[[], None]) -> None:
+        """Runs ``free`` (the optimizer step and its ``zero_grad``); keeps the gradients it set to None."""
+        before = {key: w.grad for key, w in self._seen.items() if w.grad is not None}
+        free()
+        self._kept = {key: g for key, g in before.items() if self._seen[key].grad is None}
+
+    def take(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+        """The kept gradient of ``weight`` if ``a @ b`` may be written into it, else None (then autograd allocates)."""
+        self.note(weight)
+        grad = self._kept.pop(id(weight), None)
+        if grad is None or not _unshared(grad):
+            return None
+        fits = (grad.shape == (a.shape[0], b.shape[1]) and grad.dtype == torch.result_type(a, b) == weight.dtype
+                and grad.device == weight.device and grad.is_contiguous() and not grad.requires_grad)
+        return grad if fits else None
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether the caller's reference is the only one to ``t`` and no other tensor views its storage."""
+    # references: the caller's variable and this function's argument, plus getrefcount's own
+    if sys.getrefcount(t) > 3:
+        return False
+    storage = t.untyped_storage()  # (this storage object holds a reference of its own)
+    return torch._C._storage_Use_Count(storage._cdata) <= 2
 
 
 @contextmanager
