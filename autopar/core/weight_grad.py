@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -108,7 +109,8 @@ class KeptGradients:
     """
 
     def __init__(self) -> None:
-        self._seen: dict[int, torch.Tensor] = {}  # id(weight) -> weight, for the weights W accumulated into
+        # id(weight) -> weight, for the weights W accumulated into (a weight no longer used drops out)
+        self._seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._kept: dict[int, torch.Tensor] = {}  # id(weight) -> its gradient tensor of the last step
 
     def note(self, weight: torch.Tensor) -> None:
@@ -117,9 +119,10 @@ class KeptGradients:
 
     def through(self, free: Callable[[], None]) -> None:
         """Runs ``free`` (the optimizer step and its ``zero_grad``); keeps the gradients it set to None."""
-        before = {key: w.grad for key, w in self._seen.items() if w.grad is not None}
+        weights = dict(self._seen)
+        before = {key: w.grad for key, w in weights.items() if w.grad is not None}
         free()
-        self._kept = {key: g for key, g in before.items() if self._seen[key].grad is None}
+        self._kept = {key: g for key, g in before.items() if weights[key].grad is None}
 
     def take(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         """The kept gradient of ``weight`` if ``a @ b`` may be written into it, else None (then autograd allocates)."""
@@ -140,8 +143,11 @@ def _unshared(t: torch.Tensor) -> bool:
     # references: the caller's variable and this function's argument, plus getrefcount's own
     if sys.getrefcount(t) > 3:
         return False
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # (a torch that does not tell: never reuse)
+        return False
     storage = t.untyped_storage()  # (this storage object holds a reference of its own)
-    return torch._C._storage_Use_Count(storage._cdata) <= 2
+    return use_count(storage._cdata) <= 2
 
 
 @contextmanager
