@@ -155,6 +155,7 @@ class Executor:
         following = ctx.next_recv.get(a)
         if following is not None and following not in ctx.posted:
             ctx.posted[following] = self._post(following)
+        self.kept.prepare()  # (at the step's first receive, which waits for the pipeline to fill; then a no-op)
         got = posted.wait()
         if a.kind == RECV_F:
             return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[a.stage].recv)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -93,11 +94,14 @@ def test_hooked_weights_get_what_one_backward_gives(hook: str) -> None:
 
 
 def _w_of_steps(w: torch.Tensor, xs: list[torch.Tensor], kept: KeptGradients | None, hold: list | None = None,
-                view: bool = False) -> list[torch.Tensor]:
+                view: bool = False, prepare: bool = False) -> list[torch.Tensor]:
     """Steps of one deferred microbatch each, the gradient freed after each step (``zero_grad(set_to_none=True)``);
-    returns the gradient tensor each step's ``W`` made, or what ``hold`` keeps of it."""
+    returns the gradient tensor each step's ``W`` made, or what ``hold`` keeps of it. ``prepare``: the kept
+    gradients are zeroed before each step's backward (as the executor does at the step's first receive)."""
     made = []
     for x in xs:
+        if prepare and kept is not None:
+            kept.prepare()
         with collect() as deferred:
             (split_linear(x, w).tanh() ** 2).sum().backward()
         deferred.run(kept)
@@ -111,7 +115,8 @@ def _w_of_steps(w: torch.Tensor, xs: list[torch.Tensor], kept: KeptGradients | N
     return made
 
 
-def test_kept_gradients_are_written_in_place_with_the_same_numbers() -> None:
+@pytest.mark.parametrize("prepare", [False, True])
+def test_kept_gradients_are_written_in_place_with_the_same_numbers(prepare: bool) -> None:
     """The next step's first ``W`` writes the weight gradient into last step's tensor (resident memory) and gets
     bitwise the gradient autograd's accumulation gives; ``.grad`` is None between steps, as torch leaves it."""
     g = torch.Generator().manual_seed(0)
@@ -121,7 +126,7 @@ def test_kept_gradients_are_written_in_place_with_the_same_numbers() -> None:
         w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
         storages: list[int] = []
         w.register_post_accumulate_grad_hook(lambda p: storages.append(p.grad.data_ptr()) if p.grad is not None else None)
-        grads.append(_w_of_steps(w, xs, kept))
+        grads.append(_w_of_steps(w, xs, kept, prepare=prepare))
         assert w.grad is None
         if kept is not None:
             assert len(kept) == 1 and len(set(storages)) == 1  # one tensor, three steps
@@ -129,8 +134,9 @@ def test_kept_gradients_are_written_in_place_with_the_same_numbers() -> None:
         assert torch.equal(native, in_place)
 
 
+@pytest.mark.parametrize("prepare", [False, True])
 @pytest.mark.parametrize("view", [False, True])
-def test_a_gradient_someone_holds_is_not_overwritten(view: bool) -> None:
+def test_a_gradient_someone_holds_is_not_overwritten(view: bool, prepare: bool) -> None:
     """A gradient tensor referred to after the step (kept by the caller, or viewed, as a data-parallel bucket's
     slot is) is left as it was: the next ``W`` takes autograd's new tensor."""
     g = torch.Generator().manual_seed(0)
@@ -138,7 +144,27 @@ def test_a_gradient_someone_holds_is_not_overwritten(view: bool) -> None:
     w = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)
     held: list[torch.Tensor] = []
     kept = KeptGradients()
-    made = _w_of_steps(w, xs, kept, held, view)
+    made = _w_of_steps(w, xs, kept, held, view, prepare)
     first = made[0][0] if view else made[0]
     assert torch.equal(held[0], first) and not torch.equal(made[1], made[0])
     assert held[0].data_ptr() != held[1].data_ptr()
+
+
+def test_prepare_zeroes_the_kept_gradients_ahead_of_w() -> None:
+    """``prepare`` (run while a receive waits) zeroes the kept tensors, so the first ``W`` only adds into them;
+    a tensor held elsewhere is dropped, not zeroed."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    w, v = (torch.randn(6, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    kept = KeptGradients()
+    with collect() as deferred:
+        (split_linear(x, w) + split_linear(x, v)).sum().backward()
+    deferred.run(kept)
+    mine, held = weakref.ref(w.grad), v.grad
+    before = held.clone()
+
+    def free() -> None:
+        w.grad = v.grad = None
+    kept.through(free)
+    kept.prepare()
+    assert len(kept) == 1 and mine() is not None and not mine().any()
+    assert torch.equal(held, before)

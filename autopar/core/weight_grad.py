@@ -22,7 +22,7 @@ parameter's post-accumulate-grad hooks (data-parallel gradient sync, ZeRO-1/2)
 are called with it, as autograd's accumulation calls them. A parameter without
 ``.grad`` yet, or with hooks on its gradient itself (``register_hook``, which
 may replace the gradient), takes autograd's own accumulation, unless a
-`KeptGradients` holds last step's gradient tensor of that parameter: then the
+`KeptGradients` holds last step's gradient tensor of that parameter: then that
 tensor, zeroed, becomes ``.grad`` and the matmul lands in it as above.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kept: Ke
         if grad is None:
             torch.autograd.backward(weight, a @ b)
             return
-        weight.grad = grad.zero_()  # (then 0 + a @ b: on CPU quicker than mm with out, which the next W's match)
+        weight.grad = grad  # zeroed: then 0 + a @ b (on CPU quicker than ``mm`` with ``out``)
     with torch.no_grad():
         grad.addmm_(a, b)
         for hook in _post_accumulate_hooks(weight):  # (autograd calls them under no_grad too)
@@ -112,6 +112,7 @@ class KeptGradients:
         # id(weight) -> weight, for the weights W accumulated into (a weight no longer used drops out)
         self._seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._kept: dict[int, torch.Tensor] = {}  # id(weight) -> its gradient tensor of the last step
+        self._zeroed: set[int] = set()  # the kept tensors `prepare` checked and zeroed
 
     def note(self, weight: torch.Tensor) -> None:
         """Remembers that ``W`` accumulates into ``weight``'s gradient (its tensor is kept past the optimizer)."""
@@ -123,16 +124,34 @@ class KeptGradients:
         before = {key: w.grad for key, w in weights.items() if w.grad is not None}
         free()
         self._kept = {key: g for key, g in before.items() if weights[key].grad is None}
+        self._zeroed = set()
+
+    def prepare(self) -> None:
+        """Zeroes the kept gradients that may be reused and drops the others, so that ``take`` finds them ready.
+
+        The executor calls it while the step's first receive waits for the pipeline to fill: zeroing costs no
+        time of the step there, where the first ``W`` would otherwise pay it.
+        """
+        for key in [key for key in self._kept if key not in self._zeroed]:
+            grad = self._kept.pop(key)
+            if _unshared(grad):
+                self._kept[key] = grad.zero_()
+                self._zeroed.add(key)
 
     def take(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-        """The kept gradient of ``weight`` if ``a @ b`` may be written into it, else None (then autograd allocates)."""
+        """The kept gradient of ``weight``, zeroed, if ``a @ b`` may be added into it; else None (autograd
+        allocates a new one)."""
         self.note(weight)
         grad = self._kept.pop(id(weight), None)
-        if grad is None or not _unshared(grad):
+        zeroed = id(weight) in self._zeroed
+        self._zeroed.discard(id(weight))
+        if grad is None or not (zeroed or _unshared(grad)):
             return None
         fits = (grad.shape == (a.shape[0], b.shape[1]) and grad.dtype == torch.result_type(a, b) == weight.dtype
                 and grad.device == weight.device and grad.is_contiguous() and not grad.requires_grad)
-        return grad if fits else None
+        if not fits:
+            return None
+        return grad if zeroed else grad.zero_()
 
     def __len__(self) -> int:
         return len(self._kept)
