@@ -168,3 +168,25 @@ def test_prepare_zeroes_the_kept_gradients_ahead_of_w() -> None:
     kept.prepare()
     assert len(kept) == 1 and mine() is not None and not mine().any()
     assert torch.equal(held, before)
+
+
+def test_a_gradient_made_before_w_drops_the_kept_one() -> None:
+    """A weight whose gradient something else makes before ``W`` (a use outside the split matmuls, run in B)
+    gets no kept tensor: holding last step's would only hold its memory twice."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    kept = KeptGradients()
+    for step in range(3):
+        with collect() as deferred:
+            y = split_linear(x, w).sum()
+            (y + (w.sum() if step > 0 else 0)).backward()  # from step 1 on, B makes w's gradient first
+        if step == 1:
+            assert id(w) in kept and w.grad is not None
+        deferred.run(kept)
+        if step > 0:
+            assert id(w) not in kept and len(kept) == 0
+
+        def free() -> None:
+            w.grad = None
+        kept.through(free)
+        assert len(kept) == (1 if step == 0 else 0)

@@ -82,6 +82,8 @@ def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kept: Ke
             torch.autograd.backward(weight, a @ b)
             return
         weight.grad = grad  # zeroed: then 0 + a @ b (on CPU quicker than ``mm`` with ``out``)
+    elif kept is not None and id(weight) in kept:
+        kept.drop(weight)
     with torch.no_grad():
         grad.addmm_(a, b)
         for hook in _post_accumulate_hooks(weight):  # (autograd calls them under no_grad too)
@@ -113,6 +115,7 @@ class KeptGradients:
         self._seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._kept: dict[int, torch.Tensor] = {}  # id(weight) -> its gradient tensor of the last step
         self._zeroed: set[int] = set()  # the kept tensors `prepare` checked and zeroed
+        self._unprepared: list[int] = []  # the kept tensors `prepare` has yet to check
 
     def note(self, weight: torch.Tensor) -> None:
         """Remembers that ``W`` accumulates into ``weight``'s gradient (its tensor is kept past the optimizer)."""
@@ -124,7 +127,14 @@ class KeptGradients:
         before = {key: w.grad for key, w in weights.items() if w.grad is not None}
         free()
         self._kept = {key: g for key, g in before.items() if weights[key].grad is None}
-        self._zeroed = set()
+        self._zeroed, self._unprepared = set(), list(self._kept)
+
+    def drop(self, weight: torch.Tensor) -> None:
+        """Forgets ``weight``: something else made its gradient before ``W`` this step, so keeping the tensor of
+        the last one would only hold memory twice."""
+        self._seen.pop(id(weight), None)
+        self._kept.pop(id(weight), None)
+        self._zeroed.discard(id(weight))
 
     def prepare(self) -> None:
         """Zeroes the kept gradients that may be reused and drops the others, so that ``take`` finds them ready.
@@ -132,9 +142,10 @@ class KeptGradients:
         The executor calls it while the step's first receive waits for the pipeline to fill: zeroing costs no
         time of the step there, where the first ``W`` would otherwise pay it.
         """
-        for key in [key for key in self._kept if key not in self._zeroed]:
-            grad = self._kept.pop(key)
-            if _unshared(grad):
+        unprepared, self._unprepared = self._unprepared, []
+        for key in unprepared:
+            grad = self._kept.pop(key, None)
+            if grad is not None and _unshared(grad):
                 self._kept[key] = grad.zero_()
                 self._zeroed.add(key)
 
@@ -155,6 +166,10 @@ class KeptGradients:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def __contains__(self, key: int) -> bool:
+        """Whether a gradient tensor of the weight of id ``key`` is kept and not yet taken this step."""
+        return key in self._kept
 
 
 def _unshared(t: torch.Tensor) -> bool:
