@@ -131,6 +131,7 @@ class Executor:
         self.stages: list[StageGraph] = []
         self.timeline: list[tuple[str, float, float]] = []  # (action, start, end) of the last run, perf_counter s
         self.peak_in_flight: dict[int, int] = {}  # stage -> most microbatches held between F and B, last run
+        self.kept = weight_grad.KeptGradients()  # W's gradient tensors, kept resident from one step to the next
 
     def _args(self, stage: StageGraph, state: dict, constants: dict, flat_inputs: list, recv: list) -> list:
         it = iter(recv)
@@ -154,6 +155,7 @@ class Executor:
         following = ctx.next_recv.get(a)
         if following is not None and following not in ctx.posted:
             ctx.posted[following] = self._post(following)
+        self.kept.prepare()  # (at the step's first receive, which waits for the pipeline to fill; then a no-op)
         got = posted.wait()
         if a.kind == RECV_F:
             return [t.requires_grad_(b.requires_grad) for t, b in zip(got, self.stages[a.stage].recv)]
@@ -217,7 +219,7 @@ class Executor:
                 ctx.deferred[key] = deferred
         elif a.kind == W:
             handlers.arm(last)
-            ctx.deferred.pop(key).run()
+            ctx.deferred.pop(key).run(self.kept)
         elif a.kind == SEND_B:
             _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works,
                   self.wire)
@@ -259,7 +261,7 @@ class Executor:
         elif a.kind == REDUCE_SHARED:
             handlers.reduce_shared()
         elif a.kind == OPTIMIZER:
-            handlers.optimizer()
+            self.kept.through(handlers.optimizer)
         elif a.kind == BROADCAST_LOSS:
             loss = torch.stack([ctx.losses[i].detach() for i in range(m)]).double().mean() if ctx.losses else None
             ctx.returned = handlers.broadcast_loss(loss)

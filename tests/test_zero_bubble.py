@@ -162,6 +162,40 @@ def test_the_runtime_runs_the_simulated_program(launcher) -> None:
         assert sorted(str(a) for a in map(Action.parse, timeline) if a.kind == W) == [f"{rank}W{m}" for m in range(4)]
 
 
+def _gradient_tensors(schedule: str) -> tuple[list[bool], dict[str, int]]:
+    """Per step after the first, whether each matmul weight's gradient at the optimizer is last step's tensor;
+    ``pm.memory()``."""
+    import weakref
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pm = parallelize(models.mlp((6, 16, 16, 16, 6)), Mesh(pp=2), loss_fn=models.mse, optimizer=models.adamw,
+                     schedule=schedule, microbatches=4)
+    pm.step(x, target=y)
+    weights = [p for p in pm.parameters() if p.dim() == 2 and p.requires_grad]
+    last: list = []
+    same: list[bool] = []
+
+    def seen(*_) -> None:
+        same.extend(ref() is w.grad for ref, w in zip(last, weights))
+        last[:] = [weakref.ref(w.grad) for w in weights]
+    pm.optimizer.register_step_pre_hook(seen)
+    for _ in range(3):
+        pm.step(x, target=y)
+    assert all(w.grad is None for w in weights)  # freed for the optimizer's and the user's eyes
+    return same, pm.memory()
+
+
+def test_w_writes_into_last_steps_gradient_tensors(launcher) -> None:
+    """A split backward's W writes each weight gradient into the tensor of the step before (resident memory, no
+    fresh pages), where 1F1B's backward makes new ones; ``pm.memory()`` counts the same bytes for both."""
+    for (zb, zb_memory), (base, base_memory) in zip(launcher(_gradient_tensors, 2, "zb-h1"),
+                                                    launcher(_gradient_tensors, 2, "1f1b")):
+        assert len(zb) > 0 and all(zb)
+        assert not any(base)
+        assert zb_memory == base_memory
+
+
 # --- the planner ----------------------------------------------------------------------------------
 
 

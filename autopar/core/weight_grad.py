@@ -21,13 +21,17 @@ separate add; on CPU a quarter to a third of ``W``'s time), after which the
 parameter's post-accumulate-grad hooks (data-parallel gradient sync, ZeRO-1/2)
 are called with it, as autograd's accumulation calls them. A parameter without
 ``.grad`` yet, or with hooks on its gradient itself (``register_hook``, which
-may replace the gradient), takes autograd's own accumulation.
+may replace the gradient), takes autograd's own accumulation, unless a
+`KeptGradients` holds last step's gradient tensor of that parameter: then that
+tensor, zeroed, becomes ``.grad`` and the matmul lands in it as above.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -41,8 +45,10 @@ class WeightGradients:
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (weight, a, b): grad a @ b
 
-    def run(self) -> None:
+    def run(self, kept: KeptGradients | None = None) -> None:
         """Computes every recorded weight gradient and accumulates it into its parameter.
+
+        A parameter without ``.grad`` gets the tensor ``kept`` holds for it, if any (see `KeptGradients`).
 
         Weights that are not leaves (views of a ZeRO-3 layer's gathered buffer) go back through autograd in one
         call, so each gathered buffer's backward (its reduce-scatter) runs once per ``W``, not once per weight.
@@ -51,7 +57,7 @@ class WeightGradients:
         views, grads = [], []
         for weight, a, b in pending:
             if weight.is_leaf:
-                _accumulate(weight, a, b)
+                _accumulate(weight, a, b, kept)
             else:
                 views.append(weight)
                 grads.append(a @ b)
@@ -64,16 +70,118 @@ def _post_accumulate_hooks(t: torch.Tensor) -> list:
     return list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
-def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _accumulate(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kept: KeptGradients | None) -> None:
     """``weight.grad += a @ b`` for a leaf, as one backward would accumulate it (see the module docstring)."""
     grad = weight.grad
-    if grad is None or grad.requires_grad or getattr(weight, "_backward_hooks", None):
+    if getattr(weight, "_backward_hooks", None) or (grad is not None and grad.requires_grad):
         torch.autograd.backward(weight, a @ b)
         return
+    if grad is None:
+        grad = kept.take(weight, a, b) if kept is not None else None
+        if grad is None:
+            torch.autograd.backward(weight, a @ b)
+            return
+        weight.grad = grad  # zeroed: then 0 + a @ b (on CPU quicker than ``mm`` with ``out``)
+    elif kept is not None and id(weight) in kept:
+        kept.drop(weight)
     with torch.no_grad():
         grad.addmm_(a, b)
         for hook in _post_accumulate_hooks(weight):  # (autograd calls them under no_grad too)
             hook(weight)
+
+
+class KeptGradients:
+    """Weight-gradient tensors kept from one step to the next for the first ``W`` of the next step to write into.
+
+    Why: the optimizer's ``zero_grad(set_to_none=True)`` frees the gradients and
+    the next step's first ``W`` allocates them again. On CPU the C allocator
+    hands large freed blocks back to the system, so that ``W`` touches fresh
+    pages (a page fault per 4 KiB: some 5 ms per 32 MiB of weights), and in a
+    zero-bubble schedule every delay of an action lengthens the step. Kept
+    here, the memory stays resident and ``.grad`` is still None between steps,
+    as torch leaves it: optimizers and hooks see what they saw before, and the
+    gradient is ``0 + a @ b``, the same numbers as ``a @ b``.
+    No memory is added: the kept tensors are the gradients the step's optimizer
+    read (``pm.memory()`` counts them there).
+
+    A tensor is reused only if nothing else refers to it (no other Python
+    reference, no view of its storage, e.g. a data-parallel bucket's slot) and
+    its shape, dtype, device and layout are those of ``a @ b``: a gradient
+    someone kept from an earlier step never changes under them.
+    """
+
+    def __init__(self) -> None:
+        # id(weight) -> weight, for the weights W accumulated into (a weight no longer used drops out)
+        self._seen: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._kept: dict[int, torch.Tensor] = {}  # id(weight) -> its gradient tensor of the last step
+        self._zeroed: set[int] = set()  # the kept tensors `prepare` checked and zeroed
+        self._unprepared: list[int] = []  # the kept tensors `prepare` has yet to check
+
+    def note(self, weight: torch.Tensor) -> None:
+        """Remembers that ``W`` accumulates into ``weight``'s gradient (its tensor is kept past the optimizer)."""
+        self._seen.setdefault(id(weight), weight)
+
+    def through(self, free: Callable[[], None]) -> None:
+        """Runs ``free`` (the optimizer step and its ``zero_grad``); keeps the gradients it set to None."""
+        weights = dict(self._seen)
+        before = {key: w.grad for key, w in weights.items() if w.grad is not None}
+        free()
+        self._kept = {key: g for key, g in before.items() if weights[key].grad is None}
+        self._zeroed, self._unprepared = set(), list(self._kept)
+
+    def drop(self, weight: torch.Tensor) -> None:
+        """Forgets ``weight``: something else made its gradient before ``W`` this step, so keeping the tensor of
+        the last one would only hold memory twice."""
+        self._seen.pop(id(weight), None)
+        self._kept.pop(id(weight), None)
+        self._zeroed.discard(id(weight))
+
+    def prepare(self) -> None:
+        """Zeroes the kept gradients that may be reused and drops the others, so that ``take`` finds them ready.
+
+        The executor calls it while the step's first receive waits for the pipeline to fill: zeroing costs no
+        time of the step there, where the first ``W`` would otherwise pay it.
+        """
+        unprepared, self._unprepared = self._unprepared, []
+        for key in unprepared:
+            grad = self._kept.pop(key, None)
+            if grad is not None and _unshared(grad):
+                self._kept[key] = grad.zero_()
+                self._zeroed.add(key)
+
+    def take(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+        """The kept gradient of ``weight``, zeroed, if ``a @ b`` may be added into it; else None (autograd
+        allocates a new one)."""
+        self.note(weight)
+        grad = self._kept.pop(id(weight), None)
+        zeroed = id(weight) in self._zeroed
+        self._zeroed.discard(id(weight))
+        if grad is None or not (zeroed or _unshared(grad)):
+            return None
+        fits = (grad.shape == (a.shape[0], b.shape[1]) and grad.dtype == torch.result_type(a, b) == weight.dtype
+                and grad.device == weight.device and grad.is_contiguous() and not grad.requires_grad)
+        if not fits:
+            return None
+        return grad if zeroed else grad.zero_()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, key: int) -> bool:
+        """Whether a gradient tensor of the weight of id ``key`` is kept and not yet taken this step."""
+        return key in self._kept
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether the caller's reference is the only one to ``t`` and no other tensor views its storage."""
+    # references: the caller's variable and this function's argument, plus getrefcount's own
+    if sys.getrefcount(t) > 3:
+        return False
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # (a torch that does not tell: never reuse)
+        return False
+    storage = t.untyped_storage()  # (this storage object holds a reference of its own)
+    return use_count(storage._cdata) <= 2
 
 
 @contextmanager
