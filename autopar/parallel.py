@@ -127,14 +127,8 @@ class ParallelModel:
         program = self._programs.require()
         aliases = tied_aliases(self.model)
         full = full_state(self.model, self.mesh, program, self._rt) if self._rt is not None else {}
-        pol = self.options.policy
-        widen = {n for n, p in self.model.named_parameters() if p.is_floating_point()} \
-            if pol is not None and pol.separate_masters else set()  # (bf16-stored parameters without masters)
-        out = {}
-        for k, v in self.model.state_dict().items():
-            t = full.get(aliases.get(k, k), v).detach()
-            out[k] = t.to("cpu", dtype=pol.master if aliases.get(k, k) in widen else t.dtype, copy=True)
-        return out
+        return {k: full.get(aliases.get(k, k), v).detach().to("cpu", copy=True)
+                for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a full state (``state_dict()`` of this model from any mesh, or of the single-device model)."""

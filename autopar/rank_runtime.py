@@ -35,7 +35,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     set_process_binding(binding)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
     pol = options.policy
-    separate = pol is not None and pol.separate_masters  # (masters exist only for an optimizer to step)
+    separate = pol is not None and pol.separate_masters
     values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state)
@@ -51,9 +51,10 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
                                f"{program.zero_layouts[groups.rank].describe()}; please report it with the model")
     opt: Optimizer | None = zero.optimizer if zero else None
     masters = zero.masters if zero else None
-    if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
+    if zero is None and values is not None:  # (kept without an optimizer too: the state is the fp32 values)
         names = {id(p): n for n, p in model.named_parameters()}
-        masters = Masters(params, [values[names[id(p)]] for p in params]) if values is not None else None
+        masters = Masters(params, [values[names[id(p)]] for p in params])
+    if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
         opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None:
@@ -66,12 +67,17 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      masters=masters, memory=zero.memory if zero else
-                     MemoryAccount(lambda: params, lambda: [p.grad for p in params], opt))
+                     MemoryAccount(lambda: [*params, *frozen_parameters(model)], lambda: [p.grad for p in params], opt))
     if program.stages is not None:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
         rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
     return rt
+
+
+def frozen_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters without gradients (as this rank holds them: other stages' are empty)."""
+    return [p for p in model.parameters() if not p.requires_grad]
 
 
 def shared_groups(mesh: Mesh, program: Program, groups: Groups,

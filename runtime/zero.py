@@ -103,7 +103,7 @@ class ZeroRuntime:
                 self.state.update(dict.fromkeys(fs.spec.params, fs.shard))
         self.params = [fs.shard for fs in self.shards]
         self.masters: Masters | None = None
-        if values is not None and options.optimizer is not None:
+        if values is not None:  # (kept without an optimizer too: the state is the fp32 values)
             self.masters = Masters(self.params, [fs.local_flat([values[n] for n in fs.spec.params], torch.float32)
                                                  for fs in self.shards])
         self.optimizer = build_optimizer(options.optimizer, self.params, self.masters)
@@ -269,7 +269,8 @@ class ZeroRuntime:
 
     # memory ----------------------------------------------------------------------
     def _parameter_tensors(self) -> list[torch.Tensor]:
-        return [*self.owned_parameters(), *self.params]
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]  # (other stages' are empty)
+        return [*self.owned_parameters(), *self.params, *frozen]
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
         return [*(p.grad for p in self.owned_parameters()), *(fs.grad for fs in self.shards),
