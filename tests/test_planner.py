@@ -284,7 +284,8 @@ def _run_meshes(factory: Callable[[], torch.nn.Module], shape: tuple[int, int, i
     ``shape``: batch, sequence, vocabulary. One compiled model at a time (a
     process runs one job's collectives); the configurations run in order,
     then in reverse order, and each time is the fastest of all its steps:
-    other work on the machine only ever adds time.
+    other work on the machine only ever adds time. ``steps=0``: each configuration once, for its memory
+    account after one step (its time is then the untimed first step's).
     """
     import torch.distributed as dist
 
@@ -292,11 +293,15 @@ def _run_meshes(factory: Callable[[], torch.nn.Module], shape: tuple[int, int, i
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     samples: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     accounts: dict[int, dict] = {}
-    for i in [*range(len(configs)), *reversed(range(len(configs)))]:
+    order = [*range(len(configs)), *reversed(range(len(configs)))] if steps else range(len(configs))
+    for i in order:
         mesh, options = configs[i]
         torch.manual_seed(0)
         pm = parallelize(factory(), Mesh(**mesh), loss_fn=models.lm_loss, optimizer=models.adamw, **options)
+        start = time.perf_counter()
         pm.step(ids, target=ids)
+        if not steps:
+            samples[i].append(time.perf_counter() - start)
         for _ in range(steps):
             dist.barrier()
             start = time.perf_counter()
@@ -320,7 +325,7 @@ def test_predicted_memory_matches_the_account_on_local_ranks(launcher) -> None:
     chosen = _best_of_each_mesh(result)
     assert len(chosen) >= 4
     configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
-    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 1)
+    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(chosen):
         for rank in range(4):
             predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
@@ -396,7 +401,7 @@ def test_zero_on_pp_and_tp_meshes_predicted_memory_matches_the_measured_account(
     assert {(pp, tp) for pp, tp, _ in chosen} == {(2, 1), (1, 2)} and len(chosen) == 6, sorted(chosen)
     cands = list(chosen.values())
     configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in cands]
-    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 1)
+    runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(cands):
         for rank in range(4):
             predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
