@@ -142,11 +142,10 @@ class ParallelModel:
             rt.zero.load_full_state_dict(local)
         else:
             self.model.load_state_dict(local)
-            if rt.masters is not None:  # mixed precision: the masters take the full-precision values
-                with torch.no_grad():
-                    for name, p in self.model.named_parameters():
-                        if rt.masters.of(p) is not p:
-                            rt.masters.of(p).copy_(local[name])
+            with torch.no_grad():  # mixed precision: the masters take the full-precision values
+                for name, p in self.model.named_parameters():
+                    if rt.master_of(p) is not p:
+                        rt.master_of(p).copy_(local[name])
 
     def save(self, path: str, extra: Any = None) -> None:
         """Writes a new checkpoint version to the folder ``path``, each rank its own shards (every rank calls it).

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 
 def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size, by canonical name, from the ranks' shards (collective)."""
-    of = rt.masters.of if rt.masters is not None else (lambda t: t)
-    current = {n: of(t).data for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    current = {n: rt.master_of(t).data for n, t in [*model.named_parameters(), *model.named_buffers()]}
     if rt.zero is not None:
         current.update(rt.zero.full_parameters(masters=True))
     full_shapes = {p.name: p.shape for p in program.plan.params}
@@ -106,7 +105,6 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
     writer = _pp_writers(program)
     coords = mesh.coords(rt.groups.rank)
     zero_of = {n: (fs, k) for fs in rt.zero.shards for k, n in enumerate(fs.spec.params)} if rt.zero else {}
-    of = rt.masters.of if rt.masters is not None else (lambda t: t)  # mixed precision: the masters are saved
     entries, expected, trainable = [], {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if name in aliases or (name in params and used is not None and name not in used):
@@ -123,7 +121,8 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
                                             writes=writes and coords["tp"] == 0))
         else:
-            entries.append(_param_entry(name, shape, of(t), program, mesh, coords, zero_of.get(name), writes, of))
+            entries.append(_param_entry(name, shape, rt.master_of(t), program, mesh, coords, zero_of.get(name),
+                                        writes, rt.master_of))
     return checkpoint.RankState(tuple(entries), expected, frozenset(trainable),
                                 f"zero={rt.zero.stage if rt.zero else 0} on {mesh!r}")
 

@@ -69,3 +69,7 @@ class RankRuntime:
     rng_base: int | None = None  # the seed tp ranks agree on (``seed_rng``), and the calls since
     rng_calls: int = 0
     masters: Masters | None = None  # precision="mixed": the float32 masters of ``params`` the optimizer steps
+
+    def master_of(self, t: torch.Tensor) -> torch.Tensor:
+        """What stands for stored tensor ``t`` in states and checkpoints: its master, or ``t`` itself."""
+        return self.masters.of(t) if self.masters is not None else t
