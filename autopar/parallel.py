@@ -61,35 +61,40 @@ class ParallelModel:
             self._rt = start_runtime(self.model, self.mesh, self.options, program)
         return self._rt
 
-    def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[Any]]:
-        """The program for ``batch``, the runtime, and this dp rank's microbatches of ``batch`` on its device."""
+    def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[list]]:
+        """The program for ``batch``, the runtime, and this dp rank's microbatches of ``batch`` on its device,
+        each as the flat inputs of the program's graphs."""
         program = self.compile(*batch, with_loss=with_loss)
         rt = self._runtime(program)
         program.move_to(rt.groups.rank, rt.groups.device)
         check_ownership(self.model, program, rt)
         seed_rng(rt, self.mesh)
-        return program, rt, self._local_parts(batch, rt)
+        return program, rt, self._local_inputs(program, batch if with_loss else batch[:2], rt)
 
-    def _local_parts(self, batch: tuple[tuple, dict, Any], rt: RankRuntime) -> list[Any]:
-        """This dp rank's microbatches of the global ``batch``, on its device."""
+    def _local_inputs(self, program: Program, batch: tuple, rt: RankRuntime) -> list[list]:
+        """This dp rank's microbatches of the global ``batch`` as flat inputs on its device, each followed by
+        the loss's counts over the whole batch (``autopar/core/loss_count.py``) where the loss has them."""
         batch = pytree.tree_map(lambda x: x.to(rt.groups.device) if isinstance(x, torch.Tensor) else x, batch)
+        parts = [pytree.tree_leaves(p) for p in self._programs.split(batch)]
+        counts = program.captured.counts
+        extra = counts.inputs(parts, rt.groups.device) if counts is not None else []
         m, i = self.options.microbatches, rt.groups.coord("dp")
-        return self._programs.split(batch)[i * m : (i + 1) * m]
+        return [[*flat, *extra] for flat in parts[i * m : (i + 1) * m]]
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> float:
         """Forward, backward, gradient sync and optimizer step on the GLOBAL batch; the global mean loss."""
         if self.options.optimizer is None:
             raise ValueError("step() needs an optimizer: parallelize(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
-        program, rt, parts = self._prepare((args, kwargs, target), with_loss=True)
-        loss, norm = train_step(self.model, self.mesh, program, rt, parts, self.options.max_grad_norm)
+        program, rt, flats = self._prepare((args, kwargs, target), with_loss=True)
+        loss, norm = train_step(self.model, self.mesh, program, rt, flats, self.options.max_grad_norm)
         if norm is not None:
             self.grad_norm = norm
         return loss
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd graph is kept); the full output on every rank."""
-        program, rt, parts = self._prepare((args, kwargs, None), with_loss=False)
-        return forward(self.mesh, program, rt, parts)
+        program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
+        return forward(self.mesh, program, rt, flats)
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds)."""

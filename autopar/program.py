@@ -25,6 +25,7 @@ from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.device import retarget_device
+from autopar.passes.loss_count import normalize_by_global_count
 from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
@@ -61,6 +62,8 @@ class Program:
             return
         for stage in self.run_stages(rank):
             retarget_device(stage.gm, self.device, device)
+        if self.captured.counts is not None:
+            retarget_device(self.captured.counts.gm, self.device, device)
         self.captured.constants = {name: t.to(device) for name, t in self.captured.constants.items()}
         self.device = device
 
@@ -123,6 +126,10 @@ def compile_program(
         cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target,
                       compute_dtype=options.policy.compute if options.policy else None)
         info["nodes"] = len(cap.gm.graph.nodes)
+    with log_pass("loss counts (means over counted items divided by the whole batch's count)") as info:
+        cap.counts = normalize_by_global_count(cap)
+        info["detail"] = f"{len(cap.counts.sources) if cap.counts else 0} terms: " \
+                         f"{', '.join(cap.counts.sources) if cap.counts else '-'}"
     plan = _plan(model, mesh, options, cap, args)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lowered, pinned, placements, layouts = [cap], placements, {}, {}
@@ -279,6 +286,7 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
         params=shapes,
         collectives=collectives,
         tied=dict(cap.aliases),
+        loss_counts=tuple(cap.counts.sources) if cap.counts else (),
     )  # the memory estimate comes in _finish, from each rank's graphs
 
 

@@ -23,9 +23,10 @@ from autopar.runtime.pipeline import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
 
 
-def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime, parts: list[Any],
+def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]],
                max_grad_norm: float | None) -> tuple[float, float | None]:
-    """Trains on this rank's microbatches ``parts``; ``(global mean loss, gradient norm before clipping or None)``."""
+    """Trains on this rank's microbatches (``flats``: each one's flat graph inputs); ``(global mean loss,
+    gradient norm before clipping or None)``."""
     norm: list[float] = []
     shared_on_rank = _shared_within_rank(program, rt.groups.rank)
 
@@ -44,17 +45,17 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
                             reduce_shared=lambda: _reduce_shared(rt), optimizer=optimizer,
                             broadcast_loss=lambda loss: _broadcast_loss(mesh, program, rt, loss),
                             **_zero_handlers(program, rt))
-    flat = [pytree.tree_leaves(p) for p in parts]
-    loss = _run(program, rt, flat, handlers)
+    loss = _run(program, rt, flats, handlers)
     return float(loss), (norm[0] if norm else None)
 
 
-def forward(mesh: Mesh, program: Program, rt: RankRuntime, parts: list[Any]) -> Any:
-    """Forward only (no autograd graph is kept) on this rank's microbatches; the full output on every rank."""
-    handlers = StepHandlers(broadcast_outputs=lambda flats: _broadcast_outputs(mesh, program, rt, flats, len(parts)),
+def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]]) -> Any:
+    """Forward only (no autograd graph is kept) on this rank's microbatches (each one's flat graph inputs);
+    the full output on every rank."""
+    handlers = StepHandlers(broadcast_outputs=lambda outs: _broadcast_outputs(mesh, program, rt, outs, len(flats)),
                             **_zero_handlers(program, rt))
     with torch.no_grad():
-        return _run(program, rt, [pytree.tree_leaves((a, k)) for a, k, _ in parts], handlers)
+        return _run(program, rt, flats, handlers)
 
 
 def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:

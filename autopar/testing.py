@@ -8,7 +8,7 @@ parameter name and step with the worst error.
 In float64 it also asserts exactness: the relative error of every parameter's
 *update* (its change over the run, ``||parallel - single|| / ||single - initial||``,
 so a small gradient error is not hidden by a large weight), of every loss and
-of the output is at most ``update_rtol`` (default 1e-12 when the model is float64).
+of the output's float64 tensors is at most ``update_rtol`` (default 1e-12 when the model is float64).
 Elements whose gradient on one device is rounding noise cannot meet a relative
 bound and are checked by ``rtol``/``atol`` alone: those whose gradient is at
 most ``NOISE`` times the largest gradient element of the model in every step
@@ -20,9 +20,10 @@ Their float32 sums round differently on a smaller batch, so a run that splits
 the batch (dp, microbatches) cannot match the whole-batch run better than the
 model itself does on that split. ``control=True`` compares the parallel run at
 ``update_rtol`` with the *control*: the single-device model on the same split
-(each dp shard and microbatch on its own, losses averaged and gradients
-accumulated as autopar does), and the whole-batch run at ``rtol``/``atol``, the
-model's own bound (``Report.control_error`` measures it).
+(each dp shard and microbatch on its own, its loss weighted by its share of
+the items the loss counts, gradients accumulated, outputs concatenated, as
+autopar does), and the whole-batch run at ``rtol``/``atol``, the model's own
+bound (``Report.control_error`` measures it; ``control_rtol`` bounds it).
 
 Under ``precision="bf16"`` the single-device run is ``MixedPrecisionReference``
 (the same policy as a plain eager loop: fp32 masters, a bf16 copy for forward
@@ -75,7 +76,8 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
     """Single-device training on the global batch (gradients clipped to ``max_grad_norm`` when given).
 
     ``split=(dp, microbatches)``: the control. The batch is cut as autopar cuts it; each part's
-    loss is divided by the number of parts and back-propagated on its own; the loss is their mean.
+    loss is weighted by its share of the batch (``part_weights``) and back-propagated on its own; the
+    loss is their weighted sum.
     ``precision="bf16"``: the mixed-precision policy as a plain eager loop (``MixedPrecisionReference``).
     ``device``: where the model trains; the run's tensors are returned on the CPU, as ``parallel_run``'s.
     """
@@ -89,19 +91,21 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
     mixed = MixedPrecisionReference(model, precision) if policy(precision) is not None else None
     kwargs = kwargs or {}
     parts = [((inputs, kwargs), target)]
+    weights = [1.0]
     if split is not None:
         parts = split_batch(((inputs, kwargs), target), split[0] * split[1], dp=split[0], microbatches=split[1])
+        weights = part_weights(make_model, parts, loss_fn)
     losses, grad_max = [], {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in trainable}
     for _ in range(steps):
         total = 0.0
-        for (args, kw), tgt in parts:
+        for ((args, kw), tgt), weight in zip(parts, weights):
             if mixed is not None:
-                loss = mixed.forward_backward(args, kw, tgt, loss_fn, len(parts))
+                loss = mixed.forward_backward(args, kw, tgt, loss_fn, weight)
             else:
                 out = model(*args, **kw)
                 loss = loss_fn(out, tgt) if loss_fn is not None else model_loss(out)
-                (loss / len(parts)).backward()
-            total += float(loss.detach()) / len(parts)
+                (loss * weight).backward()
+            total += float(loss.detach()) * weight
         if mixed is not None:
             mixed.gradients_to_masters()
         for n, p in trainable:
@@ -113,8 +117,34 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     with torch.no_grad():
-        output = mixed.forward(inputs, kwargs) if mixed is not None else model(*inputs, **kwargs)
-    return Run(losses, _detach(output), _to(model.state_dict(), "cpu"), initial, grad_max)
+        outs = [mixed.forward(args, kw) if mixed is not None else model(*args, **kw) for (args, kw), _ in parts]
+    return Run(losses, _merged(outs, weights), _to(model.state_dict(), "cpu"), initial, grad_max)
+
+
+def _merged(outs: list[Any], weights: list[float]) -> Any:
+    """The parts' outputs as one: tensors concatenated along dim 0, scalars (a loss) summed with the weights."""
+    if len(outs) == 1:
+        return _detach(outs[0])
+    flats = [pytree.tree_flatten(_detach(o)) for o in outs]
+    leaves = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0
+              else sum(w * p for w, p in zip(weights, parts)) if isinstance(parts[0], torch.Tensor) else parts[0]
+              for parts in zip(*(f for f, _ in flats))]
+    return pytree.tree_unflatten(leaves, flats[0][1])
+
+
+def part_weights(make_model: Callable, parts: list[Any], loss_fn: Callable | None) -> list[float]:
+    """Each part's weight in the whole batch's loss: its share of the items the loss counts where the loss
+    is one mean over a count of its inputs (``passes/loss_count.py``, e.g. tokens not ignored), else equal."""
+    from autopar.capture import capture
+    from autopar.passes.loss_count import normalize_by_global_count
+
+    (args, kw), tgt = parts[0]
+    captured = capture(make_model(), args, kw, with_loss=True, loss_fn=loss_fn, target=tgt)
+    counts = normalize_by_global_count(captured)
+    if counts is None or len(counts.sources) != 1:
+        return [1 / len(parts)] * len(parts)
+    found = [float(counts.count(pytree.tree_leaves(((a, k), t)))[0]) for (a, k), t in parts]
+    return [c / sum(found) for c in found]
 
 
 class MixedPrecisionReference:
@@ -147,15 +177,15 @@ class MixedPrecisionReference:
                                else x, tree)
 
     def forward_backward(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable | None,
-                         parts: int) -> torch.Tensor:
-        """One part's loss (float32), back-propagated as ``loss / parts``; its gradients added to the masters'."""
+                         weight: float) -> torch.Tensor:
+        """One part's loss (float32), back-propagated as ``loss * weight``; its gradients added to the masters'."""
         from autopar.capture import model_loss
 
         self._sync()
         args, kwargs = self._cast((args, kwargs))
         out = widened(self.copy(*args, **kwargs), self.policy.master)  # the loss is computed in float32
         loss = (loss_fn(out, target) if loss_fn is not None else model_loss(out)).float()
-        (loss / parts).backward()
+        (loss * weight).backward()
         if not self.policy.separate_masters:
             self.gradients_to_masters()
         return loss
@@ -206,6 +236,7 @@ def assert_equivalent(
     launcher: Callable | None = None,
     update_rtol: float | None = None,
     control: bool = False,
+    control_rtol: float = 1e-5,
     report: list[Report] | None = None,
     **parallelize_kwargs: Any,
 ) -> list[Run]:
@@ -219,7 +250,8 @@ def assert_equivalent(
     and output (see the module docstring); default 1e-12 for a float64 model, none otherwise; under
     mixed precision the bound on the update of all parameters together (``MIXED``). ``control``:
     compare with the single-device run on autopar's split of the batch (module docstring).
-    ``report``: a list that receives one ``Report`` per rank.
+    ``report``: a list that receives one ``Report`` per rank. ``control_rtol``: the bound on the
+    control's relative error against the whole-batch run (the model's own rounding on a split batch).
 
     ``precision="bf16"`` (passed on to ``parallelize``) compares with ``MixedPrecisionReference``, the
     same policy as a plain eager loop, within ``MIXED``'s bounds.
@@ -240,6 +272,9 @@ def assert_equivalent(
     runs = parallel_run(make_model, mesh, inputs, target, loss_fn, optimizer, steps, kwargs, launcher,
                         **parallelize_kwargs)
     bound = relative_errors(ref, exact_to)[0] if control else None
+    if bound is not None and bound > control_rtol:
+        raise AssertionError(f"the single-device run on autopar's split of the batch differs from the whole-batch "
+                             f"run by {bound:.3e} (bound {control_rtol:.0e}): the split itself changes the result")
     for rank, run in enumerate(runs):
         _compare(ref, run, rank, rtol, atol)
         if mixed:
@@ -316,8 +351,8 @@ def relative_errors(ref: Run, run: Run) -> tuple[float, str]:
     worst = [(abs(a - b) / max(abs(a), 1e-300), f"the loss at step {i}")
              for i, (a, b) in enumerate(zip(ref.losses, run.losses))]
     for i, (a, b) in enumerate(zip(pytree.tree_leaves(ref.output), pytree.tree_leaves(run.output))):
-        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == b.shape:
-            worst.append((_norm(a - b) / max(_norm(a), 1e-300), f"output leaf {i}"))
+        if isinstance(a, torch.Tensor) and a.dtype == torch.float64 and a.shape == b.shape:
+            worst.append((_norm(a - b) / max(_norm(a), 1e-300), f"output leaf {i}"))  # (others: rtol/atol)
     top = max((float(g.max()) for g in ref.grad_max.values() if g.numel()), default=0.0)
     for name, g in ref.grad_max.items():
         a, b, start = ref.state.get(name), run.state.get(name), ref.initial.get(name)

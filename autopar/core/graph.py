@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.core.loss_count import LossCounts
+
 PREFIX = "model."  # the attribute capture's wrappers keep the user's model under
 
 
@@ -38,6 +40,7 @@ class Captured:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name the graph uses
     input_dtypes: list[torch.dtype | None] = field(default_factory=list)  # each flat user input's, as fed
+    counts: LossCounts | None = None  # the last inputs are the loss's counts over the batch (``core/loss_count.py``)
 
     @property
     def param_names(self) -> list[str]:
@@ -48,7 +51,12 @@ class Captured:
         return [n for n, s in zip(nodes, self.slots) if s.kind == kind]
 
     def run(self, state: dict[str, torch.Tensor], inputs: list[Any], gm: fx.GraphModule | None = None) -> Any:
-        """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs."""
+        """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs.
+
+        ``inputs`` are the flat user inputs; the loss's counts (if any) are those of ``inputs`` unless given."""
+        if self.counts is not None and len(inputs) < sum(s.kind == "input" for s in self.slots):
+            device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+            inputs = [*inputs, *self.counts.inputs([list(inputs)], device)]
         it = iter(inputs)
         args = [
             next(it) if s.kind == "input" else self.constants[s.name] if s.kind == "constant" else state[s.name]

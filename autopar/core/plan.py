@@ -260,6 +260,7 @@ class Plan:
     tensor_parallel: LayerLayout | None = None  # one layer's tensor-parallel layout
     precision: str | None = None  # mixed precision: what each dtype is (None: the model's own dtype throughout)
     recompute: RecomputePlan | None = None  # None: every activation is kept for backward
+    loss_counts: tuple[str, ...] = ()  # loss nodes divided by the whole batch's count (``passes/loss_count.py``)
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -278,6 +279,9 @@ class Plan:
         ]
         if self.precision is not None:
             lines.insert(2, f"  precision: {self.precision}")
+        if self.loss_counts:
+            lines.insert(2, f"  loss: {', '.join(self.loss_counts)} divided by the count of the items it counts over "
+                         f"the whole batch (every microbatch and dp rank), as one device divides")
         for alias, canonical in self.tied.items():
             lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
         width = max((len(p.name) for p in self.params), default=0)
