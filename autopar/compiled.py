@@ -18,7 +18,8 @@ from autopar.core.mesh import Mesh
 from autopar.model_storage import full_size_for_capture
 from autopar.options import Options
 from autopar.program import Program, capture_device, compile_program
-from autopar.runtime.batch import signature, split_batch
+from autopar.rank_batch import split_parts
+from autopar.runtime.batch import signature
 from autopar.runtime.rank import RankRuntime
 
 
@@ -61,6 +62,6 @@ class ProgramCache:
         return self.last
 
     def split(self, tree: Any) -> list[Any]:
-        """``tree`` (a global batch) in dp * microbatches parts along dim 0, dp rank-major."""
-        m = self.options.microbatches
-        return split_batch(tree, self.mesh.dp * m, dp=self.mesh.dp, microbatches=m)
+        """``tree`` in its parts along dim 0: a global batch in dp * microbatches (dp rank-major), a local one
+        (``batch="local"``) in microbatches."""
+        return split_parts(tree, self.mesh, self.options.microbatches, self.options.batch)

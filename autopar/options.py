@@ -30,6 +30,7 @@ class Options:
     reduce_dtype: Any = None  # dtype of gradient reductions over dp (None: "fp32" under "bf16", "bf16" under "mixed")
     recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
     sequence_parallel: bool = False  # tp: shard the values between tensor-parallel regions (least activations)
+    batch: str = "global"  # "global": every rank passes the global batch; "local": each its dp shard
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -48,6 +49,9 @@ class Options:
                              f"{self.stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
+        if self.batch not in ("global", "local"):
+            raise ValueError(f"batch={self.batch!r} must be 'global' (every rank passes the global batch) or 'local' "
+                             f"(each data-parallel rank passes its shard)")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         object.__setattr__(self, "recompute", check_choice(self.recompute))  # a mapping is kept as (key, mode) pairs

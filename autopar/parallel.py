@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from autopar.compiled import ProgramCache
 from autopar.core.graph import tied_aliases
@@ -22,6 +22,7 @@ from autopar.model_storage import released
 from autopar.options import Options
 from autopar.precision import check_model
 from autopar.program import Program, check_supported
+from autopar.rank_batch import is_empty, rank_inputs, reads_batch
 from autopar.rank_runtime import check_ownership, seed_rng, start_runtime
 from autopar.rank_state import checkpoint_state, full_state, local_state
 from autopar.runtime import checkpoint
@@ -62,24 +63,40 @@ class ParallelModel:
         return self._rt
 
     def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[list]]:
-        """The program for ``batch``, the runtime, and this dp rank's microbatches of ``batch`` on its device,
-        each as the flat inputs of the program's graphs."""
-        program = self.compile(*batch, with_loss=with_loss)
+        """The program for ``batch``, the runtime, and this rank's microbatches of ``batch`` on its device,
+        each as the flat inputs of the program's graphs (``autopar/rank_batch.py``)."""
+        local = self.options.batch == "local"
+        program = self._programs.require() if local and is_empty(batch) else self.compile(*batch, with_loss=with_loss)
         rt = self._runtime(program)
         program.move_to(rt.groups.rank, rt.groups.device)
         check_ownership(self.model, program, rt)
         seed_rng(rt, self.mesh)
-        return program, rt, self._local_inputs(program, batch if with_loss else batch[:2], rt)
+        if local and is_empty(batch) and reads_batch(program, rt.groups.rank):
+            raise ValueError(f"batch='local': rank {rt.groups.rank} passed no batch, but a stage it computes reads "
+                             f"the inputs or the target; pass its local batch (pm.reads_batch is True there)")
+        return program, rt, rank_inputs(program, batch if with_loss else batch[:2], rt, self.mesh,
+                                        self.options.microbatches, self.options.batch)
 
-    def _local_inputs(self, program: Program, batch: tuple, rt: RankRuntime) -> list[list]:
-        """This dp rank's microbatches of the global ``batch`` as flat inputs on its device, each followed by
-        the loss's counts over the whole batch (``autopar/core/loss_count.py``) where the loss has them."""
-        batch = pytree.tree_map(lambda x: x.to(rt.groups.device) if isinstance(x, torch.Tensor) else x, batch)
-        parts = [pytree.tree_leaves(p) for p in self._programs.split(batch)]
-        counts = program.captured.counts
-        extra = counts.inputs(parts, rt.groups.device) if counts is not None else []
-        m, i = self.options.microbatches, rt.groups.coord("dp")
-        return [[*flat, *extra] for flat in parts[i * m : (i + 1) * m]]
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (``DistributedSampler(num_replicas=pm.dp_size, ...)``)."""
+        return self.mesh.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel index (``DistributedSampler(rank=pm.dp_rank, ...)``); the tp and pp
+        ranks of one replica share it."""
+        if not dist.is_initialized():
+            raise RuntimeError("pm.dp_rank needs the process group: run under autopar.launch or torchrun")
+        return self.mesh.coords(dist.get_rank())["dp"]
+
+    @property
+    def reads_batch(self) -> bool:
+        """Whether this process's stages read the inputs or the target (under ``batch="local"`` a process
+        whose stages read neither may pass nothing to ``step``)."""
+        if not dist.is_initialized():
+            raise RuntimeError("pm.reads_batch needs the process group: run under autopar.launch or torchrun")
+        return reads_batch(self._programs.require(), dist.get_rank())
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> float:
         """Forward, backward, gradient sync and optimizer step on the GLOBAL batch; the global mean loss."""
@@ -94,7 +111,7 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
-        return forward(self.mesh, program, rt, flats)
+        return forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds)."""
@@ -197,6 +214,7 @@ def parallelize(
     reduce_dtype: str | torch.dtype | None = None,
     recompute: str | dict[str, str] | Callable[[str], str] | None = None,
     sequence_parallel: bool | None = None,
+    batch: str = "global",
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -229,6 +247,12 @@ def parallelize(
     each forward all-reduce becoming a reduce-scatter and an all-gather of the
     same bytes (Korthikanti et al. 2022). Under ``mesh="auto"`` the planner
     chooses it (where memory is short) unless given.
+    ``batch="local"``: each data-parallel rank passes its own shard of the batch
+    (``pm.dp_rank`` of ``pm.dp_size``; the tp ranks of a replica pass the same one, a
+    pipeline rank whose stages read no input may pass nothing), ``example_inputs`` are
+    a local batch too, and ``pm(x)`` returns this rank's outputs (scalars such as a
+    loss averaged over dp); training equals single-device training on the shards
+    concatenated in dp order. "global" (the default): every rank passes the global batch.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -249,7 +273,7 @@ def parallelize(
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
                       max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
                       recompute="none" if recompute is None else recompute,
-                      sequence_parallel=bool(sequence_parallel))
+                      sequence_parallel=bool(sequence_parallel), batch=batch)
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

@@ -49,10 +49,11 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
     return float(loss), (norm[0] if norm else None)
 
 
-def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]]) -> Any:
+def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]], *, gather: bool = True) -> Any:
     """Forward only (no autograd graph is kept) on this rank's microbatches (each one's flat graph inputs);
-    the full output on every rank."""
-    handlers = StepHandlers(broadcast_outputs=lambda outs: _broadcast_outputs(mesh, program, rt, outs, len(flats)),
+    the full output on every rank (``gather``), or this dp rank's (scalars still averaged over dp)."""
+    handlers = StepHandlers(broadcast_outputs=lambda outs: _broadcast_outputs(mesh, program, rt, outs, len(flats),
+                                                                             gather),
                             **_zero_handlers(program, rt))
     with torch.no_grad():
         return _run(program, rt, flats, handlers)
@@ -96,7 +97,7 @@ def _broadcast_loss(mesh: Mesh, program: Program, rt: RankRuntime, loss: torch.T
 
 
 def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[torch.Tensor]] | None,
-                       m: int) -> Any:
+                       m: int, gather: bool) -> Any:
     """The last stage's outputs from its rank to the pp group, unflattened, then gathered over dp."""
     if program.schedule is not None:
         last = program.stages[-1]
@@ -108,7 +109,7 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
             for t in flat:
                 dist.broadcast(t, src=src, group=rt.groups["pp"])
     outs = [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
-    return gather_batch(outs, rt.groups["dp"], mesh.dp)
+    return gather_batch(outs, rt.groups["dp"], mesh.dp, gather=gather)
 
 
 def _shared_within_rank(program: Program, rank: int) -> bool:
@@ -121,8 +122,9 @@ def _shared_within_rank(program: Program, rank: int) -> bool:
     return False
 
 
-def gather_batch(outs: list[Any], group: dist.ProcessGroup | None, dp: int) -> Any:
-    """Microbatch outputs concatenated, then dp slices all-gathered, along dim 0; scalars averaged."""
+def gather_batch(outs: list[Any], group: dist.ProcessGroup | None, dp: int, *, gather: bool = True) -> Any:
+    """Microbatch outputs concatenated, then (``gather``) dp slices all-gathered, along dim 0; scalars averaged
+    over microbatches and dp."""
     flats = [pytree.tree_flatten(o) for o in outs]
     spec = flats[0][1]
     merged = []
@@ -132,14 +134,13 @@ def gather_batch(outs: list[Any], group: dist.ProcessGroup | None, dp: int) -> A
             merged.append(first)
             continue
         local = torch.cat(leaves) if first.dim() > 0 else torch.stack(leaves).mean(0)
-        if group is not None:
-            if local.dim() > 0:
-                pieces = [torch.empty_like(local) for _ in range(dp)]
-                dist.all_gather(pieces, local.contiguous(), group=group)
-                local = torch.cat(pieces)
-            else:
-                local = local.clone()
-                dist.all_reduce(local, group=group)
-                local /= dp
+        if group is not None and local.dim() > 0 and gather:
+            pieces = [torch.empty_like(local) for _ in range(dp)]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            local = torch.cat(pieces)
+        elif group is not None and local.dim() == 0:
+            local = local.clone()
+            dist.all_reduce(local, group=group)
+            local /= dp
         merged.append(local)
     return pytree.tree_unflatten(merged, spec)
