@@ -46,6 +46,15 @@ from autopar.precision import policy, widened
 from autopar.runtime.batch import split_batch
 from autopar.runtime.launch import launch
 
+def __getattr__(name: str) -> Any:
+    """``autopar.testing.strategies``: hypothesis strategies (``autopar/strategies.py``), imported on first use."""
+    if name == "strategies":
+        import autopar.strategies
+
+        return autopar.strategies
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 NOISE = 1e-10  # a gradient element this many times smaller than the largest one is rounding noise
 
 
