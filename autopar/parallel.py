@@ -8,6 +8,7 @@ user's module's parameter storage changes only in ``model_storage``.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -86,17 +87,13 @@ class ParallelModel:
     def dp_rank(self) -> int:
         """This process's data-parallel index (``DistributedSampler(rank=pm.dp_rank, ...)``); the tp and pp
         ranks of one replica share it."""
-        if not dist.is_initialized():
-            raise RuntimeError("pm.dp_rank needs the process group: run under autopar.launch or torchrun")
-        return self.mesh.coords(dist.get_rank())["dp"]
+        return self.mesh.coords(_process_rank("pm.dp_rank"))["dp"]
 
     @property
     def reads_batch(self) -> bool:
         """Whether this process's stages read the inputs or the target (under ``batch="local"`` a process
         whose stages read neither may pass nothing to ``step``)."""
-        if not dist.is_initialized():
-            raise RuntimeError("pm.reads_batch needs the process group: run under autopar.launch or torchrun")
-        return reads_batch(self._programs.require(), dist.get_rank())
+        return reads_batch(self._programs.require(), _process_rank("pm.reads_batch"))
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> float:
         """Forward, backward, gradient sync and optimizer step on the GLOBAL batch; the global mean loss."""
@@ -191,6 +188,15 @@ class ParallelModel:
         """This rank's ``RankRuntime``, for inspection (None until the first ``step`` or forward call): its
         process groups, parameters, optimizer, gradient sync, ZeRO state, step executor and collective counts."""
         return self._rt
+
+
+def _process_rank(what: str) -> int:
+    """This process's global rank: the process group's, or torchrun's ``RANK`` before the group starts."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    raise RuntimeError(f"{what} needs this process's rank: run under autopar.launch or torchrun")
 
 
 def parallelize(
