@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,8 @@ from typing import Any
 import torch
 
 from autopar.core.mesh import Mesh
+from autopar.core.schedule import B, F, W, add_communication, make_schedule
+from autopar.core.simulate import simulate
 
 Timeline = list[tuple[str, float, float]]  # (action, start, end) of one rank's step
 
@@ -42,13 +46,13 @@ def bar(done: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
-def zero_bubble_beside(mesh: Mesh, args: argparse.Namespace) -> str | None:
-    """Why the demo does not also run zb-h1 beside its schedule, or None when it does."""
+def zero_bubble_beside(args: argparse.Namespace) -> str | None:
+    """Why the demo does not compare 1F1B with zb-h1, or None when it does."""
     if args.no_zero_bubble:
         return "--no-zero-bubble"
-    if mesh.pp == 1 or args.schedule == "zb-h1":
-        return "no pipeline" if mesh.pp == 1 else "the demo runs zb-h1 itself"
-    return "zero=3 does not combine with a split backward" if args.zero == 3 else None
+    if (os.cpu_count() or 1) < 2:
+        return "one core: a pipeline's ranks would take turns on it, and no schedule could fill the other's waits"
+    return None
 
 
 def _train(mesh: Mesh, args: argparse.Namespace, reference: list[float], schedule: str, show: bool) -> tuple:
@@ -75,12 +79,8 @@ def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
 
     rank0 = dist.get_rank() == 0
     pm, seconds, worst, steps = _train(mesh, args, reference, args.schedule, rank0)
-    out = {"time": seconds, "worst": worst, "plan": pm.plan.summary() if rank0 else "", "timeline": pm.timeline(),
-           "steps": steps, "memory": pm.memory(), "comm": pm.communication()}
-    if zero_bubble_beside(mesh, args) is None:
-        _, seconds, worst, steps = _train(mesh, args, reference, "zb-h1", False)
-        out["zb-h1"] = {"time": seconds, "worst": worst, "steps": steps}
-    return out
+    return {"time": seconds, "worst": worst, "plan": pm.plan.summary() if rank0 else "", "timeline": pm.timeline(),
+            "steps": steps, "memory": pm.memory(), "comm": pm.communication()}
 
 
 def run(argv: list[str]) -> int:
@@ -100,7 +100,7 @@ def run(argv: list[str]) -> int:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp (default 0)")
     p.add_argument("--no-zero-bubble", action="store_true",
-                   help="do not also run the steps with the zero-bubble schedule zb-h1 for a picture beside the first")
+                   help="do not compare 1F1B with the zero-bubble schedule zb-h1 on 2 pipeline ranks afterwards")
     p.add_argument("--out", default=".", help="folder for the timeline pictures")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
@@ -141,33 +141,85 @@ def run(argv: list[str]) -> int:
             print(f", {save_gantt(timelines, out / 'autopar-timeline.png', f'autopar demo, {mesh}, last step')}")
         except RuntimeError as e:
             print(f"; no PNG: {e}")
-    if "zb-h1" in r0:
-        show_zero_bubble(results, mesh, args, Path(args.out))
+    reason = zero_bubble_beside(args)
+    if reason is None:
+        compare_schedules(args, Path(args.out))
     else:
-        print(f"zero-bubble comparison skipped: {zero_bubble_beside(mesh, args)}")
+        print(f"schedule comparison skipped: {reason}")
     return 0
 
 
-def show_zero_bubble(results: list[dict], mesh: Mesh, args: argparse.Namespace, out: Path) -> None:
-    """The same steps under zb-h1: time, losses, its trace, and one picture of the pipeline actions of both
-    schedules, one above the other on one time scale."""
-    from autopar.runtime.trace import save_chrome_trace, save_gantts
+COMPARED = ("1f1b", "zb-h1")
 
-    print(f"the same {args.steps} steps with the zero-bubble schedule zb-h1 (each backward split into B, the input "
-          f"gradients the previous stage waits for, and W, the weight gradients, which fill the waits): "
-          f"{results[0]['zb-h1']['time']:.2f} s, largest loss difference "
-          f"{max(r['zb-h1']['worst'] for r in results):.2e}")
-    out.mkdir(parents=True, exist_ok=True)
-    last = {rank: r["zb-h1"]["steps"][-1] for rank, r in enumerate(results)}
-    print(f"zb-h1 timeline of the last step: {save_chrome_trace(last, out / 'autopar-timeline-zb-h1.json')}", end="")
-    panels = {f"{name}, {mesh}: pipeline actions of the quickest step": quickest_step(steps)
-              for name, steps in ((args.schedule, [r["steps"] for r in results]),
-                                  ("zb-h1", [r["zb-h1"]["steps"] for r in results]))}
+
+ROWS, SEQ = 16, 64  # each microbatch of the comparison: enough work per action that messages do not dominate
+
+
+def _compare_rank(args: argparse.Namespace, microbatches: int, steps: int) -> dict:
+    """Both schedules on pp=2, their steps interleaved (after one compiling step each): times and timelines."""
+    from autopar.parallel import parallelize
+
+    torch.set_num_threads(1)
+    ids = batches(1, microbatches * ROWS, SEQ, args.vocab)[0]
+    models = {s: parallelize(demo_model(args.layers, args.width, args.vocab), Mesh(pp=2), loss_fn=next_token_loss,
+                             optimizer=adamw, microbatches=microbatches, schedule=s) for s in COMPARED}
+    out: dict = {s: {"times": [], "steps": []} for s in COMPARED}
+    for i in range(steps + 1):
+        for s in COMPARED if i % 2 else reversed(COMPARED):
+            start = time.perf_counter()
+            models[s].step(ids, target=ids)
+            if i:
+                out[s]["times"].append(time.perf_counter() - start)
+                out[s]["steps"].append(models[s].timeline())
+    return out
+
+
+def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8, steps: int = 6) -> None:
+    """1F1B beside zb-h1 where the comparison means something: 2 pipeline ranks on 2 or more cores, 8 microbatches.
+    Per schedule: the median step time, and the bubble measured (1 - the compute time of each rank's pipeline
+    actions over their span, the median step) beside the one simulated with the measured F, B and W times."""
+    from autopar.runtime.launch import launch
+    from autopar.runtime.trace import save_gantts
+
+    print(f"\n1F1B beside the zero-bubble schedule zb-h1 (each backward split into B, the input gradients the previous "
+          f"stage waits for, and W, the weight gradients, which fill the waits): pp=2 on 2 ranks "
+          f"({os.cpu_count()} cores), {microbatches} microbatches of {ROWS} x {SEQ}, {steps} steps each, interleaved")
+    results = launch(_compare_rank, 2, args, microbatches, steps, device="cpu")
+    for s in COMPARED:
+        steps_of = [r[s]["steps"] for r in results]
+        measured = statistics.median(measured_bubble({rank: tl[k] for rank, tl in enumerate(steps_of)})
+                                     for k in range(steps))
+        times = {k: statistics.median(_durations(steps_of, k)) if _durations(steps_of, k) else None for k in "FBW"}
+        sim = simulate(add_communication(make_schedule(s, 2, microbatches)), forward_time=times["F"],
+                       backward_time=times["B"] + (times["W"] or 0.0), weight_time=times["W"]).bubble_fraction
+        step = statistics.median(statistics.median(r[s]["times"]) for r in results)
+        print(f"  {s:<6} step {step * 1e3:7.1f} ms   bubble measured {measured:6.1%}   simulated {sim:6.1%} "
+              f"(F {times['F'] * 1e3:.1f} ms, B {times['B'] * 1e3:.1f} ms"
+              + (f", W {times['W'] * 1e3:.1f} ms)" if times["W"] else ")"))
+    panels = {f"{s}, pp=2: pipeline actions of the quickest step": quickest_step([r[s]["steps"] for r in results])
+              for s in COMPARED}
     try:
-        print(f"; the quickest step of {args.schedule} above that of zb-h1: "
-              f"{save_gantts(panels, out / 'autopar-zero-bubble.png')}")
+        print(f"  the quickest step of 1f1b above that of zb-h1: {save_gantts(panels, out / 'autopar-zero-bubble.png')}")
     except RuntimeError as e:
-        print(f"; no PNG: {e}")
+        print(f"  no PNG: {e}")
+
+
+def measured_bubble(timelines: dict[int, Timeline]) -> float:
+    """The mean over ranks of 1 - (F, B and W time) / (the span of the rank's pipeline actions)."""
+    from autopar.runtime.trace import kind, pipeline_part
+
+    fractions = []
+    for tl in timelines.values():
+        part = pipeline_part(tl)
+        busy = sum(e - b for a, b, e in part if kind(a) in (F, B, W))
+        fractions.append(1 - busy / (max(e for *_, e in part) - min(b for _, b, _ in part)))
+    return sum(fractions) / len(fractions)
+
+
+def _durations(steps_of: list[list[Timeline]], k: str) -> list[float]:
+    from autopar.runtime.trace import kind
+
+    return [e - b for per_rank in steps_of for tl in per_rank for a, b, e in tl if kind(a) == k]
 
 
 def quickest_step(steps: list[list[Timeline]]) -> dict[int, Timeline]:
