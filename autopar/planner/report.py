@@ -44,6 +44,9 @@ def render_table(result: PlanResult, top: int = 10) -> str:
             f"{'params+grads+opt':>16} {'activ.':>9} {'total':>9}  {'step':>9} {'tokens/s':>10} {'TF/dev':>7}  run")
     lines = [head]
     for i, c in enumerate(result.candidates[:top], 1):
+        if result.top is not None and i == result.top + 1:
+            lines.append(f"  (below row {result.top}: the best of other meshes, not every configuration; plan with "
+                         f"top={top} to rank {top})")
         cfg, m = c.config, c.memory
         v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
@@ -61,11 +64,11 @@ def render_table(result: PlanResult, top: int = 10) -> str:
 
 def render_plan(result: PlanResult, top: int = 10) -> str:
     """The header, the ranked table (``top`` rows) and the explanation."""
-    fitting = sum(c.fits for c in result.candidates)
     lines = [f"autopar plan: {result.model} ({_count(result.profile.total_params)} parameters) on {result.devices} x "
              f"{result.cluster.name}; global batch {result.global_batch} x {result.seq_len} tokens, "
              f"{result.precision.name} precision",
-             f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
+             f"  {result.considered} configurations planned in {result.seconds:.1f} s ({result.timed} timed, the "
+             f"others' lower bounds could not rank), {result.fitting} fit "
              f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
              "f full, f2+s full on 2 layers per stage and selective on the others), +sp = sequence parallelism, "
              "run = autopar runs it today", "", render_table(result, top), "", "why:"]
@@ -182,7 +185,7 @@ def _zero_reason(result: PlanResult) -> list[str]:
     for z in range(4):
         if z == c.zero:
             continue
-        twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, zero=z)), None)
+        twin = result.candidate(dataclasses.replace(c, zero=z))
         if twin is None:
             continue
         verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
@@ -203,10 +206,8 @@ def _recompute_reason(result: PlanResult) -> list[str]:
     up_to = "up to " if len(set(layers)) > 1 else ""
     where = "the model's" if len(layers) == 1 else f"each pipeline stage's {up_to}"
     out = f"recomputation: full on {c.full_layers} of {where}{max(layers)} layers, {c.recompute} on the others"
-    one_mode = {x.config: x for x in result.candidates if x.config.recompute in ("full", c.recompute)
-                and not x.config.full_layers}
-    base = one_mode.get(dataclasses.replace(c, full_layers=0))
-    full = one_mode.get(dataclasses.replace(c, recompute="full", full_layers=0))
+    base = result.candidate(dataclasses.replace(c, full_layers=0))
+    full = result.candidate(dataclasses.replace(c, recompute="full", full_layers=0))
     if base is not None:
         out += (f": {gb(best.total_memory)} per device fits {gb(result.cluster.memory)}, where {c.recompute} on "
                 f"every layer needs {gb(base.total_memory)}")
@@ -221,7 +222,7 @@ def _sequence_parallel_reason(result: PlanResult) -> list[str]:
     c = best.config
     if not c.sequence_parallel:
         return []
-    twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, sequence_parallel=False)), None)
+    twin = result.candidate(dataclasses.replace(c, sequence_parallel=False))
     out = (f"sequence parallelism: the values between tensor-parallel regions are sharded over tp={c.tp} too "
            f"(each forward all-reduce a reduce-scatter and an all-gather, the same bytes; backward gathers each "
            f"column-parallel input again, so that only its shard is kept)")
