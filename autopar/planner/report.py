@@ -12,10 +12,11 @@ one of the candidates' estimates or the cost model's.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
-from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym
+from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
@@ -113,7 +114,8 @@ def explain(result: PlanResult) -> list[str]:
     elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
                    f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
-    out += _recompute_reason(result) + _sequence_parallel_reason(result) + _split_reduce_scatters(result)
+    out += _recompute_reason(result) + _sequence_parallel_reason(result) + _layer_collectives(result) \
+        + _split_reduce_scatters(result)
     peak = result.cluster.peak(prec.name)
     out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
                f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
@@ -233,6 +235,42 @@ def _sequence_parallel_reason(result: PlanResult) -> list[str]:
     return [out]
 
 
+def _layer_collectives(result: PlanResult) -> list[str]:
+    """The tp collectives of one microbatch of the largest layer under the best, as the profile's lowering runs
+    them, with their sizes; and where the all-to-alls come from when there are any."""
+    c = result.candidates[0].config
+    layers = result.profile.layers
+    if c.tp == 1 or not layers:
+        return []
+    seg = max(layers, key=lambda x: x.parts[1].param_elements)
+    part = result.profile.part(seg, c.tp, c.sequence_parallel)
+    at = {b_sym: c.microbatch_size, s_sym: result.seq_len}
+    calls = Counter((x.direction, x.op, float(x.elements.xreplace(at)) * result.precision.activation,
+                     not x.elements.free_symbols) for x in part.collectives)
+    order = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+
+    def listed(direction: str) -> str:
+        found = sorted(((op, nbytes, param), n) for (d, op, nbytes, param), n in calls.items() if d == direction)
+        return ", ".join(f"{n} {op.replace('_', '-')}{'s' * (n > 1)} of {_bytes(nbytes)}"
+                         + (" (parameters' gradients)" if param else "")
+                         for (op, nbytes, param), n in sorted(found, key=lambda x: order.index(x[0][0]))) or "none"
+
+    sp = " with sequence parallelism" if c.sequence_parallel else ""
+    out = (f"tp collectives per microbatch of each {seg.name} layer (tp={c.tp}{sp}): forward {listed('forward')}; "
+           f"backward {listed('backward')}")
+    if c.sequence_parallel:
+        count = Counter((x.direction, x.op) for x in part.collectives)
+        again = count["backward", "all_gather"] - count["forward", "reduce_scatter"]
+        out += f"; {again} of the backward all-gathers gather kept shards again"
+    if any(x.op == "all_to_all" for x in part.collectives):
+        out += ("; the all-to-alls (each moves 1/tp of an all-gather's bytes) turn a norm's output from sequence "
+                "shards into hidden shards before a column-parallel matmul: the model flattens (batch, sequence) "
+                "into one dim there, which a sequence shard does not pass, and the sharding solver counts a "
+                "gathered input as kept in shards only where the all-gather feeds the matmul itself "
+                "(Megatron-LM's sequence-first layout needs no all-to-all; docs/planner.md)")
+    return [out]
+
+
 def _split_reduce_scatters(result: PlanResult) -> list[str]:
     """What ZeRO-3's gradient reduce-scatters cost the best under a split backward, when it has both."""
     c = result.candidates[0].config
@@ -265,6 +303,10 @@ def _count(n: float) -> str:
 
 def _rate(flops: float) -> str:
     return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else gb(n)
 
 
 def _seconds(t: float) -> str:
