@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import functools
 import importlib
+import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -22,17 +26,47 @@ def parse_mesh(text: str) -> Mesh:
     return Mesh(**sizes)
 
 
-def load_factory(spec: str) -> Any:
-    """``"package.module:function"`` -> the function."""
-    module, _, name = spec.partition(":")
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``"package.module:function"`` or ``"package.module:function(128, 25600, heads=160)"`` -> a callable that
+    builds the model. Arguments are Python literals, read with ``ast.literal_eval`` (numbers, strings, tuples,
+    lists, dicts, True/False/None); nothing in the text is run."""
+    module, _, call = spec.partition(":")
+    name = call.partition("(")[0].strip()
     if not module or not name:
-        raise ValueError(f"{spec!r} is not MODULE:FACTORY (e.g. mypackage.models:build)")
+        raise ValueError(f"{spec!r} is not MODULE:FACTORY or MODULE:FACTORY(ARGS) (e.g. autopar.planner:gpt3_175b or "
+                         "'autopar.planner:gpt(128, 25600, 160)')")
+    args, kwargs = literal_call(call, spec) if "(" in call else ((), {})
     try:
-        return getattr(importlib.import_module(module), name)
+        fn = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as e:
         raise ValueError(f"cannot import {module!r} ({e}); run from the folder that holds it or install it") from None
     except AttributeError:
         raise ValueError(f"module {module!r} has no {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{module}:{name} is a {type(fn).__name__}, not a function that builds a model")
+    return functools.partial(fn, *args, **kwargs)
+
+
+def literal_call(call: str, spec: str) -> tuple[tuple, dict[str, Any]]:
+    """The positional and keyword arguments of ``"name(1, 2, k=3)"``, each a Python literal."""
+    try:
+        tree = ast.parse(call.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"cannot read the call in {spec!r}; write it like 'module:factory(1, 2, name=3)'") from None
+    if not isinstance(tree, ast.Call) or not isinstance(tree.func, ast.Name):
+        raise ValueError(f"{spec!r}: after the colon write one call, FACTORY(ARGS), e.g. gpt(128, 25600, 160)")
+
+    def literal(node: ast.expr, where: str) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError):
+            raise ValueError(f"{spec!r}: {where} {ast.unparse(node)!r} is not a literal (numbers, strings, tuples, "
+                             "lists, dicts, True, False, None); nothing else is evaluated") from None
+
+    if any(isinstance(a, ast.Starred) for a in tree.args) or any(k.arg is None for k in tree.keywords):
+        raise ValueError(f"{spec!r}: write the arguments out; * and ** are not read")
+    return (tuple(literal(a, f"argument {i + 1}") for i, a in enumerate(tree.args)),
+            {k.arg: literal(k.value, f"argument {k.arg}=") for k in tree.keywords})
 
 
 def example_for(built: Any, batch: int, seq: int) -> tuple[torch.nn.Module, tuple, Any, Any]:
@@ -97,9 +131,13 @@ def plan(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="autopar plan", description="rank dp x pp x tp, ZeRO, schedule and microbatch "
                                 "choices for a model on a cluster; the model is built on the meta device")
-    p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs[, target, loss_fn])")
+    p.add_argument("factory", help="MODULE:FACTORY or 'MODULE:FACTORY(ARGS)' (literal arguments) returning a model "
+                   "or (model, inputs[, target, loss_fn]), e.g. 'autopar.planner:gpt(128, 25600, 160)'")
     p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100 or cpu")
+    p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100, cpu, or a JSON file describing one "
+                   "(Cluster's fields; intra and inter as {\"bandwidth\": ..., \"latency\": ...})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a figure of the cluster, e.g. --set memory=40e9 --set inter.bandwidth=12.5e9")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per device)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (models with a sequence dim)")
     p.add_argument("--precision", default="mixed", choices=["mixed", "bf16", "fp32"])
@@ -108,14 +146,56 @@ def plan(argv: list[str]) -> int:
     p.add_argument("--runnable", action="store_true", help="only configurations autopar runs today")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
     args = p.parse_args(argv)
+    for option, value, what in (("--devices", args.devices, "devices of the job"),
+                                ("--global-batch", args.global_batch, "sequences per step"),
+                                ("--seq", args.seq, "tokens per sequence"), ("--top", args.top, "rows to print")):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} {value}: must be an integer >= 1 ({what})")
+    cluster = cluster_of(args.cluster, args.set, args.devices)
     with torch.device("meta"):  # planning needs shapes, not weights
         built = load_factory(args.factory)()
     model, inputs = (built[0], tuple(built[1])) if isinstance(built, tuple) else (built, None)
-    result = make_plan(model, args.devices, cluster=args.cluster, global_batch=args.global_batch or 2 * args.devices,
+    result = make_plan(model, args.devices, cluster=cluster, global_batch=args.global_batch or 2 * args.devices,
                        seq_len=args.seq if sequence_of(inputs, model) else None, precision=args.precision,
-                       optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable)
+                       optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable,
+                       top=max(args.top, 20))
     print(result.to_json(top=args.top) if args.json else result.render(top=args.top))
     return 0
+
+
+def cluster_of(name: str, settings: list[str], devices: int) -> Any:
+    """The ``--cluster`` preset or JSON description, with the ``--set FIELD=VALUE`` changes (values are literals).
+    A node described larger than the job (``--devices``) is an error: say the node the job runs on."""
+    from autopar.planner.cluster import PRESETS, Cluster
+
+    path = Path(name)
+    if name.lower().replace("_", "-") in PRESETS or path.suffix != ".json":
+        cluster, described = Cluster.preset(name), False
+    else:
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"--cluster {name}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--cluster {name}: not JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--cluster {name}: the file must hold one object of Cluster's fields")
+        cluster, described = Cluster.from_dict(data, source=f"--cluster {name}"), "devices_per_node" in data
+    changes = {}
+    for item in settings:
+        field, eq, text = item.partition("=")
+        if not eq or not field.strip():
+            raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set memory=40e9")
+        try:
+            changes[field.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {item!r}: {text.strip()!r} is not a number (or another literal)") from None
+    cluster = cluster.updated(changes, source="--set") if changes else cluster
+    if (described or "devices_per_node" in changes) and cluster.devices_per_node > devices:
+        raise ValueError(f"the cluster's node of devices_per_node={cluster.devices_per_node} devices is larger than "
+                         f"the job's --devices {devices}; describe the node the job runs on (devices_per_node <= "
+                         f"{devices}) or plan more devices")
+    return cluster
 
 
 COMMANDS = {"demo": demo, "inspect": inspect, "plan": plan}

@@ -22,31 +22,15 @@ The planner's files: ``autopar/planner/search.py`` (the search space, evaluation
 and ranking: ``plan``, ``Candidate``, ``PlanResult``),
 ``autopar/planner/report.py`` (the table and the explanation),
 ``autopar/planner/auto.py`` (``parallelize(model, "auto")``). This module is
-their entry point, with model factories for planning (``gpt``, ``gpt3_175b``).
+their entry point, with model factories for planning (``autopar/planner/gpt.py``: ``gpt(layers, hidden,
+heads)``, ``gpt3_175b``, ``gpt_1t``; plain torch, no Hugging Face needed).
 """
 from __future__ import annotations
 
-import torch
-
 from autopar.planner.auto import auto_choice, sequence_of
+from autopar.planner.gpt import GPT, gpt, gpt3_175b, gpt_1t
 from autopar.planner.report import explain
 from autopar.planner.search import Candidate, PlanResult, plan, search_space
 
-
-def gpt(layers: int, hidden: int, heads: int, *, vocab: int = 51200, positions: int = 2048) -> torch.nn.Module:
-    """A GPT (Hugging Face GPT-2 architecture) of the given size on the meta device: no memory, for planning."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=positions,
-                        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    with torch.device("meta"):
-        return GPT2LMHeadModel(config)
-
-
-def gpt3_175b() -> torch.nn.Module:
-    """GPT-3 175B (Brown et al. 2020): 96 layers, hidden 12288, 96 heads, 2048 positions, on the meta device."""
-    return gpt(96, 12288, 96, vocab=50257)
-
-
-__all__ = ["Candidate", "PlanResult", "plan", "search_space", "explain", "auto_choice", "sequence_of", "gpt",
-           "gpt3_175b"]
+__all__ = ["Candidate", "PlanResult", "plan", "search_space", "explain", "auto_choice", "sequence_of", "GPT", "gpt",
+           "gpt3_175b", "gpt_1t"]

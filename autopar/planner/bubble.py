@@ -40,16 +40,24 @@ class Bubbles:
         ``schedule`` splits its backwards (``"zb-h1"``, ``"zbv"``); every rank holds ``v`` stages of
         the same cost, so its work is ``v * m`` units and the step ``v * m`` units plus this.
         """
-        total = sum(costs)
-        if pp == 1 or total <= 0:
+        if pp == 1 or sum(costs) <= 0:
             return 0.0
-        f, b, w = (max(1, round(RESOLUTION * x / total)) for x in costs)
+        f, b, w = _units(costs)
         key = (schedule, pp, microbatches, f, b, w)
         if key not in self._idle:
             timing, v = self.timing(schedule, pp, microbatches)
             span = timing.makespan(forward_time=f, backward_time=b + w, weight_time=w)
             self._idle[key] = (span - v * microbatches * (f + b + w)) / (f + b + w)
         return self._idle[key]
+
+    def least_idle(self, pp: int, costs: tuple[float, float, float]) -> float:
+        """A lower bound of ``idle`` for each of these schedules and any ``m``, without simulating: every
+        microbatch enters at stage 0, so the rank that holds stage ``pp - 1`` (the V's turn) starts after
+        microbatch 0's forward through the ``pp - 1`` stages before it, and then does all of its work."""
+        if pp == 1 or sum(costs) <= 0:
+            return 0.0
+        f, b, w = _units(costs)
+        return (pp - 1) * f / (f + b + w)
 
     def timing(self, name: str, pp: int, microbatches: int) -> tuple[Timing, int]:
         """The compute-only schedule ``make_schedule`` generates, prepared for timing once; its stages per rank."""
@@ -59,3 +67,10 @@ class Bubbles:
         timing = self._timings[key]
         return timing, len(timing.steps) // (3 * pp * microbatches)
 
+
+
+def _units(costs: tuple[float, float, float]) -> tuple[int, int, int]:
+    """``F``, ``B`` and ``W`` in whole ``1 / RESOLUTION`` shares of their sum (at least one each)."""
+    total = sum(costs)
+    f, b, w = (max(1, round(RESOLUTION * x / total)) for x in costs)
+    return f, b, w

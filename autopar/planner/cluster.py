@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autopar.core.comm import LinkCost
+from autopar.planner.figures import CLUSTER_FIGURES, LINK_FIGURES, check_figures
 
 GB = 1e9
 
@@ -50,11 +51,7 @@ class Link:
     p2p_latency: float | None = None
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0 or self.gather <= 0 or self.scatter <= 0 or (
-                self.p2p_latency is not None and self.p2p_latency < 0):
-            raise ValueError(f"a link needs bandwidth > 0, latency and p2p_latency >= 0 and gather, scatter > 0; "
-                             f"got {self.bandwidth} B/s, {self.latency} s, {self.p2p_latency} s, {self.gather}, "
-                             f"{self.scatter}")
+        check_figures("link", self, LINK_FIGURES)
 
     def cost(self) -> LinkCost:
         """The cost model's value for this link (``autopar.core.comm``): a collective's latency per ring step."""
@@ -105,17 +102,11 @@ class Cluster:
     cores: int = 0
 
     def __post_init__(self) -> None:
-        if self.devices_per_node < 1:
-            raise ValueError(f"devices_per_node={self.devices_per_node} must be >= 1")
-        if self.memory <= 0 or self.peak_flops <= 0 or self.peak_flops_fp32 <= 0:
-            raise ValueError(f"cluster {self.name!r}: memory and peak FLOP/s must be > 0")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency={self.efficiency} must be in (0, 1]: the fraction of peak matmuls reach")
-        if self.memory_bandwidth <= 0:
-            raise ValueError(f"cluster {self.name!r}: memory_bandwidth={self.memory_bandwidth} must be > 0 (bytes/s)")
-        if not 0 <= self.overlap <= 1 or self.narrow < 0 or self.cores < 0 or self.op_overhead < 0:
-            raise ValueError(f"cluster {self.name!r}: overlap={self.overlap} must be in [0, 1]; narrow={self.narrow}, "
-                             f"cores={self.cores} and op_overhead={self.op_overhead} must be >= 0")
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise ValueError(f"cluster {self.name!r}: {name}={getattr(self, name)!r} must be a Link(bandwidth=..., "
+                                 f"latency=...) (the link {'inside a node' if name == 'intra' else 'between nodes'})")
+        check_figures(f"cluster {self.name!r}", self, CLUSTER_FIGURES)
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for a precision's name: the bf16 units for "mixed", "bf16" (and "half"), else fp32."""
@@ -131,6 +122,38 @@ class Cluster:
 
     def replace(self, **changes: Any) -> Cluster:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "cluster description") -> Cluster:
+        """A cluster from a description (a JSON file's object): ``Cluster``'s fields, with ``intra`` and
+        ``inter`` objects of ``Link``'s fields; a missing or unknown field is an error naming it."""
+        _known_fields(source, d, cls, required=True)
+        links = {}
+        for name in ("intra", "inter"):
+            if not isinstance(d[name], dict):
+                raise ValueError(f"{source}: {name}={d[name]!r} must be an object such as "
+                                 '{"bandwidth": 25e9, "latency": 1e-5}')
+            _known_fields(f"{source}, {name}", d[name], Link, required=True)
+            links[name] = _link(source, name, d[name])
+        return cls(**{**d, **links})
+
+    def updated(self, settings: dict[str, Any], source: str = "settings") -> Cluster:
+        """This cluster with fields changed, a link's through a dot: ``{"memory": 40e9, "inter.bandwidth": 12.5e9}``."""
+        top: dict[str, Any] = {}
+        links: dict[str, dict[str, Any]] = {}
+        for key, value in settings.items():
+            head, dot, sub = key.partition(".")
+            if dot and head not in ("intra", "inter"):
+                raise ValueError(f"{source}: {key!r} names no field; a link's fields are intra.FIELD and inter.FIELD")
+            (links.setdefault(head, {}) if dot else top)[sub or head] = value
+        _known_fields(source, top, type(self))
+        for name, changes in links.items():
+            _known_fields(f"{source}, {name}", changes, Link)
+        built = {k: _link(source, k, {**dataclasses.asdict(getattr(self, k)), **v}) for k, v in links.items()}
+        try:
+            return dataclasses.replace(self, **top, **built)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def preset(cls, name: str) -> Cluster:
@@ -169,6 +192,30 @@ class Cluster:
                    peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
                    overlap=0.0, op_overhead=overhead, fused_attention=False, memory_bandwidth=stream,
                    cores=os.cpu_count() or 1)
+
+
+def _link(source: str, name: str, fields: dict[str, Any]) -> Link:
+    """``Link(**fields)``, an error naming the link's field as ``name.FIELD``."""
+    try:
+        return Link(**fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {name}.{str(e).removeprefix('link: ')}") from None
+
+
+def _known_fields(source: str, d: dict[str, Any], cls: type, required: bool = False) -> None:
+    """Raises a ``ValueError`` naming the fields of ``d`` that ``cls`` does not have, or (``required``) the fields
+    without a default that ``d`` lacks, with what each means."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{source}: unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)}; the fields are "
+                         f"{', '.join(fields)}")
+    figures = {**CLUSTER_FIGURES, **LINK_FIGURES}
+    missing = [name for name, f in fields.items() if required and name not in d
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        what = "; ".join(f"{name} ({figures[name].meaning})" if name in figures else name for name in missing)
+        raise ValueError(f"{source}: missing {what}")
 
 
 def _physical_memory() -> float:

@@ -38,7 +38,8 @@ class Estimate:
 
     config: Config
     memory: dict[str, Any]  # parameters, gradients, optimizer, activations, buffers
-    time: dict[str, Any]  # compute, tensor_parallel, pipeline_p2p, bubble, shared_cores, data_parallel, optimizer
+    time: dict[str, Any] | None  # compute, tensor_parallel, pipeline_p2p, bubble, shared_cores, data_parallel,
+    # optimizer; None when estimated without (``CostModel.estimate(timed=False)``)
     worst_rank: int  # the pp index whose memory is largest
     per_rank: list[dict[str, Any]]  # memory of every pp index (dp and tp ranks of one pp index are alike)
     stages: list[list[str]]  # segment names of each pipeline stage
@@ -84,6 +85,12 @@ class CostModel:
         self._cuts: dict[tuple, list[list[int]]] = {}
         self._comm: dict[int, tuple[Any, Any]] = {}  # id of a SegmentValues -> its tp seconds, forward and backward
         self._sample_flops: float | None = None
+        # what many configurations share (the search's ZeRO stages, schedules of one placement, dp sizes): the
+        # segments of each pp rank per (tp, pp, stages per rank, V or looped, b, sequence parallel), and numbers
+        # per stage or rank of those lists, keyed by the lists' ids (they live in ``_ranks`` as long as this model)
+        self._ranks: dict[tuple, list[list[list[SegmentValues]]]] = {}
+        self._per_stage: dict[tuple, Any] = {}
+        self._per_rank: dict[tuple, Any] = {}
 
     # per segment ------------------------------------------------------------
     def values(self, seg: Segment, tp: int, b: Any, sequence_parallel: bool = False) -> SegmentValues:
@@ -127,29 +134,54 @@ class CostModel:
         return tuple(s % config.pp for s in range(config.pp * config.stages_per_rank))
 
     # the estimate ---------------------------------------------------------------
-    def estimate(self, config: Config, *, symbolic: bool = False) -> Estimate:
-        """Memory per device and step time of ``config``; with ``symbolic``, sympy in the microbatch size ``b``."""
+    def estimate(self, config: Config, *, symbolic: bool = False, timed: bool = True) -> Estimate:
+        """Memory per device and step time of ``config``; with ``symbolic``, sympy in the microbatch size ``b``;
+        without ``timed``, its memory only (``Estimate.time`` is None)."""
         if config.tp not in self.profile.tp_sizes:
             raise ValueError(f"tp={config.tp} was not analyzed for this model (analyzed: "
                              f"{list(self.profile.tp_sizes)}); pass tp_sizes=... to profile_model")
         seq = self.profile.sequence()
         stages = self.stages(config)
         ranks = self._rank_units(config, b_sym if symbolic else config.microbatch_size)
-        memories = [self._memory(config, units, r) for r, units in enumerate(ranks)]
-        worst = max(range(config.pp), key=lambda r: _number(sum(memories[r].values())))
+        alike: dict[tuple, tuple[int, dict[str, Any]]] = {}  # ranks of alike stages holding as many microbatches:
+        memories = []  # one memory, and the first such rank
+        for r, units in enumerate(ranks):
+            key = (id(units), self._in_flight(config, r))
+            if key not in alike:
+                alike[key] = (r, self._memory(config, units, r))
+            memories.append(alike[key][1])
+        worst = max(alike.values(), key=lambda x: _number(sum(x[1].values())))[0]  # the first of the most
         if self._sample_flops is None:  # the model's forward FLOPs per sample
             self._sample_flops = sum(float(self.profile.part(seg, 1).flops.xreplace({b_sym: 1, s_sym: self.seq_len}))
                                      for seg in seq)
-        return Estimate(config=config, memory=memories[worst], time=self._time(config, ranks), worst_rank=worst,
+        return Estimate(config=config, memory=memories[worst], time=self._time(config, ranks) if timed else None,
+                        worst_rank=worst,
                         per_rank=memories, stages=[[seq[i].name for i in st] for st in stages],
                         model_flops=3 * self._sample_flops * config.global_batch, seq_len=self.seq_len)
 
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
-        """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b``."""
-        seq, stages, placement = self.profile.sequence(), self.stages(config), self.placement(config)
-        return [[[self.values(seq[i], config.tp, b, config.sequence_parallel) for i in stages[s]]
-                 for s in range(len(stages))
-                 if placement[s] == r] for r in range(config.pp)]
+        """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b`` (shared: not
+        to be changed)."""
+        key = (config.tp, config.pp, config.stages_per_rank, config.schedule in V_SHAPED, b, config.sequence_parallel)
+        if key not in self._ranks:
+            seq, stages, placement = self.profile.sequence(), self.stages(config), self.placement(config)
+            units = [self._intern([self.values(seq[i], config.tp, b, config.sequence_parallel) for i in st])
+                     for st in stages]
+            self._ranks[key] = [self._intern([units[s] for s in range(len(stages)) if placement[s] == r])
+                                for r in range(config.pp)]
+        return self._ranks[key]
+
+    def _intern(self, items: list) -> list:
+        """One list object for each content (of interned or cached objects): the ranks of a pipeline that hold
+        alike stages share their numbers below (``_per_stage``, ``_per_rank``)."""
+        return self._per_stage.setdefault(("list", *map(id, items)), items)
+
+    def _state_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
+        """``state_elements`` of a rank's stages (a list from ``_rank_units``)."""
+        key = ("state", id(stages))
+        if key not in self._per_rank:
+            self._per_rank[key] = state_elements([u for st in stages for u in st])
+        return self._per_rank[key]
 
     def fits(self, config: Config, memory: float) -> bool:
         """Whether every rank of ``config`` needs at most ``memory`` bytes (its memory alone, no step time)."""
@@ -183,56 +215,91 @@ class CostModel:
         return {**dict.fromkeys(full, "full"), "*": config.recompute}
 
     def _memory(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> dict[str, Any]:
-        total, trainable = state_elements([u for st in stages for u in st])
+        total, trainable = self._state_elements(stages)
         return {**state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.dp),
                 "activations": self._activations(c, stages, rank),
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> Any:
         """Activation bytes on pp rank ``rank``: kept per stage (``recompute_cost``) x microbatches in flight."""
-        again = self.recompute_collectives
-        modes = [c.layer_modes(st) for st in stages]
-
-        def copies(st: list[SegmentValues], modes: list[str]) -> Any:  # bf16 weight copies autograd saves
-            if c.zero == 3 or not self.precision.copy:  # (ZeRO-3 re-gathers its own; recomputed layers make theirs)
-                return 0
-            return self.precision.copy * sum(sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
-
-        per_stage = [recompute_cost.kept(ms, st, recompute_collectives=again) + copies(st, ms)
-                     for st, ms in zip(stages, modes)]
+        kept, first, most, rebuilt = self._kept(c, stages)
         if c.pp == 1:
-            held = per_stage[0]  # microbatches run one after another (gradient accumulation)
+            held = first  # microbatches run one after another (gradient accumulation)
         elif c.schedule == "gpipe":
-            held = sum(per_stage) * c.microbatches
+            held = kept * c.microbatches
         elif c.schedule in ZERO_BUBBLE:  # every rank holds up to p microbatches (a W keeps its activations)
-            held = sum(per_stage) * min(c.pp, c.microbatches)
+            held = kept * min(c.pp, c.microbatches)
             if c.schedule == "dualpipev":  # and one more microbatch-stage (2p + 1 of its 2p stages' halves)
-                held += _max(per_stage)
+                held += most
         elif c.stages_per_rank == 1:
-            held = per_stage[0] * min(c.pp - rank, c.microbatches)
-        else:  # interleaved: warm-up forwards of chunks, each a 1/v share of the rank's layers
-            v = c.stages_per_rank
-            chunks = min((c.pp - rank - 1) * 2 + (v - 1) * c.pp + 1, c.microbatches * v)
-            held = sum(per_stage) / v * chunks
-        return held + recompute_cost.rebuilt([m for ms in modes for m in ms], [u for st in stages for u in st],
-                                             recompute_collectives=again)
+            held = first * self._in_flight(c, rank)
+        else:  # interleaved: chunks, each a 1/v share of the rank's layers
+            held = kept / c.stages_per_rank * self._in_flight(c, rank)
+        return held + rebuilt
+
+    @staticmethod
+    def _in_flight(c: Config, rank: int) -> int:
+        """Where it depends on the pp rank: how many microbatches (1F1B) or chunks (interleaved: the warm-up
+        forwards) pp rank ``rank`` holds the activations of at once; 0 where every rank holds as many."""
+        if c.pp == 1 or c.schedule == "gpipe" or c.schedule in ZERO_BUBBLE:
+            return 0
+        if c.stages_per_rank == 1:
+            return min(c.pp - rank, c.microbatches)
+        v = c.stages_per_rank
+        return min((c.pp - rank - 1) * 2 + (v - 1) * c.pp + 1, c.microbatches * v)
+
+    def _kept(self, c: Config, stages: list[list[SegmentValues]]) -> tuple[Any, Any, Any, Any]:
+        """Bytes a rank's stages keep per microbatch (``recompute_cost.kept``, with the bf16 weight copies
+        autograd saves of the layers not recomputed; ZeRO-3 gathers its own): summed, the first stage's, the
+        most of one stage; and what one recomputed layer rebuilds (``recompute_cost.rebuilt``)."""
+        key = ("kept", id(stages), c.recompute, c.full_layers, c.zero == 3)
+        if key not in self._per_rank:
+            again, per_stage = self.recompute_collectives, []
+            for st in stages:
+                modes = c.layer_modes(st)
+                copies = 0 if c.zero == 3 or not self.precision.copy else self.precision.copy * sum(
+                    sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
+                per_stage.append(recompute_cost.kept(modes, st, recompute_collectives=again) + copies)
+            rebuilt = recompute_cost.rebuilt([m for st in stages for m in c.layer_modes(st)],
+                                             [u for st in stages for u in st], recompute_collectives=again)
+            self._per_rank[key] = (sum(per_stage), per_stage[0], _max(per_stage), rebuilt)
+        return self._per_rank[key]
 
     def _buffers(self, c: Config, stages: list[list[SegmentValues]], trainable: int) -> Any:
         p = self.precision
-        out: Any = 0
-        if c.zero == 3 and c.dp > 1:  # gathered layers: the one in use and those prefetched
+        key = ("buffers", id(stages), c.zero_prefetch)
+        if key not in self._per_rank:
             sizes = sorted((sum(u.params.values()) for st in stages for u in st), reverse=True)
-            out += sum(sizes[: 1 + c.zero_prefetch]) * (p.gather or p.param)
-        elif c.dp > 1:
-            out += _min([self.bucket_bytes, trainable * p.grad])  # the gradient bucket being reduced
-        if c.pp > 1:  # a received activation and a received gradient per stage
-            out += sum(2 * st[0].entering for st in stages)
+            self._per_rank[key] = (
+                sum(sizes[: 1 + c.zero_prefetch]) * (p.gather or p.param),  # ZeRO-3: the layer in use, prefetched
+                _min([self.bucket_bytes, trainable * p.grad]),  # below: the gradient bucket being reduced
+                sum(2 * st[0].entering for st in stages))  # pipelines: a received activation and gradient per stage
+        gathered, bucket, received = self._per_rank[key]
+        out: Any = 0
+        if c.dp > 1:
+            out += gathered if c.zero == 3 else bucket
+        if c.pp > 1:
+            out += received
         return out
 
-    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]]) -> dict[str, Any]:
+    def step_time_bound(self, config: Config) -> float:
+        """A lower bound of ``estimate(config).step_time`` that costs a fraction of it: the step with a lower
+        bound of the zero-bubble schedules' simulated bubble (``Bubbles.least_idle``); 0 where ranks share
+        cores (there the simulated step can be shorter than its parts)."""
+        if self.cluster.cores:
+            return 0.0
+        return float(sum(self._time(config, self._rank_units(config, config.microbatch_size), bound=True).values()))
+
+    def exact_bound(self, config: Config) -> bool:
+        """Whether ``step_time_bound(config)`` is the step time itself (no zero-bubble schedule's bubble to
+        simulate, no shared cores)."""
+        return not self.cluster.cores and (config.pp == 1 or config.schedule not in ZERO_BUBBLE)
+
+    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]], bound: bool = False) -> dict[str, Any]:
+        """The step's parts; ``bound``: a simulated bubble's lower bound instead (``step_time_bound``)."""
         cl = self.cluster
         step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
-        trainable = [state_elements([u for st in stages for u in st])[1] for stages in ranks]
+        trainable = [self._state_elements(stages)[1] for stages in ranks]
         optimizer = [t * step_bytes / (c.dp if c.zero else 1) for t in trainable]
         # a gradient added into an existing one reads two and writes one: every microbatch after the first
         # (stages 0-1); stage 1's first too, since its gradients are views of the flat buffer it reduces
@@ -249,12 +316,12 @@ class CostModel:
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
             "pipeline_p2p": m * p2p_t + sync,
-            "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo),
+            "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo, bound),
             "shared_cores": 0,
-            "data_parallel": self.data_parallel.time(c, ranks, forward, backward, links[2]),
+            "data_parallel": self.data_parallel.time(c, ranks, forward, backward, links[2], max(trainable)),
             "optimizer": max(optimizer),
         }
-        if shared:
+        if shared and not bound:
             self._simulate_shared_cores(c, ranks, optimizer, accumulate, sync, out)
         elif cl.cores:  # symbolic in b: the node's total work over its cores bounds the step from below
             nodes = math.ceil(c.devices / cl.devices_per_node)
@@ -263,20 +330,31 @@ class CostModel:
             out["shared_cores"] = _max([work - sum(out.values()) + out["data_parallel"], 0])
         return out
 
-    def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any) -> Any:
+    def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
+                bound: bool = False) -> Any:
         """Idle time of the busiest rank, from its per-microbatch parts (``_stage``, summed over its stages):
         (p - 1) / v microbatches, or a zero-bubble schedule's simulated wait (``bubble.Bubbles``), whose ``F``,
-        ``B`` each carry one pipeline hop and ``W`` is a forward's compute."""
+        ``B`` each carry one pipeline hop and ``W`` is a forward's compute; ``bound``: for those, a lower bound
+        that needs no simulation (``Bubbles.least_idle``)."""
         per_microbatch = compute + tp + p2p_t
         if c.schedule not in ZERO_BUBBLE or c.pp == 1:
             return (c.pp - 1) / c.stages_per_rank * per_microbatch
         weight = (compute - redo) / 3
         phases = (forward + p2p_t / 2, backward - weight + p2p_t / 2, weight)
         costs = tuple(_number(x, c.microbatch_size) for x in phases)
-        return self.bubbles.idle(c.schedule, c.pp, c.microbatches, costs) / c.stages_per_rank * per_microbatch
+        idle = self.bubbles.least_idle(c.pp, costs) if bound else self.bubbles.idle(c.schedule, c.pp, c.microbatches,
+                                                                                   costs)
+        return idle / c.stages_per_rank * per_microbatch
 
     def _stage(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
         """One microbatch of one stage: compute, tp, pipeline, forward, backward and recomputed seconds."""
+        key = ("time", id(st), c.recompute, c.full_layers, c.pp > 1, c.tp, c.sequence_parallel, id(tp_link),
+               id(pp_link))
+        if key not in self._per_stage:
+            self._per_stage[key] = self._stage_seconds(c, st, tp_link, pp_link)
+        return self._per_stage[key]
+
+    def _stage_seconds(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
         cl = self.cluster
         matmul = [u.flops / (cl.peak(self.precision.name) * cl.efficiency) for u in st]
         other = [u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead for u in st]
@@ -348,6 +426,13 @@ class CostModel:
         """
         if c.pp == 1:
             return 0
+        key = ("sync", id(ranks), id(link))
+        if key not in self._per_rank:
+            self._per_rank[key] = self._shared_all_reduce(ranks, link)
+        return (c.pp - 1) * link.p2p().latency + self._per_rank[key]
+
+    def _shared_all_reduce(self, ranks: list[list[list[SegmentValues]]], link: Any) -> Any:
+        """Seconds of the all-reduces of the parameters that stages on several ranks use, among their holders."""
         holders: dict[str, set[int]] = {}
         sizes: dict[str, int] = {}
         for r, stages in enumerate(ranks):
@@ -356,9 +441,8 @@ class CostModel:
                     if name in u.trainable:
                         holders.setdefault(name, set()).add(r)
                         sizes[name] = numel
-        shared = sum(ring_all_reduce(sizes[k] * self.precision.grad, len(h), link) for k, h in holders.items()
-                     if len(h) > 1)
-        return (c.pp - 1) * link.p2p().latency + shared
+        return sum(ring_all_reduce(sizes[k] * self.precision.grad, len(h), link) for k, h in holders.items()
+                   if len(h) > 1)
 
     def max_microbatch_size(self, config: Config, memory: float) -> int:
         """The largest microbatch size whose estimate fits ``memory`` bytes per device (0 when none does).

@@ -20,7 +20,7 @@ counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.core.buckets import bucket_sizes
@@ -73,18 +73,22 @@ class DataParallel:
     precision: Precision
     bucket_bytes: int
     hide: float  # the share of a collective that computation can hide (0: gradients reduced after backward)
+    # a rank's ZeRO-3 groups and reduce-scatters by (id of its stages, dp, split backward): the stage lists are the
+    # cost model's, kept as long as it lives
+    groups: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def time(self, c: Any, ranks: list[list[list[SegmentValues]]], forward: Any, backward: Any,
-             link: Link) -> Any:
-        """Exposed seconds of the dp collectives of config ``c`` per step (the module doc), the slowest rank's."""
+             link: Link, trainable: int | None = None) -> Any:
+        """Exposed seconds of the dp collectives of config ``c`` per step (the module doc), the slowest rank's;
+        ``trainable``: the most trainable elements a rank holds, when the caller knows it."""
         if c.dp == 1:
             return 0
         loss = ring_all_reduce(8, c.dp, link.p2p())  # the step's loss averaged over dp: one element, no payload
-        held = [[u for st in stages for u in st] for stages in ranks]
         if c.zero == 3:
-            return loss + _max([self._stage3(c, units, forward, backward, link) for units in held])
+            return loss + _max([self._stage3(c, stages, forward, backward, link) for stages in ranks])
+        held = [[u for st in stages for u in st] for stages in ranks] if trainable is None else []
         p = self.precision
-        elements = max(state_elements(units)[1] for units in held)
+        elements = max(state_elements(units)[1] for units in held) if trainable is None else trainable
         grads, params = elements * p.grad, elements * p.param
         sizes = bucket_sizes(grads, self.bucket_bytes)  # a small first bucket, as the runtime cuts them
         buckets, last, n = len(sizes), sizes[-1], c.dp
@@ -95,15 +99,19 @@ class DataParallel:
         gather_params = ring_gather(params, n, link, buckets)  # updated shards after the optimizer step
         return loss + (1 if c.zero == 1 else c.microbatches) * reduce + gather_params
 
-    def _stage3(self, c: Any, units: list[SegmentValues], forward: Any, backward: Any, link: Link) -> Any:
+    def _stage3(self, c: Any, stages: list[list[SegmentValues]], forward: Any, backward: Any, link: Link) -> Any:
         """Per microbatch: each group gathered for forward and again for backward, its gradient reduce-scattered
         (``reduce_scatters``); the first group's gather has nothing to hide behind."""
-        groups = zero3_groups(units, c.dp)
+        split = c.schedule in ZERO_BUBBLE and c.pp > 1
+        key = (id(stages), c.dp, split)  # a rank's stages as the cost model keeps them (one list per layout)
+        if key not in self.groups:
+            units = [u for st in stages for u in st]
+            self.groups[key] = (zero3_groups(units, c.dp), reduce_scatters(units, c.dp, split))
+        groups, (calls, elements) = self.groups[key]
         if not groups:
             return 0
         p, n = self.precision, c.dp
         gathered = sum(g.elements for g in groups) * (p.gather or p.param)
-        calls, elements = reduce_scatters(units, n, split=c.schedule in ZERO_BUBBLE and c.pp > 1)
         gather = ring_gather(gathered, n, link, len(groups))
         scatter = ring_scatter(elements * p.grad, n, link, calls)
         first = ring_gather(gathered / len(groups), n, link)

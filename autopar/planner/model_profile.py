@@ -330,14 +330,16 @@ def _gathered(lowered: fx.GraphModule, regather: bool) -> set[str]:
 
 def _collectives(nodes: list[fx.Node], n: int, tokens: sympy.Expr, grads: dict[fx.Node, bool],
                  regather: bool) -> list[Collective]:
-    """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape;
+    """The tp collectives (forward and backward) of lowered ``nodes``, elements scaled from the static shape (a
+    parameter's, such as a norm weight's gradient all-reduce under sequence parallelism, not);
     a backward only where the collective's input needs a gradient (``grads``); ``regather``: sequence
     parallelism's gathers again in backward (``collective_calls``)."""
     out = []
     for node, direction, kind in collective_calls(nodes, grads, regather):
         local = numel_of(node.meta.get("val"))
         whole = local * n if OPS[node.target._opname].sharded_output else local  # unsharded elements
-        out.append(Collective(kind, direction, sympy.expand(whole * tokens)))
+        per_token = not (isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder")  # not a parameter's
+        out.append(Collective(kind, direction, sympy.expand(whole * tokens) if per_token else sympy.Integer(whole)))
     return out
 
 

@@ -222,11 +222,16 @@ def match_nodes(gm: fx.GraphModule, seg_of: dict[fx.Node, str], other: fx.GraphM
 
 
 def by_segment(lowered: fx.GraphModule, seg_by_name: dict[str, str]) -> dict[str, list[fx.Node]]:
-    """Lowered compute nodes by segment; an inserted collective goes with the value it converts."""
+    """Lowered compute nodes by segment; an inserted collective goes with the value it converts, or, converting a
+    parameter, with the node that uses it."""
     out: dict[str, list[fx.Node]] = {}
     for node in compute_nodes(lowered):
         source = node
         while source.meta.get(ORIGIN) is None and source.all_input_nodes:
             source = source.all_input_nodes[0]
+        if source.op == "placeholder":  # on a parameter (a norm's weight under sequence parallelism): with its user
+            source = node
+            while source.meta.get(ORIGIN) is None and source.users:
+                source = next(iter(source.users))
         out.setdefault(seg_by_name.get(source.meta.get(ORIGIN), "head"), []).append(node)
     return out

@@ -12,10 +12,11 @@ one of the candidates' estimates or the cost model's.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
-from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym
+from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
@@ -44,6 +45,9 @@ def render_table(result: PlanResult, top: int = 10) -> str:
             f"{'params+grads+opt':>16} {'activ.':>9} {'total':>9}  {'step':>9} {'tokens/s':>10} {'TF/dev':>7}  run")
     lines = [head]
     for i, c in enumerate(result.candidates[:top], 1):
+        if result.top is not None and i == result.top + 1:
+            lines.append(f"  (below row {result.top}: the best of other meshes, not every configuration; plan with "
+                         f"top={top} to rank {top})")
         cfg, m = c.config, c.memory
         v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
@@ -61,11 +65,11 @@ def render_table(result: PlanResult, top: int = 10) -> str:
 
 def render_plan(result: PlanResult, top: int = 10) -> str:
     """The header, the ranked table (``top`` rows) and the explanation."""
-    fitting = sum(c.fits for c in result.candidates)
     lines = [f"autopar plan: {result.model} ({_count(result.profile.total_params)} parameters) on {result.devices} x "
              f"{result.cluster.name}; global batch {result.global_batch} x {result.seq_len} tokens, "
              f"{result.precision.name} precision",
-             f"  {result.considered} configurations planned in {result.seconds:.1f} s, {fitting} fit "
+             f"  {result.considered} configurations planned in {result.seconds:.1f} s ({result.timed} timed, the "
+             f"others' lower bounds could not rank), {result.fitting} fit "
              f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
              "f full, f2+s full on 2 layers per stage and selective on the others), +sp = sequence parallelism, "
              "run = autopar runs it today", "", render_table(result, top), "", "why:"]
@@ -110,7 +114,8 @@ def explain(result: PlanResult) -> list[str]:
     elif c.pp > 1:
         out.append(f"pipeline bubble (pp-1)/(v*m) = {c.pp - 1}/({c.stages_per_rank}*{c.microbatches}) = "
                    f"{(c.pp - 1) / (c.stages_per_rank * c.microbatches):.1%} of the compute time")
-    out += _recompute_reason(result) + _sequence_parallel_reason(result) + _split_reduce_scatters(result)
+    out += _recompute_reason(result) + _sequence_parallel_reason(result) + _layer_collectives(result) \
+        + _split_reduce_scatters(result)
     peak = result.cluster.peak(prec.name)
     out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
                f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
@@ -182,7 +187,7 @@ def _zero_reason(result: PlanResult) -> list[str]:
     for z in range(4):
         if z == c.zero:
             continue
-        twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, zero=z)), None)
+        twin = result.candidate(dataclasses.replace(c, zero=z))
         if twin is None:
             continue
         verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
@@ -203,10 +208,8 @@ def _recompute_reason(result: PlanResult) -> list[str]:
     up_to = "up to " if len(set(layers)) > 1 else ""
     where = "the model's" if len(layers) == 1 else f"each pipeline stage's {up_to}"
     out = f"recomputation: full on {c.full_layers} of {where}{max(layers)} layers, {c.recompute} on the others"
-    one_mode = {x.config: x for x in result.candidates if x.config.recompute in ("full", c.recompute)
-                and not x.config.full_layers}
-    base = one_mode.get(dataclasses.replace(c, full_layers=0))
-    full = one_mode.get(dataclasses.replace(c, recompute="full", full_layers=0))
+    base = result.candidate(dataclasses.replace(c, full_layers=0))
+    full = result.candidate(dataclasses.replace(c, recompute="full", full_layers=0))
     if base is not None:
         out += (f": {gb(best.total_memory)} per device fits {gb(result.cluster.memory)}, where {c.recompute} on "
                 f"every layer needs {gb(base.total_memory)}")
@@ -221,7 +224,7 @@ def _sequence_parallel_reason(result: PlanResult) -> list[str]:
     c = best.config
     if not c.sequence_parallel:
         return []
-    twin = next((x for x in result.candidates if x.config == dataclasses.replace(c, sequence_parallel=False)), None)
+    twin = result.candidate(dataclasses.replace(c, sequence_parallel=False))
     out = (f"sequence parallelism: the values between tensor-parallel regions are sharded over tp={c.tp} too "
            f"(each forward all-reduce a reduce-scatter and an all-gather, the same bytes; backward gathers each "
            f"column-parallel input again, so that only its shard is kept)")
@@ -229,6 +232,42 @@ def _sequence_parallel_reason(result: PlanResult) -> list[str]:
         out += (f"; activations {gb(best.memory['activations'])} per device instead of "
                 f"{gb(twin.memory['activations'])}, without which {gb(twin.total_memory)} does not fit "
                 f"{gb(result.cluster.memory)}")
+    return [out]
+
+
+def _layer_collectives(result: PlanResult) -> list[str]:
+    """The tp collectives of one microbatch of the largest layer under the best, as the profile's lowering runs
+    them, with their sizes; and where the all-to-alls come from when there are any."""
+    c = result.candidates[0].config
+    layers = result.profile.layers
+    if c.tp == 1 or not layers:
+        return []
+    seg = max(layers, key=lambda x: x.parts[1].param_elements)
+    part = result.profile.part(seg, c.tp, c.sequence_parallel)
+    at = {b_sym: c.microbatch_size, s_sym: result.seq_len}
+    calls = Counter((x.direction, x.op, float(x.elements.xreplace(at)) * result.precision.activation,
+                     not x.elements.free_symbols) for x in part.collectives)
+    order = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+
+    def listed(direction: str) -> str:
+        found = sorted(((op, nbytes, param), n) for (d, op, nbytes, param), n in calls.items() if d == direction)
+        return ", ".join(f"{n} {op.replace('_', '-')}{'s' * (n > 1)} of {_bytes(nbytes)}"
+                         + (" (parameters' gradients)" if param else "")
+                         for (op, nbytes, param), n in sorted(found, key=lambda x: order.index(x[0][0]))) or "none"
+
+    sp = " with sequence parallelism" if c.sequence_parallel else ""
+    out = (f"tp collectives per microbatch of each {seg.name} layer (tp={c.tp}{sp}): forward {listed('forward')}; "
+           f"backward {listed('backward')}")
+    if c.sequence_parallel:
+        count = Counter((x.direction, x.op) for x in part.collectives)
+        again = count["backward", "all_gather"] - count["forward", "reduce_scatter"]
+        out += f"; {again} of the backward all-gathers gather kept shards again"
+    if any(x.op == "all_to_all" for x in part.collectives):
+        out += ("; the all-to-alls (each moves 1/tp of an all-gather's bytes) turn a norm's output from sequence "
+                "shards into hidden shards before a column-parallel matmul: the model flattens (batch, sequence) "
+                "into one dim there, which a sequence shard does not pass, and the sharding solver counts a "
+                "gathered input as kept in shards only where the all-gather feeds the matmul itself "
+                "(Megatron-LM's sequence-first layout needs no all-to-all; docs/planner.md)")
     return [out]
 
 
@@ -264,6 +303,10 @@ def _count(n: float) -> str:
 
 def _rate(flops: float) -> str:
     return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else gb(n)
 
 
 def _seconds(t: float) -> str:

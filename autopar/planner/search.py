@@ -23,6 +23,7 @@ import sympy
 import torch
 
 from autopar.core.mesh import Mesh
+from autopar.planner.bound import rank_key, timed_candidates
 from autopar.planner.cluster import Cluster, gb
 from autopar.core.dualpipe import min_microbatches
 from autopar.planner.config import MIXED_WITH, SCHEDULE_NAMES
@@ -34,15 +35,27 @@ from autopar.planner.report import explain, render_plan, render_table
 
 @dataclass
 class Candidate:
-    """One evaluated configuration."""
+    """One evaluated configuration: its memory, and its step time once asked for (``estimate``)."""
 
     config: Config
-    estimate: Estimate
     fits: bool
     runnable: bool  # autopar's runtime runs this configuration today
     not_runnable: str = ""  # why not, when it does not
     precision: str = ""  # the planner's precision name ("fp32", "bf16", "mixed", ...)
     recompute: str | dict[str, str] = "none"  # what parallelize(recompute=...) takes (a mix: layer -> mode)
+    known: Estimate | None = field(default=None, repr=False)  # memory only (time None) until the time is asked
+    cost: CostModel | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def estimate(self) -> Estimate:
+        """Memory and step time (``CostModel.estimate``); the time is estimated on first use."""
+        if self.known is None or self.known.time is None:
+            self.known = self.cost.estimate(self.config)
+        return self.known
+
+    @property
+    def timed(self) -> bool:
+        return self.known is not None and self.known.time is not None
 
     @property
     def mesh(self) -> Mesh:
@@ -52,11 +65,11 @@ class Candidate:
 
     @property
     def memory(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.estimate.memory.items()}
+        return {k: float(v) for k, v in (self.known or self.estimate).memory.items()}
 
     @property
     def total_memory(self) -> float:
-        return float(self.estimate.total_memory)
+        return float((self.known or self.estimate).total_memory)
 
     @property
     def step_time(self) -> float:
@@ -86,7 +99,12 @@ class Candidate:
 
 @dataclass
 class PlanResult:
-    """Ranked candidates (fitting ones first, fastest first) and the explanation of the best."""
+    """Ranked candidates (fitting ones first, fastest first) and the explanation of the best.
+
+    ``candidates``: every configuration that does not fit, and of those that fit the ones that can rank
+    (``autopar/planner/bound.py``): the best ``top``, the best of each mesh, the best autopar runs, and any other
+    whose lower bound did not rule it out; ``candidate(config)`` finds any configuration of the search.
+    """
 
     model: str
     devices: int
@@ -100,6 +118,18 @@ class PlanResult:
     seconds: float
     profile: ModelProfile
     cost: CostModel = field(repr=False)
+    top: int | None = None  # the candidates' first ``top`` are the best ``top`` (None: every one is ranked)
+    fitting: int = 0  # configurations that fit, ranked or bounded out
+    every: dict[Config, Candidate] = field(default_factory=dict, repr=False)  # each configuration searched
+
+    def candidate(self, config: Config) -> Candidate | None:
+        """The candidate of ``config`` if the search had it (bounded out or not), else None."""
+        return self.every.get(config)
+
+    @property
+    def timed(self) -> int:
+        """How many configurations' step times were estimated."""
+        return sum(c.timed for c in self.every.values())
 
     @property
     def best(self) -> Candidate:
@@ -164,6 +194,7 @@ def plan(
     scatter_gather: bool = False,
     recompute_collectives: bool = False,
     profile: ModelProfile | None = None,
+    top: int | None = 20,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
 
@@ -186,6 +217,10 @@ def plan(
     all-reduces again and keeps only layer inputs (Megatron-LM) rather than
     keeping the collectives' outputs (autopar). ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
+    ``top``: rank exactly the best ``top`` configurations, the best of each
+    mesh and the best autopar runs; the step time of a configuration whose
+    lower bound shows it can be none of those is not estimated
+    (``autopar/planner/bound.py``). None: estimate and rank every one.
     """
     start = time.perf_counter()
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
@@ -218,13 +253,13 @@ def plan(
         raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
                          f"{evaluated[0].config.describe()}: {evaluated[0].not_runnable}); plan with "
                          "runnable_only=False to see them all")
-    # fitting first, fastest first; at the same time to three significant digits the lower ZeRO stage, then less
-    # recomputation (its time is measured to exceed the model's where the model calls it negligible), less memory
-    candidates.sort(key=lambda c: (not c.fits, float(f"{c.step_time if c.fits else c.total_memory:.3g}"),
-                                   c.config.zero, c.config.recompute_order, c.total_memory))
+    fitting = [c for c in candidates if c.fits]
+    ranked = timed_candidates(fitting, top) + [c for c in candidates if not c.fits]
+    ranked.sort(key=rank_key)
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
-                        global_batch=global_batch, seq_len=seq_len or 1, candidates=candidates, explanation=[],
-                        considered=len(evaluated), seconds=0.0, profile=profile, cost=cost)
+                        global_batch=global_batch, seq_len=seq_len or 1, candidates=ranked, explanation=[],
+                        considered=len(evaluated), seconds=0.0, profile=profile, cost=cost, top=top,
+                        fitting=len(fitting), every={c.config: c for c in candidates})
     result.explanation = explain(result)
     result.seconds = time.perf_counter() - start
     return result
@@ -268,13 +303,14 @@ def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tup
 
 def evaluate(cost: CostModel, config: Config, cluster: Cluster, prec: Precision,
              profile: ModelProfile) -> Candidate | None:
-    """``config`` as a ``Candidate`` (its estimate, whether it fits and runs); None when the cost model rejects it."""
+    """``config`` as a ``Candidate`` (its memory, whether it fits and runs; the step time when first asked);
+    None when the cost model rejects it."""
     try:
-        est = cost.estimate(config)
+        est = cost.estimate(config, timed=False)
     except ValueError:
         return None
     reason = not_runnable(config, prec, profile)
-    return Candidate(config=config, estimate=est, fits=float(est.total_memory) <= cluster.memory,
+    return Candidate(config=config, known=est, cost=cost, fits=float(est.total_memory) <= cluster.memory,
                      runnable=not reason, not_runnable=reason, precision=prec.name,
                      recompute=cost.recompute_choice(config))
 

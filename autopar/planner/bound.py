@@ -1,0 +1,80 @@
+"""Branch and bound over the planner's candidates: the step time only of those that can rank.
+
+The search estimates every configuration's memory (``CostModel.estimate(timed=False)``):
+what fits, and by how much the others do not, is needed of each. Their step
+time costs more (the zero-bubble schedules' bubble is simulated, ZeRO-3's
+collectives counted per flat group) and only a few of them are read: the best
+``top`` that fit (the table), the best of each mesh (the explanation compares
+the best with every other tp and pp size; the measured checks run each mesh's
+best) and the best that autopar runs. ``timed_candidates`` bounds each fitting
+configuration's step time from below (``CostModel.step_time_bound``: the step
+without those two dear parts, exact otherwise), visits them from the lowest
+bound up, and times one only while its bound could still beat one of those.
+
+Invariant: sorted by ``rank_key``, the candidates returned begin with the same
+``top`` candidates, and hold the same best of each mesh, as timing every
+fitting configuration would (``tests/test_planner_bound.py`` compares the two
+searches).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.planner.search import Candidate
+
+SLACK = 1e-9  # a bound is summed in another order than the step time: it may exceed it by rounding
+
+
+def rank_key(c: Candidate) -> tuple:
+    """How candidates are ranked: fitting first, fastest first; at the same time to three significant digits the
+    lower ZeRO stage, then less recomputation (its time is measured to exceed the model's where the model calls it
+    negligible), then less memory. A candidate that does not fit is ranked by its memory."""
+    return (not c.fits, rounded(c.step_time if c.fits else c.total_memory), c.config.zero, c.config.recompute_order,
+            c.total_memory)
+
+
+def rounded(x: float) -> float:
+    """``x`` to three significant digits, as ``rank_key`` compares step times."""
+    return float(f"{x:.3g}")
+
+
+def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidate]:
+    """The fitting candidates that can be among the best ``top``, the best of their tp or pp size or the best that
+    autopar runs, each timed (see the module doc); all of them, timed, when ``top`` is None."""
+    if top is None:
+        return fitting
+    top = max(top, 1)
+    bounds = sorted((c.cost.step_time_bound(c.config), i) for i, c in enumerate(fitting))
+    # where the bound is the step time itself (nothing simulated), it counts before its candidate is timed
+    exact = [(b * (1 + SLACK), fitting[i]) for b, i in bounds if fitting[i].cost.exact_bound(fitting[i].config)]
+    leaders = [-rounded(t) for t, _ in exact[:top]]  # the best ``top`` rounded step times known, negated (a max-heap)
+    heapq.heapify(leaders)
+    best: dict[tuple, float] = {}  # group -> the fastest step time known in it
+    for t, c in exact:
+        for g in _groups(c):
+            best.setdefault(g, t)
+    out = []
+    for bound, i in bounds:
+        c = fitting[i]
+        low = bound * (1 - SLACK)
+        groups = _groups(c)
+        if len(leaders) >= top and rounded(low) > -leaders[0] and all(low > best.get(g, math.inf) for g in groups):
+            continue  # cannot be among the best ``top``, nor beat the best of any of its groups
+        t = c.step_time
+        out.append(c)
+        if not c.cost.exact_bound(c.config):  # (an exact one is among the leaders already, if it leads)
+            heapq.heappush(leaders, -rounded(t))
+            if len(leaders) > top:
+                heapq.heappop(leaders)
+        for g in groups:
+            best[g] = min(best.get(g, math.inf), t)
+    return out
+
+
+def _groups(c: Candidate) -> list[tuple]:
+    """The groups whose best the plan reports: its tp size, its pp size, and the configurations autopar runs."""
+    cfg = c.config
+    return [("tp", cfg.tp), ("pp", cfg.pp)] + [("runnable",)] * c.runnable
