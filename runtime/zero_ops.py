@@ -41,6 +41,7 @@ import torch
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.runtime import regather
 from autopar.runtime.zero_group import FlatShard
+from autopar.runtime.zero_trace import Span, ZeroEvent
 
 _ACTIVE = threading.local()  # per thread: the stack of forward runs between zero_begin and zero_end
 
@@ -87,6 +88,7 @@ class _ForwardRun:
         self.gather_dtype: dict[FlatShard, torch.dtype] = {}  # what each group was gathered as
         self.outstanding: Counter[FlatShard] = Counter()  # handles saved and not yet used
         self.regathered: dict[FlatShard, torch.Tensor] = {}
+        self.computing: dict[FlatShard, Span] = {}  # layers whose backward has begun and not yet completed
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def track(self, group: FlatShard, full: torch.Tensor) -> None:
@@ -140,9 +142,11 @@ class _ForwardRun:
         group = saved.group
         full = self.regathered.get(group)
         if full is None:
-            full = group.gather(saved.dtype)  # (usually prefetched while the previous layer's gradient reduced)
+            full = group.gather(saved.dtype, ZeroEvent.REGATHER)  # (usually prefetched while the previous layer's gradient reduced)
             group.queue.drain()  # that gradient's buffer is freed before this layer's backward computes
             self.regathered[group] = full
+            if group.trace is not None:
+                self.computing[group] = group.trace.open(ZeroEvent.BACKWARD, group.spec.name)
         self.outstanding[group] -= 1
         node = torch._C._current_autograd_node()
         if self.outstanding[group] <= 0 and node is not None:  # the last saved use: free once this node is done
@@ -162,7 +166,7 @@ class _ForwardRun:
         i = self.order.index(group)
         for earlier in reversed(self.order[max(0, i - self.prefetch) : i]):
             if self.outstanding[earlier] > 0 and earlier not in self.regathered:
-                earlier.prefetch(self.gather_dtype.get(earlier))
+                earlier.prefetch(self.gather_dtype.get(earlier), ZeroEvent.REGATHER)
 
 
 def _stack() -> list[_ForwardRun]:
@@ -230,6 +234,9 @@ class _ReduceFirst:
     def __call__(self, grads: tuple) -> tuple | None:
         grad = grads[0]
         if self.run is not None:
+            span = self.run.computing.pop(self.group, None)
+            if span is not None:
+                span.close()
             self.run.release_regathered(self.group)
         if grad is None:
             zeros = torch.zeros(self.shape, dtype=self.group.reduce_dtype, device=self.device)
