@@ -110,9 +110,19 @@ class ParallelModel:
         program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
         return forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
 
-    def timeline(self) -> list[tuple[str, float, float]]:
-        """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds)."""
-        return list(self._rt.executor.timeline) if self._rt is not None else []
+    def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:
+        """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds).
+
+        ``layers``: with them, ZeRO's events of the same run, by start: each layer's gathers, backward
+        compute and gradient reduce-scatters (``runtime/zero_trace.py``; docs/zero.md).
+        """
+        if self._rt is None:
+            return []
+        actions = list(self._rt.executor.timeline)
+        if not (layers and actions and self._rt.zero is not None):
+            return actions
+        events = self._rt.zero.trace.between(actions[0][1], actions[-1][2])
+        return sorted(actions + events, key=lambda record: record[1])
 
     def communication(self, *, calls: bool = False) -> dict[str, int]:
         """Bytes (or, with ``calls``, calls) of the tensor-parallel collectives and ZeRO's gathers and

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import autopar
-from fsdp2_compare import AutoparStep, FSDP2Step, batch, compare, loss_fn, main, make_model, optimizer
+from fsdp2_compare import AutoparStep, batch, compare, fsdp2_steps, loss_fn, main, make_model, optimizer
 
 
 def _rank(args: argparse.Namespace) -> dict:
@@ -25,7 +25,7 @@ def _rank(args: argparse.Namespace) -> dict:
     pm = autopar.parallelize(make_model(args), autopar.Mesh(dp=args.ranks), loss_fn=loss_fn, optimizer=optimizer,
                              zero=3, zero_prefetch=args.prefetch, precision="bf16")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out = compare({"autopar": AutoparStep(pm, ids), "fsdp2": FSDP2Step(args, ids, policy)}, args)
+    out = compare({"autopar": AutoparStep(pm, ids), **fsdp2_steps(args, ids, policy)}, args)
     return {**out, "account": pm.memory()}
 
 

@@ -6,6 +6,12 @@ them to ``compare``: steps alternate which runs first, medians are kept, and pea
 estimated: the persistent state (parameter shards, gradients, optimizer state) from its tensors at the start
 of a step, plus the most bytes of tensors allocated during the step alive at once (a dispatch mode sees
 every allocation; storages are checked when each op returns, so a buffer freed early counts as freed).
+
+FSDP2 gets autopar's prefetch depth ``--prefetch k`` (k >= 1) as explicit prefetch lists: each block
+prefetches the next k blocks in forward and the k blocks before it in backward; the root the first k in
+forward and the last k in backward (with k = 1 this is FSDP2's default order). On a CPU FSDP2's all-gathers
+block unless ``--fsdp2-async`` (its ``_set_unshard_async_op(True)``): then a prefetched all-gather overlaps
+compute as it does on a GPU's streams; its reduce-scatters block on a CPU either way.
 """
 from __future__ import annotations
 
@@ -51,7 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=1, help="zero_prefetch: layers autopar gathers ahead")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="zero_prefetch: layers autopar gathers ahead; FSDP2's explicit prefetch depth too")
+    p.add_argument("--fsdp2-async", action="store_true",
+                   help="also time FSDP2 with asynchronous all-gathers (unshard_async_op), as 'fsdp2-async'")
 
 
 def batch(args: argparse.Namespace) -> torch.Tensor:
@@ -61,7 +70,8 @@ def batch(args: argparse.Namespace) -> torch.Tensor:
 class FSDP2Step:
     """FSDP2 on this rank: ``fully_shard`` per block, then the root (``mp_policy`` on each); one step per call."""
 
-    def __init__(self, args: argparse.Namespace, ids: torch.Tensor, mp_policy: Any = None) -> None:
+    def __init__(self, args: argparse.Namespace, ids: torch.Tensor, mp_policy: Any = None,
+                 async_gathers: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -69,9 +79,13 @@ class FSDP2Step:
         self.model = make_model(args)
         mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("dp",))
         extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
-        for block in self.model.transformer.h:
+        blocks = list(self.model.transformer.h)
+        for block in blocks:
             fully_shard(block, mesh=mesh, **extra)
         fully_shard(self.model, mesh=mesh, **extra)
+        prefetch_like_autopar(self.model, blocks, args.prefetch)
+        if async_gathers:
+            self.model._set_unshard_async_op(True)
         self.optimizer = optimizer(list(self.model.parameters()))
         self.local = ids.chunk(args.ranks)[dist.get_rank()]
         self.losses: list[float] = []
@@ -87,6 +101,27 @@ class FSDP2Step:
 
     def persistent(self) -> int:
         return persistent_bytes(list(self.model.parameters()), self.optimizer)
+
+
+def prefetch_like_autopar(root: Any, blocks: list, k: int) -> None:
+    """FSDP2's explicit prefetch lists for depth ``k``: blocks ahead in forward, behind in backward."""
+    if k < 1:
+        return  # (FSDP2 always prefetches one module in backward; zero_prefetch=0 has no FSDP2 equivalent)
+    root.set_modules_to_forward_prefetch(blocks[:k])
+    root.set_modules_to_backward_prefetch(blocks[::-1][:k])
+    for i, block in enumerate(blocks):
+        if blocks[i + 1 : i + 1 + k]:
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + k])
+        if i > 0:
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - k) : i][::-1])
+
+
+def fsdp2_steps(args: argparse.Namespace, ids: torch.Tensor, mp_policy: Any = None) -> dict[str, FSDP2Step]:
+    """``fsdp2`` (blocking all-gathers on a CPU), and ``fsdp2-async`` with ``--fsdp2-async``."""
+    steps = {"fsdp2": FSDP2Step(args, ids, mp_policy)}
+    if args.fsdp2_async:
+        steps["fsdp2-async"] = FSDP2Step(args, ids, mp_policy, async_gathers=True)
+    return steps
 
 
 class AutoparStep:
@@ -167,16 +202,19 @@ def main(rank: Callable[[argparse.Namespace], dict], doc: str, what: str) -> Non
 
 
 def report(results: list[dict], title: str) -> None:
-    """Prints autopar against FSDP2: median step times, peak bytes per rank and their ratios, losses."""
+    """Prints autopar against FSDP2 (each FSDP2 variant timed): median step times, peak bytes per rank and
+    their ratios, losses."""
     a = statistics.median(r["median"]["autopar"] for r in results)
-    f = statistics.median(r["median"]["fsdp2"] for r in results)
     pa = max(r["peak"]["autopar"] for r in results)
-    pf = max(r["peak"]["fsdp2"] for r in results)
     first = results[0]["losses"]
     print(title)
-    print(f"median step: autopar {a * 1e3:.1f} ms   FSDP2 {f * 1e3:.1f} ms   ratio autopar/FSDP2 {a / f:.3f} "
-          "(target <= 1.0)")
-    print(f"peak bytes per rank: autopar {pa:,} B   FSDP2 {pf:,} B   ratio {pa / pf:.4f} (target <= 1.0)")
+    for name in [k for k in results[0]["median"] if k != "autopar"]:
+        f = statistics.median(r["median"][name] for r in results)
+        pf = max(r["peak"][name] for r in results)
+        shown = name.upper().replace("FSDP2-", "FSDP2 ")
+        print(f"median step: autopar {a * 1e3:.1f} ms   {shown} {f * 1e3:.1f} ms   ratio autopar/{shown} {a / f:.3f} "
+              "(target <= 1.0)")
+        print(f"peak bytes per rank: autopar {pa:,} B   {shown} {pf:,} B   ratio {pa / pf:.4f} (target <= 1.0)")
     if "account" in results[0]:
         print(f"autopar account after a step: {results[0]['account']}")
     n = len(first["autopar"])

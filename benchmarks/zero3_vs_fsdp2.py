@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 
 import autopar
-from fsdp2_compare import AutoparStep, FSDP2Step, batch, compare, loss_fn, main, make_model, optimizer
+from fsdp2_compare import AutoparStep, batch, compare, fsdp2_steps, loss_fn, main, make_model, optimizer
 
 
 def _rank(args: argparse.Namespace) -> dict:
     ids = batch(args)
     pm = autopar.parallelize(make_model(args), autopar.Mesh(dp=args.ranks), loss_fn=loss_fn, optimizer=optimizer,
                              zero=3, zero_prefetch=args.prefetch)
-    out = compare({"autopar": AutoparStep(pm, ids), "fsdp2": FSDP2Step(args, ids)}, args)
+    out = compare({"autopar": AutoparStep(pm, ids), **fsdp2_steps(args, ids)}, args)
     return {**out, "account": pm.memory()}
 
 

@@ -27,6 +27,7 @@ from autopar.runtime.groups import Groups
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
+from autopar.runtime.zero_trace import ZeroTrace
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -82,7 +83,8 @@ class ZeroRuntime:
                                               n=mesh.dp, bucket_bytes=options.bucket_bytes, alone=alone)
         check_optimizer(options.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
-        self.queue = ReduceQueue()
+        self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
+        self.queue = ReduceQueue(trace=self.trace)
         by_name = dict(named)
         ranks = mesh.group_of(groups.rank, "dp")
         policy = getattr(options, "policy", None)  # mixed precision: gradients reduced in its reduce dtype
@@ -91,7 +93,8 @@ class ZeroRuntime:
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
             fs = FlatShard(spec, index=groups.coord("dp"), group=groups["dp"], ranks=ranks, device=groups.device,
-                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype)
+                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype,
+                           trace=self.trace)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from autopar.core.collectives import record
 from autopar.core.zero_layout import FlatGroup
+from autopar.runtime.zero_trace import Span, ZeroEvent, ZeroTrace
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the first names
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,6 +96,7 @@ class _Prefetch:
     work: object
     full: torch.Tensor
     version: int
+    span: Span | None  # issued .. waited for, in the rank's ``ZeroTrace``
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,8 +108,9 @@ class FlatShard:
 
     def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
                  device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None) -> None:
         self.spec = spec
+        self.trace = trace
         self.reduce_dtype = reduce_dtype or spec.dtype
         self.queue = queue
         self.index = index
@@ -170,42 +173,48 @@ class FlatShard:
         return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
 
     # stage 3 ------------------------------------------------------------------
-    def _start_gather(self, dtype: torch.dtype) -> _Prefetch:
+    def _start_gather(self, dtype: torch.dtype, kind: ZeroEvent) -> _Prefetch:
         """Allocates the full buffer and gathers into it in place: this rank's shard is cast straight into its
         own slice, which is the collective's input (no separate copy of the shard in ``dtype``)."""
+        span = self.trace.open(kind, self.spec.name) if self.trace is not None else None
         full = torch.empty(self.spec.padded, dtype=dtype, device=self.shard.device)
         self.tracker.add(full)
         lo = self.index * self.spec.shard
         mine = full[lo : lo + self.spec.shard]
         mine.copy_(self.shard.detach())
         if self.group is None:
-            return _Prefetch(None, full, self.shard._version)
+            return _Prefetch(None, full, self.shard._version, span)
         record("zero_all_gather", "dp", mine)
         work = all_gather_flat(full, mine, group=self.group, async_op=True)
-        return _Prefetch(work, full, self.shard._version)
+        return _Prefetch(work, full, self.shard._version, span)
 
-    def prefetch(self, dtype: torch.dtype | None = None) -> None:
-        """Starts gathering the full flat parameters (in ``dtype``); the next ``gather`` waits for it."""
+    def prefetch(self, dtype: torch.dtype | None = None, kind: ZeroEvent = ZeroEvent.GATHER) -> None:
+        """Starts gathering the full flat parameters (in ``dtype``); the next ``gather`` waits for it.
+        ``kind``: how the rank's trace names it (a forward gather, or backward's re-gather)."""
         if self._prefetched is None:
-            self._prefetched = self._start_gather(dtype or self.spec.dtype)
+            self._prefetched = self._start_gather(dtype or self.spec.dtype, kind)
 
-    def gather(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    @property
+    def prefetched(self) -> bool:
+        """Whether a gather of this group is in flight (issued and not yet taken by ``gather``)."""
+        return self._prefetched is not None
+
+    def gather(self, dtype: torch.dtype | None = None, kind: ZeroEvent = ZeroEvent.GATHER) -> torch.Tensor:
         """The full flat parameters (padded, in ``dtype``), from a prefetch when one is pending and current."""
         dtype = dtype or self.spec.dtype
         pending, self._prefetched = self._prefetched, None
         if pending is None or pending.dtype != dtype:
-            if pending is not None and pending.work is not None:
-                pending.work.wait()
-            pending = self._start_gather(dtype)
-        if pending.work is not None:
-            pending.work.wait()
+            if pending is not None:
+                _finish(pending)
+            pending = self._start_gather(dtype, kind)
+        _finish(pending)
         if pending.version != self.shard._version:  # the shard changed after the prefetch was issued
-            return self.gather(dtype)
+            return self.gather(dtype, kind)
         return pending.full
 
     def drop_prefetch(self) -> None:
-        if self._prefetched is not None and self._prefetched.work is not None:
-            self._prefetched.work.wait()
+        if self._prefetched is not None:
+            _finish(self._prefetched)
         self._prefetched = None
 
     # gradients ----------------------------------------------------------------
@@ -236,6 +245,13 @@ class FlatShard:
         self.fresh = False
 
 
+def _finish(gather: _Prefetch) -> None:
+    if gather.work is not None:
+        gather.work.wait()
+    if gather.span is not None:
+        gather.span.close()
+
+
 @dataclass
 class _Reduction:
     """One reduce-scatter in flight: its averaged slice goes to ``shard`` when ``work`` completes."""
@@ -246,6 +262,7 @@ class _Reduction:
     src: torch.Tensor  # the flat gradient being reduced
     in_place: bool  # stage 1: ``out`` is the shard's gradient itself
     owned: bool  # nothing else reads ``src``: its storage is released once the slice is taken
+    span: Span | None  # issued .. waited for, in the rank's ``ZeroTrace``
 
 
 class ReduceQueue:
@@ -256,8 +273,9 @@ class ReduceQueue:
     for a while, and memory should follow the step, not that timing.
     """
 
-    def __init__(self, inflight: int = 1) -> None:
+    def __init__(self, inflight: int = 1, trace: ZeroTrace | None = None) -> None:
         self.inflight = inflight
+        self.trace = trace
         self._pending: deque[_Reduction] = deque()
         self.launched = 0  # reduce-scatters launched since construction (for tests and the plan)
 
@@ -276,8 +294,9 @@ class ReduceQueue:
             flat, owned = flat.clone(), True  # gloo's reduction overwrites its input
         # gloo reduces in place and its slice is read when the work completes: no output buffer while in flight
         out = None if gloo else torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
+        span = self._open(shard)
         work = reduce_scatter_async(out, flat, shard.index, shard.group)
-        self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned))
+        self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned, span=span))
         if wait:
             self.limit()
 
@@ -290,9 +309,13 @@ class ReduceQueue:
         if shard.reduce_dtype != shard.grad_full.dtype:
             self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
             return
+        span = self._open(shard)
         work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group)
-        self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False))
+        self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False, span=span))
         self.limit()
+
+    def _open(self, shard: FlatShard) -> Span | None:
+        return self.trace.open(ZeroEvent.REDUCE_SCATTER, shard.spec.name) if self.trace is not None else None
 
     def _push(self, reduction: _Reduction) -> None:
         self.launched += 1
@@ -303,9 +326,17 @@ class ReduceQueue:
         while len(self._pending) > self.inflight:
             self._complete()
 
+    def make_room(self) -> None:
+        """Completes the oldest reduce-scatters until one more keeps at most ``inflight`` outstanding: called
+        before a new one allocates its buffer, so that no more than ``inflight`` flat gradients are alive."""
+        while self._pending and len(self._pending) >= self.inflight:
+            self._complete()
+
     def _complete(self) -> None:
         r = self._pending.popleft()
         r.work.wait()
+        if r.span is not None:
+            r.span.close()
         r.shard.accumulate(r.out if r.out is not None else r.work.result, in_place=r.in_place)
         if r.owned:
             r.src.untyped_storage().resize_(0)

@@ -4,22 +4,27 @@
 ``dtype`` when given: mixed precision gathers bf16 copies of the fp32 shards);
 its backward reduce-scatters the layer's gradient over the same ranks
 (asynchronously; the averaged slice lands in the shard's gradient buffer when
-the step's gradient sync finishes). ``zero_prefetch`` starts a later layer's
+the reduction is waited for). ``zero_prefetch`` starts a later layer's
 all-gather early. ``zero_free(full, pieces)`` releases a gathered buffer's
 memory after its last forward use. ``zero_begin`` / ``zero_end`` bracket one forward run:
 while it runs, a tensor autograd saves for backward that lives in a gathered
 buffer is stored as a handle (group, size, stride, offset) instead, so freeing
-the buffer loses nothing; backward re-gathers the group on first need and frees
-that copy once the autograd node that used its last handle has run, or once the
-gradients of the layer's parameters are complete (before they are concatenated
-and reduce-scattered), whichever comes first. A pre-hook on the op's backward
-node starts the reduce-scatter (from a copy only where the reduction needs one:
-another reduce dtype, or gloo, which overwrites its input) and hands the node a
-zero-byte stand-in, so autograd drops the layer's incoming gradient before the
-node runs; the node
-then prefetches the layer backward reaches next. The two collectives overlap,
-one backward copy is alive during compute, and the prefetched layer never
-shares memory with two copies of a layer's gradient.
+the buffer loses nothing.
+
+Backward reaches the layers in the reverse of the order the forward finished
+with them. A layer's backward begins at its first handle: the layer is
+re-gathered (from its prefetch when one is in flight) after the gathers of the
+``prefetch`` layers backward reaches next have been started, so that layer L
+arrives while layer L+1 computes, as FSDP2's pre-backward prefetch does. The
+copy is freed once the autograd node that used its last handle has run, or once
+the gradients of the layer's parameters are complete (before they are
+concatenated and reduce-scattered), whichever comes first. Then a pre-hook on
+the op's backward node completes the reduce-scatter still in flight from the
+layer before, starts this layer's (from a copy only where the reduction needs
+one: another reduce dtype, or gloo, which overwrites its input) and hands the
+node a zero-byte stand-in, so autograd drops the layer's incoming gradient. So
+no layer's backward waits for another layer's reduction, one reduction is in
+flight while the next layer computes, and no two flat gradients are alive at once.
 
 Buffers are freed by releasing their storage (``resize_(0)``) rather than by
 dropping references, because a completed collective may keep a reference to
@@ -41,6 +46,7 @@ import torch
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.runtime import regather
 from autopar.runtime.zero_group import FlatShard
+from autopar.runtime.zero_trace import Span, ZeroEvent
 
 _ACTIVE = threading.local()  # per thread: the stack of forward runs between zero_begin and zero_end
 
@@ -83,18 +89,17 @@ class _ForwardRun:
         self.buffers: dict[int, tuple[weakref.ref, FlatShard]] = {}  # storage address -> (storage, group)
         self.dtypes: dict[int, torch.dtype] = {}  # storage address -> the gathered buffer's dtype
         self.kept: set[int] = set()  # buffers autograd saved as themselves: never freed early
-        self.order: list[FlatShard] = []  # groups in forward gather order
+        self.finished: list[FlatShard] = []  # groups in the order the forward finished with them (``zero_free``)
         self.gather_dtype: dict[FlatShard, torch.dtype] = {}  # what each group was gathered as
         self.outstanding: Counter[FlatShard] = Counter()  # handles saved and not yet used
         self.regathered: dict[FlatShard, torch.Tensor] = {}
+        self.computing: dict[FlatShard, Span] = {}  # layers whose backward has begun and not yet completed
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def track(self, group: FlatShard, full: torch.Tensor) -> None:
         storage = full.untyped_storage()
         self.buffers[storage.data_ptr()] = (weakref.ref(storage), group)
         self.dtypes[storage.data_ptr()] = full.dtype
-        if group not in self.order:
-            self.order.append(group)
         self.gather_dtype[group] = full.dtype
 
     def _entry(self, t: torch.Tensor) -> tuple[int, FlatShard] | None:
@@ -114,6 +119,8 @@ class _ForwardRun:
         if entry is None:
             return
         address, group = entry
+        if group not in self.finished:
+            self.finished.append(group)
         needed = [p for p in pieces if p.requires_grad]  # none under torch.no_grad
         if needed:
             torch.autograd.graph.register_multi_grad_hook(needed, lambda _: self.release_regathered(group))
@@ -140,9 +147,7 @@ class _ForwardRun:
         group = saved.group
         full = self.regathered.get(group)
         if full is None:
-            full = group.gather(saved.dtype)  # (usually prefetched while the previous layer's gradient reduced)
-            group.queue.drain()  # that gradient's buffer is freed before this layer's backward computes
-            self.regathered[group] = full
+            full = self.begin_backward(group, saved.dtype)
         self.outstanding[group] -= 1
         node = torch._C._current_autograd_node()
         if self.outstanding[group] <= 0 and node is not None:  # the last saved use: free once this node is done
@@ -155,14 +160,28 @@ class _ForwardRun:
         if full is not None:
             release(full)
 
-    def prefetch_before(self, group: FlatShard) -> None:
-        """Starts re-gathering the groups backward reaches next (those gathered just before ``group``)."""
-        if group not in self.order:
-            return
-        i = self.order.index(group)
-        for earlier in reversed(self.order[max(0, i - self.prefetch) : i]):
-            if self.outstanding[earlier] > 0 and earlier not in self.regathered:
-                earlier.prefetch(self.gather_dtype.get(earlier))
+    def begin_backward(self, group: FlatShard, dtype: torch.dtype) -> torch.Tensor:
+        """Backward reached ``group``'s first saved parameter: its layer's backward begins. Returns the layer
+        re-gathered (from its prefetch when one is in flight), after starting the gathers of the ``prefetch``
+        layers backward reaches next, so that they arrive while this one computes (as FSDP2's pre-backward
+        prefetch does). Reduce-scatters still in flight are not waited for here."""
+        group.prefetch(dtype, ZeroEvent.REGATHER)  # (issued first: this layer is needed first)
+        for ahead in self.next_in_backward(group):
+            ahead.prefetch(self.gather_dtype.get(ahead), ZeroEvent.REGATHER)
+        full = group.gather(dtype, ZeroEvent.REGATHER)
+        self.regathered[group] = full
+        if group.trace is not None:
+            self.computing[group] = group.trace.open(ZeroEvent.BACKWARD, group.spec.name)
+        return full
+
+    def next_in_backward(self, group: FlatShard) -> list[FlatShard]:
+        """The ``prefetch`` layers after ``group`` in backward's order (the reverse of the forward's last uses)
+        that still have saved parameters to re-gather."""
+        if group not in self.finished:
+            return []
+        before = self.finished[: self.finished.index(group)]
+        waiting = [g for g in reversed(before) if self.outstanding[g] > 0 and g not in self.regathered]
+        return waiting[: self.prefetch]
 
 
 def _stack() -> list[_ForwardRun]:
@@ -216,12 +235,14 @@ def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 class _ReduceFirst:
-    """The pre-hook of a gathered layer's backward node: starts the reduce-scatter of the layer's gradient and
-    hands the node a zero-byte stand-in, so autograd frees the gradient before the node body prefetches the next
-    layer. (The reduction reads a copy in ``reduce_dtype``, or a copy the backend may overwrite, where it needs one;
-    autograd's reference to the incoming gradient is dropped, never its storage released.) A backward that brings
-    the layer no gradient (a split backward's B when the layer has only deferred weights) reduces zeros, as
-    autograd's materialised gradient did."""
+    """The pre-hook of a gathered layer's backward node, run when the layer's gradient is complete: releases the
+    layer's re-gathered copy, completes the reduce-scatter still in flight from the layer before (backward's
+    previous one; it has had this layer's whole backward to finish), starts this layer's and hands the node a
+    zero-byte stand-in, so autograd frees the gradient at once. (The reduction reads a copy in ``reduce_dtype``,
+    or a copy the backend may overwrite, where it needs one; autograd's reference to the incoming gradient is
+    dropped, never its storage released.) So one layer's gradient is in flight while the next computes, and no
+    more than one. A backward that brings the layer no gradient (a split backward's B when the layer has only
+    deferred weights) reduces zeros, as autograd's materialised gradient did."""
 
     def __init__(self, run: _ForwardRun | None, group: FlatShard, output: torch.Tensor) -> None:
         self.run, self.group = run, group
@@ -230,7 +251,11 @@ class _ReduceFirst:
     def __call__(self, grads: tuple) -> tuple | None:
         grad = grads[0]
         if self.run is not None:
+            span = self.run.computing.pop(self.group, None)
+            if span is not None:
+                span.close()
             self.run.release_regathered(self.group)
+        self.group.queue.make_room()
         if grad is None:
             zeros = torch.zeros(self.shape, dtype=self.group.reduce_dtype, device=self.device)
             self.group.reduce_gradient(zeros, wait=False, owned=True)
@@ -242,10 +267,6 @@ class _ReduceFirst:
 
 def _backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None, None]:
     """Runs after ``_ReduceFirst``: the layer's gradient is already being reduced and autograd has dropped it."""
-    run, group = ctx.run, ctx.group
-    if run is not None:
-        run.prefetch_before(group)  # the layers backward reaches next, gathered while this one reduces
-    group.queue.limit()
     return None, None, None, None  # the averaged slice reaches the shard's gradient through the reduce queue
 
 

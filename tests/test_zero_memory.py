@@ -101,19 +101,25 @@ def _step_peaks() -> dict:
                 with mode:
                     pm.step(IDS, target=IDS)
                 peaks.append(mode.peak)
-            out[precision, prefetch] = (peaks, pm.memory()["gathered"])
+            layout = pm.compile((IDS,), target=IDS).zero_layouts[torch.distributed.get_rank()]
+            layer = max(g.padded for g in layout.groups) * (2 if precision == "bf16" else 4)  # as gathered
+            out[precision, prefetch] = (peaks, pm.memory()["gathered"], layer)
     return out
 
 
-def test_a_layer_of_prefetch_does_not_raise_the_steps_peak(launcher) -> None:
+def test_a_layer_of_prefetch_raises_the_steps_peak_by_at_most_that_layer(launcher) -> None:
     """Gathered layers dominate this step (wide layers, 32 tokens per rank; SGD allocates nothing), and its peak
-    is in backward, where a layer's gradient is reduced. zero_prefetch=1 gathers the next layer early in forward
-    (two layers gathered at once) and in backward, but only after the layer's gradient has been taken by the
-    reduction (converted to fp32 or copied for gloo, which overwrites it) and autograd has freed it; the gather
-    casts the shard straight into its slice of the gathered buffer, and the reduction allocates its output
-    only when it completes. So the step's peak is the one without prefetch, in fp32 and bf16, on every step."""
+    is in backward. zero_prefetch=1 gathers the next layer early in forward (two layers gathered at once) and, as
+    FSDP2 does, starts re-gathering layer L when layer L+1's backward begins, so L is alive while L+1 computes
+    (with L+1's copy, its parameter gradients and L+2's gradient still reducing, which FSDP2 also holds then).
+    That one layer is all the prefetch adds to the step's peak: no second copy of a gradient (the reduction of
+    L+2 completes before L+1's gradient is copied for gloo or converted to fp32), no copy of the shard for the
+    gather (it is cast straight into its slice of the gathered buffer), no output buffer for a reduction in
+    flight. In fp32 the peak rises by exactly the layer; in bf16 by less (the layer is gathered in bf16, and
+    the peak's moment moves). The peak is the same on every step."""
     for rank, results in enumerate(launcher(_step_peaks, 2)):
         for precision in ("fp32", "bf16"):
-            (without, gathered_without), (with_prefetch, gathered_with) = (results[precision, p] for p in (0, 1))
-            assert gathered_with > gathered_without, (rank, precision)  # the prefetch happens
-            assert len(set(without + with_prefetch)) == 1, (rank, precision, without, with_prefetch)
+            (without, gathered, layer), (with_prefetch, gathered_with, _) = (results[precision, p] for p in (0, 1))
+            assert gathered_with == gathered + layer, (rank, precision)  # the prefetch happens (one layer ahead)
+            assert len(set(without)) == len(set(with_prefetch)) == 1, (rank, precision, without, with_prefetch)
+            assert 0 <= with_prefetch[0] - without[0] <= layer, (rank, precision, without, with_prefetch, layer)
