@@ -185,6 +185,7 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
           f"stage waits for, and W, the weight gradients, which fill the waits): pp=2 on 2 ranks "
           f"({os.cpu_count()} cores), {microbatches} microbatches of {ROWS} x {SEQ}, {steps} steps each, interleaved")
     results = launch(_compare_rank, 2, args, microbatches, steps, device="cpu")
+    rows = {}
     for s in COMPARED:
         steps_of = [r[s]["steps"] for r in results]
         measured = statistics.median(measured_bubble({rank: tl[k] for rank, tl in enumerate(steps_of)})
@@ -193,15 +194,29 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
         sim = simulate(add_communication(make_schedule(s, 2, microbatches)), forward_time=times["F"],
                        backward_time=times["B"] + (times["W"] or 0.0), weight_time=times["W"]).bubble_fraction
         step = statistics.median(statistics.median(r[s]["times"]) for r in results)
+        rows[s] = (step, times)
         print(f"  {s:<6} step {step * 1e3:7.1f} ms   bubble measured {measured:6.1%}   simulated {sim:6.1%} "
               f"(F {times['F'] * 1e3:.1f} ms, B {times['B'] * 1e3:.1f} ms"
               + (f", W {times['W'] * 1e3:.1f} ms)" if times["W"] else ")"))
+    print("  " + verdict(rows))
     panels = {f"{s}, pp=2: pipeline actions of the quickest step": quickest_step([r[s]["steps"] for r in results])
               for s in COMPARED}
     try:
         print(f"  the quickest step of 1f1b above that of zb-h1: {save_gantts(panels, out / 'autopar-zero-bubble.png')}")
     except RuntimeError as e:
         print(f"  no PNG: {e}")
+
+
+def verdict(rows: dict[str, tuple[float, dict[str, float | None]]]) -> str:
+    """What the two measured steps say: the step-time ratio, and whether the split backward paid for itself."""
+    (base, t1), (zb, t2) = rows["1f1b"], rows["zb-h1"]
+    split = (t2["B"] + t2["W"]) / t1["B"] - 1
+    if zb < base:
+        return (f"zb-h1 / 1f1b step time {zb / base:.2f}: the weight gradients fill the waits (the split backward "
+                f"B + W costs {split:+.0%} against 1F1B's B)")
+    return (f"zb-h1 / 1f1b step time {zb / base:.2f}: here the split backward's B + W costs {split:+.0%} against "
+            f"1F1B's B, more than the bubble it fills; it pays where deferring W costs little (docs/benchmarks.md: "
+            f"the zero-bubble benchmark's chain)")
 
 
 def measured_bubble(timelines: dict[int, Timeline]) -> float:
