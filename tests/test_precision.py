@@ -17,7 +17,8 @@ from autopar import Mesh, parallelize
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import CAST, COMPUTE
 from autopar.precision import check_model, policy
-from autopar.testing import MIXED, assert_equivalent, mixed_errors, parallel_run, reference_run
+from autopar.testing import MIXED, mixed_errors, parallel_run, reference_run
+from harness.mixed import assert_mixed
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -35,29 +36,32 @@ def _compiled(name: str, mesh: Mesh, **options: object):
 
 
 # --- numerics -----------------------------------------------------------------------------------------------
+# SGD, so that a gradient off by a constant factor shows (AdamW normalises it away), each parameter bounded on its
+# own (``harness.mixed``); AdamW in the reduce_dtype="bf16" cases under -m slow
 DEFAULT_CASES = [("gpt2", dict(pp=2, tp=2), dict(microbatches=2), models.sgd),
-                 ("llama", dict(dp=2), dict(zero=3), models.adamw)]
+                 ("llama", dict(dp=2), dict(zero=3), models.sgd)]
 SLOW_CASES = [(name, mesh, opts, models.sgd)
               for name in ("gpt2", "llama", "bert")
               for mesh, opts in [(dict(dp=2), {}), (dict(tp=2), {}), (dict(pp=2), dict(microbatches=2)),
                                  (dict(dp=2), dict(zero=1)), (dict(dp=2), dict(zero=2)), (dict(dp=2), dict(zero=3)),
                                  (dict(dp=2, pp=2, tp=2), dict(microbatches=2, zero=3))]]
-SLOW_CASES += [("gpt2", dict(dp=2), dict(zero=stage, reduce_dtype="bf16"), models.adamw) for stage in (0, 1, 2, 3)]
+SLOW_CASES += [("gpt2", dict(dp=2), dict(zero=stage, reduce_dtype="bf16"), optimizer)
+               for stage in (0, 1, 2, 3) for optimizer in (models.sgd, models.adamw)]
 
 
 @pytest.mark.parametrize("name, mesh, options, optimizer", DEFAULT_CASES)
 def test_bf16_matches_the_mixed_precision_reference(launcher, name: str, mesh: dict, options: dict,
                                                     optimizer: object) -> None:
-    assert_equivalent(_model(name), Mesh(**mesh), (IDS,), TARGET, models.lm_loss, optimizer, steps=3,
-                      launcher=launcher, precision="bf16", **options)
+    assert_mixed(_model(name), Mesh(**mesh), (IDS,), TARGET, models.lm_loss, optimizer, 3, launcher, "bf16",
+                 **options)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mesh, options, optimizer", SLOW_CASES)
 def test_bf16_matches_the_reference_on_every_mesh_and_stage(launcher, name: str, mesh: dict, options: dict,
                                                             optimizer: object) -> None:
-    assert_equivalent(_model(name), Mesh(**mesh), (IDS,), TARGET, models.lm_loss, optimizer, steps=3,
-                      launcher=launcher, precision="bf16", **options)
+    assert_mixed(_model(name), Mesh(**mesh), (IDS,), TARGET, models.lm_loss, optimizer, 3, launcher, "bf16",
+                 **options)
 
 
 def test_the_first_loss_is_the_bf16_computation_not_the_fp32_one(launcher) -> None:
