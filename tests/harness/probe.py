@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core import weight_grad
-from autopar.core.schedule import Action
+from autopar.core.schedule import W, Action
 from autopar.parallel import ParallelModel
 from autopar.runtime import regather
 from autopar.runtime.memory import NewStorages
@@ -143,6 +143,14 @@ def _probed_rank(fn: Callable, *args: Any) -> Any:
         ParallelModel.step, weight_grad.WeightGradients.run = step, run
     out.probe = probe
     return out
+
+
+def assert_split_backward_ran(runs: list[Any]) -> None:
+    """Every rank of a ``probed`` run executed ``W`` actions, and they computed weight gradients."""
+    for rank, run in enumerate(runs):
+        assert W in run.probe.kinds() and run.probe.weight_gradients > 0, (
+            f"rank {rank} ran {sorted(run.probe.kinds())} and W computed {run.probe.weight_gradients} weight "
+            "gradients: the split backward did not run")
 
 
 def probed(launcher: Callable) -> Callable:
