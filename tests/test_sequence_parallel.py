@@ -83,8 +83,10 @@ def _dropout_run(sp: bool, launcher) -> list:
 
 def test_dropout_draws_the_replicated_plans_numbers(launcher) -> None:
     """Dropout on sequence shards applies each rank's part of one mask: the same numbers as the plan that runs
-    it replicated (a mask drawn per shard would repeat itself across ranks)."""
+    it replicated (a mask drawn per shard would repeat itself across ranks); not those of no dropout."""
     replicated, sharded = _dropout_run(False, launcher), _dropout_run(True, launcher)
+    without = models.loss_without_dropout(models.factory(models.gpt2, dropout=0.1), IDS, TARGET)
+    assert replicated[0].losses[0] != pytest.approx(without, rel=1e-6)  # the tp runs drop
     assert relative_errors(replicated[0], sharded[0])[0] < 1e-12
     worst = max(float((replicated[0].state[k] - sharded[0].state[k]).abs().max()) for k in replicated[0].state)
     assert worst < 1e-12
