@@ -13,6 +13,13 @@ settings.register_profile("slow", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("slow" if os.environ.get("AUTOPAR_SLOW") else "default")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``-m slow`` runs the property tests with the slow profile's examples too."""
+    expr = config.getoption("markexpr") or ""
+    if "slow" in expr and "not slow" not in expr:
+        settings.load_profile("slow")
+
 POOL_SIZE = 8
 # the tests run their ranks on the CPU (over gloo) on any machine; benchmarks/gpu_check.py runs the CUDA path
 os.environ.setdefault("AUTOPAR_DEVICE", "cpu")

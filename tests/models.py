@@ -98,6 +98,13 @@ def lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+def loss_without_dropout(make: object, ids: torch.Tensor, target: torch.Tensor) -> float:
+    """``lm_loss`` of a fresh ``make()`` on one device with dropout off (eval mode): a parallel run whose first loss
+    equals it dropped nothing."""
+    with torch.no_grad():
+        return float(lm_loss(make().eval()(ids), target))
+
+
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 

@@ -13,6 +13,7 @@ from autopar.core.schedule import F, W, Action, add_communication, make_schedule
 from autopar.core.simulate import Timing, render, simulate
 from autopar.core.zero_bubble import v_placement, zbv
 from autopar.testing import assert_equivalent
+from harness.probe import assert_split_backward_ran, probed
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -115,9 +116,11 @@ def test_the_runtime_runs_the_simulated_order_and_peak(launcher, m: int) -> None
 
 
 def _run(launcher, name: str, mesh: Mesh, microbatches: int = 4, **kw) -> None:
+    """Exact against one device, and every rank ran W actions that computed weight gradients."""
     make = models.factory(getattr(models, name), layers=4)
-    assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2, launcher=launcher,
-                      schedule="dualpipev", microbatches=microbatches, **kw)
+    runs = assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2,
+                             launcher=probed(launcher), schedule="dualpipev", microbatches=microbatches, **kw)
+    assert_split_backward_ran(runs)
 
 
 @pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),

@@ -31,14 +31,16 @@ def _accounts() -> list:
 
 
 def test_measured_bytes_per_rank_match_the_bf16_formula(launcher) -> None:
-    """Measured within 0.05% of the formula at every stage (GPT-2, 2 layers, Psi = 30,592, dp=2, AdamW)."""
+    """Measured within 0.05% of the formula at every stage (GPT-2, 2 layers, Psi = 30,592, dp=2, AdamW; at most
+    0.046% measured: AdamW's 4-byte step counters, one per tensor); the plan's estimate of the total within
+    2.5% (2.0% measured, at stage 3, whose gathered layers it estimates; at most 0.023% below)."""
     psi = sum(p.numel() for p in models.gpt2(layers=2, dtype=torch.float32).parameters())
     accounts = launcher(_accounts, 2)[0]
     for stage, precision, measured, estimate in accounts[:4]:
         formula = state_bytes(psi, psi, PRECISIONS["bf16"], 2, zero=stage, dp=2)
         for kind, want in formula.items():
-            assert measured[kind] == pytest.approx(want, rel=0.05), (stage, kind, measured, formula)
-        assert sum(estimate.values()) == pytest.approx(measured["total"], rel=0.05), (stage, estimate, measured)
+            assert measured[kind] == pytest.approx(want, rel=5e-4), (stage, kind, measured, formula)
+        assert sum(estimate.values()) == pytest.approx(measured["total"], rel=0.025), (stage, estimate, measured)
     bf16, fp32 = accounts[3][2], accounts[4][2]  # zero=3: the same fp32 shards, gathered layers in bf16
     assert {k: bf16[k] for k in formula} == {k: fp32[k] for k in formula}
     assert 0 < bf16["gathered"] == fp32["gathered"] // 2

@@ -1,5 +1,6 @@
 """Activation recomputation changes no number: float64 exactness with every mode on every kind of mesh, dropout
-replayed; the pass's regions (what is kept, what is recomputed) and the option's errors."""
+replayed; it happens in ``pm.step`` (layers run again in backward, fewer bytes kept); the pass's regions (what
+is kept, what is recomputed) and the option's errors."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from autopar.options import Options
 from autopar.passes.recompute import assign_layers, recompute
 from autopar.testing import assert_equivalent, parallel_run, relative_errors
 from harness.exactness import IDS, TARGET
+from harness.probe import StepProbe, probed
 
 MESHES = {
     "dp2": (Mesh(dp=2), {}),
@@ -25,6 +27,7 @@ MESHES = {
 }
 CASES = [("gpt2", "dp2", "selective"), ("gpt2", "tp2", "full"), ("bert", "pp2", "selective"),
          ("llama", "pp2-interleaved", "full"), ("llama", "dp2-zero3", "selective")]
+NORMS = {"gpt2": "native_layer_norm", "bert": "native_layer_norm", "llama": "rsqrt"}  # run again in backward
 OTHER_MODE = [("llama", "dp2", "full"), ("llama", "tp2", "selective"), ("gpt2", "pp2", "full"),
               ("gpt2", "pp2-interleaved", "selective"), ("gpt2", "dp2-zero3", "full")]  # -m slow
 
@@ -39,11 +42,42 @@ def _compiled(mesh: Mesh = Mesh(dp=1), layers: int = 2, **options: object) -> ob
                          CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in OTHER_MODE])
 def test_recomputation_is_exact(launcher, name: str, mesh_name: str, mode: str) -> None:
     """Each mode on dp, tp, pp (1F1B and interleaved) and dp ZeRO-3 (the other mode of each mesh under -m slow):
-    float64 updates within 1e-12 of one device."""
+    float64 updates within 1e-12 of one device, and every rank ran its layers' norms again in backward."""
     mesh, options = MESHES[mesh_name]
     layers = 4 if mesh_name == "pp2-interleaved" else 2
-    assert_equivalent(models.factory(getattr(models, name), layers=layers), mesh, (IDS,), TARGET, models.lm_loss,
-                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, recompute=mode, **options)
+    runs = assert_equivalent(models.factory(getattr(models, name), layers=layers), mesh, (IDS,), TARGET,
+                             models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=probed(launcher),
+                             recompute=mode, **options)
+    for rank, run in enumerate(runs):
+        assert run.probe.recomputed[NORMS[name]] > 0, (rank, run.probe.recomputed)
+
+
+def _through_step(mesh: Mesh, options: dict) -> dict[str, tuple[dict[str, int], int]]:
+    """Per mode, the operators a step ran again in backward and the bytes alive when its backward began."""
+    ids = torch.randint(3, 96, (4, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        pm = parallelize(models.gpt2(layers=4, d=64), mesh, loss_fn=models.lm_loss, optimizer=models.sgd,
+                         recompute=mode, **options)
+        pm.step(ids, target=ids)  # compile; gradients and momentum exist from now on
+        with StepProbe(memory=True) as probe:
+            pm.step(ids, target=ids)
+        out[mode] = (dict(probe.recomputed), probe.at_backward)
+    return out
+
+
+@pytest.mark.parametrize("mesh", [Mesh(pp=2), pytest.param(Mesh(dp=1), marks=pytest.mark.slow)], ids=["pp2", "dp1"])
+def test_a_step_recomputes_each_layer_and_keeps_fewer_bytes(launcher, mesh: Mesh) -> None:
+    """Through ``pm.step`` (GPT-2, 4 layers, width 64, two microbatches): each layer of the rank runs again in
+    backward once per microbatch, its two layer norms and GELU's tanh, and under "full" its attention too;
+    the bytes alive when backward begins fall (measured: selective 41-44% of none's, full 11-16% of
+    selective's)."""
+    for rank, got in enumerate(launcher(_through_step, mesh.size, mesh, {"microbatches": 2})):
+        (none, kept_none), (selective, kept_selective), (full, kept_full) = got["none"], got["selective"], got["full"]
+        runs = 2 * 4 // mesh.pp  # microbatches x the rank's layers
+        assert none == {} and selective == {"native_layer_norm": 2 * runs, "tanh": runs}, (rank, got)
+        assert full == {**selective, "_scaled_dot_product_flash_attention_for_cpu": runs}, (rank, got)
+        assert kept_selective < 0.6 * kept_none and kept_full < 0.3 * kept_selective, (rank, got)
 
 
 def test_dropout_masks_are_replayed_exactly(launcher) -> None:
@@ -54,12 +88,12 @@ def test_dropout_masks_are_replayed_exactly(launcher) -> None:
         runs = assert_equivalent(make, Mesh(dp=1), (IDS,), TARGET, models.lm_loss, models.adamw, steps=2,
                                  rtol=0.0, atol=0.0, launcher=launcher, recompute=mode, report=report)
     assert all(r.update_error == 0.0 for r in report), report
-    plain = models.gpt2()
-    assert runs[0].losses[0] != pytest.approx(float(models.lm_loss(plain(IDS), TARGET)), rel=1e-6)  # dropout is on
+    assert runs[0].losses[0] != pytest.approx(models.loss_without_dropout(make, IDS, TARGET), rel=1e-6)  # it drops
 
 
 def test_dropout_on_a_pipeline_equals_the_run_without_recomputation(launcher) -> None:
-    """Two stages per rank, two microbatches, dropout everywhere: the same numbers as without recomputation."""
+    """Two stages per rank, two microbatches, dropout everywhere: the same numbers as without recomputation, and
+    not those of the model without dropout."""
     make = models.factory(models.gpt2, layers=4, dropout=0.1)
     kw = dict(microbatches=2, schedule="interleaved-1f1b")
     base = parallel_run(make, Mesh(pp=2), (IDS,), TARGET, models.lm_loss, models.adamw, 2, launcher=launcher, **kw)
@@ -68,17 +102,22 @@ def test_dropout_on_a_pipeline_equals_the_run_without_recomputation(launcher) ->
                         recompute=mixed, **kw)
     assert relative_errors(base[0], runs[0])[0] == 0.0  # every loss and the output
     assert all(torch.equal(base[0].state[k], runs[0].state[k]) for k in base[0].state)  # every parameter
+    assert base[0].losses[0] != pytest.approx(models.loss_without_dropout(make, IDS, TARGET), rel=1e-6)  # it drops
 
 
-def _communication(mode: str) -> dict[str, int]:
+def _communication(mode: str) -> tuple[dict[str, int], dict[str, int]]:
     pm = parallelize(models.llama(), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.adamw, recompute=mode)
-    pm.step(IDS, target=TARGET)
-    return pm.communication(calls=True)
+    with StepProbe() as probe:
+        pm.step(IDS, target=TARGET)
+    return pm.communication(calls=True), dict(probe.recomputed)
 
 
 def test_tensor_parallel_collectives_are_not_repeated_in_backward(launcher) -> None:
-    calls = {mode: launcher(_communication, 2, mode)[0] for mode in ("none", "selective", "full")}
+    """The same tp collectives with each mode, while a layer's RMSNorm did run again in backward."""
+    got = {mode: launcher(_communication, 2, mode)[0] for mode in ("none", "selective", "full")}
+    calls = {mode: c for mode, (c, _) in got.items()}
     assert calls["none"] == calls["selective"] == calls["full"] and calls["none"], calls
+    assert not got["none"][1] and got["selective"][1]["rsqrt"] and got["full"][1]["rsqrt"], got
 
 
 def _gathers(mode: str) -> int:
@@ -95,16 +134,19 @@ def _gathers(mode: str) -> int:
     try:
         pm = parallelize(models.gpt2(), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.adamw, zero=3,
                          zero_prefetch=0, recompute=mode)
-        pm.step(IDS, target=TARGET)
+        with StepProbe() as probe:
+            pm.step(IDS, target=TARGET)
     finally:
         FlatShard.gather = gather
-    return counted[0]
+    return counted[0], probe.recomputed["native_layer_norm"]
 
 
 def test_zero3_gathers_each_layer_again_in_backward_once(launcher) -> None:
-    """A recomputed layer's all-gather runs again in backward, where ZeRO-3 would re-gather it anyway."""
-    counts = {mode: launcher(_gathers, 2, mode)[0] for mode in ("none", "full", "selective")}
-    assert counts["none"] == counts["full"] == counts["selective"], counts
+    """A recomputed layer's all-gather runs again in backward, where ZeRO-3 would re-gather it anyway: the same
+    gathers with each mode, while the layers did run again in backward."""
+    got = {mode: launcher(_gathers, 2, mode)[0] for mode in ("none", "full", "selective")}
+    assert got["none"][0] == got["full"][0] == got["selective"][0], got
+    assert got["none"][1] == 0 < got["full"][1] and got["selective"][1] > 0, got
 
 
 # -- the pass --------------------------------------------------------------------------------------

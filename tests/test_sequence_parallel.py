@@ -9,8 +9,8 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.core.plan import CollectiveRow, MatmulRow
-from autopar.runtime import regather
 from autopar.testing import assert_equivalent, parallel_run, relative_errors
+from harness.probe import saved_tensors
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -83,8 +83,10 @@ def _dropout_run(sp: bool, launcher) -> list:
 
 def test_dropout_draws_the_replicated_plans_numbers(launcher) -> None:
     """Dropout on sequence shards applies each rank's part of one mask: the same numbers as the plan that runs
-    it replicated (a mask drawn per shard would repeat itself across ranks)."""
+    it replicated (a mask drawn per shard would repeat itself across ranks); not those of no dropout."""
     replicated, sharded = _dropout_run(False, launcher), _dropout_run(True, launcher)
+    without = models.loss_without_dropout(models.factory(models.gpt2, dropout=0.1), IDS, TARGET)
+    assert replicated[0].losses[0] != pytest.approx(without, rel=1e-6)  # the tp runs drop
     assert relative_errors(replicated[0], sharded[0])[0] < 1e-12
     worst = max(float((replicated[0].state[k] - sharded[0].state[k]).abs().max()) for k in replicated[0].state)
     assert worst < 1e-12
@@ -93,33 +95,18 @@ def test_dropout_draws_the_replicated_plans_numbers(launcher) -> None:
 def _saved_bytes(sp: bool) -> tuple[int, tuple[int, int]]:
     """Bytes of the distinct storages one forward saves for backward on this rank (parameters aside).
 
-    Under sequence parallelism the runtime's own saved-tensor hooks run inside the test's and keep gathered
-    activations as their shards (``runtime/regather.py``): what they keep is counted through ``regather.pack``.
+    Under sequence parallelism the runtime's own saved-tensor hooks keep gathered activations as their shards
+    (``runtime/regather.py``); ``saved_tensors`` counts what they keep.
     """
     ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(4))
     pm = parallelize(models.gpt2(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
                      sequence_parallel=sp)
     pm.step(ids, target=ids)  # compile and warm up
-    storages: dict[int, int] = {}
-
-    def note(t: object) -> object:
-        kept = t.source.shard if isinstance(t, regather.Handle) else t
-        if isinstance(kept, torch.Tensor):
-            base = kept._base if kept._base is not None else kept
-            if not (base.is_leaf and base.requires_grad):
-                storages[base.untyped_storage().data_ptr()] = base.untyped_storage().nbytes()
-        return t
-
-    runtime_pack = regather.pack
-    regather.pack = lambda t: note(runtime_pack(t))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
-            pm.step(ids, target=ids)
-    finally:
-        regather.pack = runtime_pack
+    with saved_tensors() as saved:
+        pm.step(ids, target=ids)
     plan = parallelize(models.gpt2(d=64), Mesh(tp=2), example_inputs=(ids,), example_target=ids,
                        loss_fn=models.lm_loss, optimizer=models.sgd, sequence_parallel=True).plan
-    return sum(storages.values()), plan.tensor_parallel.saved
+    return saved.bytes(), plan.tensor_parallel.saved
 
 
 def test_activation_memory_is_lower_by_the_predicted_amount(launcher) -> None:

@@ -150,13 +150,17 @@ def test_repeated_layers_are_solved_once() -> None:
     assert per_layer > 20 and len(same) == 3 * per_layer  # layers 1, 2 and 3 map onto layer 0
 
 
-def _dropout_run() -> dict:
+def _dropout_model() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=64, use_cache=False,
                      resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg).double().train()
+    return GPT2LMHeadModel(cfg).double().train()
+
+
+def _dropout_run() -> dict:
+    model = _dropout_model()
     torch.manual_seed(1000 + dist.get_rank())  # ranks start from different generator states on purpose
     pm = parallelize(model, Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd)
     losses = [pm.step(IDS, target=TARGET) for _ in range(2)]
@@ -164,9 +168,11 @@ def _dropout_run() -> dict:
 
 
 def test_dropout_masks_agree_across_tp_ranks(launcher) -> None:
-    """With dropout in replicated regions, tp ranks must stay one model: same losses, same replicated weights."""
+    """With dropout in replicated regions, tp ranks must stay one model: same losses, same replicated weights;
+    and they do drop (the first loss is not the model's without dropout)."""
     a, b = launcher(_dropout_run, 2)
     assert a["losses"] == b["losses"]
+    assert a["losses"][0] != pytest.approx(models.loss_without_dropout(_dropout_model, IDS, TARGET), rel=1e-6)
     for name in a["state"]:
         torch.testing.assert_close(a["state"][name], b["state"][name], rtol=0, atol=0)
 

@@ -14,6 +14,7 @@ from autopar.core.weight_grad import collect, split_linear
 from autopar.core.zero_bubble import zbv
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.testing import assert_equivalent
+from harness.probe import assert_split_backward_ran, probed
 
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
@@ -96,9 +97,13 @@ def test_the_pass_splits_trainable_weight_matmuls_only() -> None:
 
 
 def _run(launcher, name: str, mesh: Mesh, **kw) -> None:
+    """Exact against one device, and every rank ran W actions that computed weight gradients (a fallback to
+    1F1B, or a backward that leaves W nothing, would be exact too)."""
     make = models.factory(getattr(models, name), layers=4)
     kw.setdefault("schedule", "zb-h1")
-    assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2, launcher=launcher, **kw)
+    runs = assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=2,
+                             launcher=probed(launcher), **kw)
+    assert_split_backward_ran(runs)
 
 
 @pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),

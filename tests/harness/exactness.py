@@ -27,16 +27,17 @@ MESHES = {
 }
 
 
-def check(name: str, mesh_name: str, launcher, optimizer=models.adamw) -> Report:
-    """Trains ``name`` of the zoo two steps on ``mesh_name`` and one device; asserts float64 exactness (1e-12),
-    against the control where the model rounds in float32 over the batch (see FLOAT32_OVER_BATCH)."""
+def check(name: str, mesh_name: str, launcher, optimizer=models.adamw, **model_options: object) -> Report:
+    """Trains ``name`` of the zoo (built with ``model_options``) two steps on ``mesh_name`` and one device;
+    asserts float64 exactness (1e-12), against the control where the model rounds in float32 over the batch
+    (see FLOAT32_OVER_BATCH)."""
     mesh, options = MESHES[mesh_name]
     splits = mesh.dp * options.get("microbatches", 1) > 1
     control = splits and name in FLOAT32_OVER_BATCH
     kwargs = {"decoder_input_ids": IDS} if name in ENCODER_DECODERS else None
     report: list[Report] = []
     rtol, atol = (MODEL_BOUND, MODEL_BOUND) if control else (1e-9, 1e-10)
-    assert_equivalent(models.factory(getattr(models, name)), mesh, (IDS,), TARGET, models.lm_loss, optimizer,
+    assert_equivalent(models.factory(getattr(models, name), **model_options), mesh, (IDS,), TARGET, models.lm_loss, optimizer,
                       steps=2, rtol=rtol, atol=atol, kwargs=kwargs, control=control, report=report,
                       launcher=launcher, **options)
     assert all(r.update_error <= 1e-12 for r in report), report
