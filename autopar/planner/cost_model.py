@@ -140,8 +140,6 @@ class CostModel:
         if config.tp not in self.profile.tp_sizes:
             raise ValueError(f"tp={config.tp} was not analyzed for this model (analyzed: "
                              f"{list(self.profile.tp_sizes)}); pass tp_sizes=... to profile_model")
-        seq = self.profile.sequence()
-        stages = self.stages(config)
         ranks = self._rank_units(config, b_sym if symbolic else config.microbatch_size)
         alike: dict[tuple, tuple[int, dict[str, Any]]] = {}  # ranks of alike stages holding as many microbatches:
         memories = []  # one memory, and the first such rank
@@ -153,10 +151,10 @@ class CostModel:
         worst = max(alike.values(), key=lambda x: _number(sum(x[1].values())))[0]  # the first of the most
         if self._sample_flops is None:  # the model's forward FLOPs per sample
             self._sample_flops = sum(float(self.profile.part(seg, 1).flops.xreplace({b_sym: 1, s_sym: self.seq_len}))
-                                     for seg in seq)
+                                     for seg in self.profile.sequence())
         return Estimate(config=config, memory=memories[worst], time=self._time(config, ranks) if timed else None,
                         worst_rank=worst,
-                        per_rank=memories, stages=[[seq[i].name for i in st] for st in stages],
+                        per_rank=memories, stages=self._stage_names(config),
                         model_flops=3 * self._sample_flops * config.global_batch, seq_len=self.seq_len)
 
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
@@ -176,6 +174,14 @@ class CostModel:
         alike stages share their numbers below (``_per_stage``, ``_per_rank``)."""
         return self._per_stage.setdefault(("list", *map(id, items)), items)
 
+    def _stage_names(self, config: Config) -> list[list[str]]:
+        """The segment names of each pipeline stage of ``config`` (shared: not to be changed)."""
+        key = ("names", config.pp * config.stages_per_rank, config.tp)
+        if key not in self._per_stage:
+            seq = self.profile.sequence()
+            self._per_stage[key] = [[seq[i].name for i in st] for st in self.stages(config)]
+        return self._per_stage[key]
+
     def _state_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
         """``state_elements`` of a rank's stages (a list from ``_rank_units``)."""
         key = ("state", id(stages))
@@ -185,8 +191,7 @@ class CostModel:
 
     def fits(self, config: Config, memory: float) -> bool:
         """Whether every rank of ``config`` needs at most ``memory`` bytes (its memory alone, no step time)."""
-        return all(float(sum(self._memory(config, units, r).values())) <= memory
-                   for r, units in enumerate(self._rank_units(config, config.microbatch_size)))
+        return float(self.estimate(config, timed=False).total_memory) <= memory
 
     def layers_per_stage(self, config: Config) -> list[int]:
         """How many layers (entries of module lists) each pipeline stage of ``config`` holds."""
@@ -209,7 +214,10 @@ class CostModel:
         layers each stage recomputes fully, by name, and ``"*"`` for the others."""
         if not config.full_layers:
             return config.recompute
-        names = self.profile.layer_names()
+        key = ("layer names",)
+        if key not in self._per_stage:
+            self._per_stage[key] = self.profile.layer_names()
+        names = self._per_stage[key]
         full = [names[i] for st in self.stages(config)
                 for i in [i for i in st if names[i] is not None][: config.full_layers]]
         return {**dict.fromkeys(full, "full"), "*": config.recompute}
@@ -254,16 +262,22 @@ class CostModel:
         most of one stage; and what one recomputed layer rebuilds (``recompute_cost.rebuilt``)."""
         key = ("kept", id(stages), c.recompute, c.full_layers, c.zero == 3)
         if key not in self._per_rank:
-            again, per_stage = self.recompute_collectives, []
-            for st in stages:
-                modes = c.layer_modes(st)
-                copies = 0 if c.zero == 3 or not self.precision.copy else self.precision.copy * sum(
-                    sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
-                per_stage.append(recompute_cost.kept(modes, st, recompute_collectives=again) + copies)
+            per_stage = [self._kept_stage(c, st) for st in stages]
             rebuilt = recompute_cost.rebuilt([m for st in stages for m in c.layer_modes(st)],
-                                             [u for st in stages for u in st], recompute_collectives=again)
+                                             [u for st in stages for u in st],
+                                             recompute_collectives=self.recompute_collectives)
             self._per_rank[key] = (sum(per_stage), per_stage[0], _max(per_stage), rebuilt)
         return self._per_rank[key]
+
+    def _kept_stage(self, c: Config, st: list[SegmentValues]) -> Any:
+        key = ("kept", id(st), c.recompute, c.full_layers, c.zero == 3)
+        if key not in self._per_stage:
+            modes = c.layer_modes(st)
+            copies = 0 if c.zero == 3 or not self.precision.copy else self.precision.copy * sum(
+                sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
+            self._per_stage[key] = recompute_cost.kept(modes, st, recompute_collectives=self.recompute_collectives) \
+                + copies
+        return self._per_stage[key]
 
     def _buffers(self, c: Config, stages: list[list[SegmentValues]], trainable: int) -> Any:
         p = self.precision
@@ -305,10 +319,10 @@ class CostModel:
         # (stages 0-1); stage 1's first too, since its gradients are views of the flat buffer it reduces
         adds = c.microbatches - 1 + (c.zero == 1) if c.zero < 2 else 0
         accumulate = [3 * adds * t * self.precision.grad / cl.memory_bandwidth for t in trainable]
-        numeric = not any(isinstance(u.flops, sympy.Basic) for stages in ranks for st in stages for u in st)
+        numeric = not isinstance(ranks[0][0][0].flops, sympy.Basic)  # every segment is at one b
         shared = bool(cl.cores) and numeric
         links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
-        per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
+        per_rank = [self._rank_seconds(c, stages, *links[:2]) for stages in ranks]
         compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
@@ -345,6 +359,14 @@ class CostModel:
         idle = self.bubbles.least_idle(c.pp, costs) if bound else self.bubbles.idle(c.schedule, c.pp, c.microbatches,
                                                                                    costs)
         return idle / c.stages_per_rank * per_microbatch
+
+    def _rank_seconds(self, c: Config, stages: list[list[SegmentValues]], tp_link: Any, pp_link: Any) -> list[Any]:
+        """A rank's ``_stage`` seconds summed over its stages."""
+        key = ("time", id(stages), c.recompute, c.full_layers, c.pp > 1, c.tp, c.sequence_parallel, id(tp_link),
+               id(pp_link))
+        if key not in self._per_rank:
+            self._per_rank[key] = [sum(x) for x in zip(*(self._stage(c, st, tp_link, pp_link) for st in stages))]
+        return self._per_rank[key]
 
     def _stage(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
         """One microbatch of one stage: compute, tp, pipeline, forward, backward and recomputed seconds."""

@@ -104,17 +104,18 @@ class DataParallel:
         (``reduce_scatters``); the first group's gather has nothing to hide behind."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
         key = (id(stages), c.dp, split)  # a rank's stages as the cost model keeps them (one list per layout)
-        if key not in self.groups:
+        if key not in self.groups:  # (groups, their elements, reduce-scatter calls and elements)
             units = [u for st in stages for u in st]
-            self.groups[key] = (zero3_groups(units, c.dp), reduce_scatters(units, c.dp, split))
-        groups, (calls, elements) = self.groups[key]
+            groups = zero3_groups(units, c.dp)
+            self.groups[key] = (len(groups), sum(g.elements for g in groups), *reduce_scatters(units, c.dp, split))
+        groups, gathered, calls, elements = self.groups[key]
         if not groups:
             return 0
         p, n = self.precision, c.dp
-        gathered = sum(g.elements for g in groups) * (p.gather or p.param)
-        gather = ring_gather(gathered, n, link, len(groups))
+        gathered *= p.gather or p.param
+        gather = ring_gather(gathered, n, link, groups)
         scatter = ring_scatter(elements * p.grad, n, link, calls)
-        first = ring_gather(gathered / len(groups), n, link)
+        first = ring_gather(gathered / groups, n, link)
         return c.microbatches * (self._exposed(gather, forward, first) + self._exposed(gather + scatter, backward,
                                                                                        first))
 
