@@ -25,6 +25,7 @@ from autopar.planner.bubble import Bubbles
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, reduce_scatters
+from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
 )
@@ -148,7 +149,7 @@ class CostModel:
             if key not in alike:
                 alike[key] = (r, self._memory(config, units, r))
             memories.append(alike[key][1])
-        worst = max(alike.values(), key=lambda x: _number(sum(x[1].values())))[0]  # the first of the most
+        worst = max(alike.values(), key=lambda x: number(sum(x[1].values())))[0]  # the first of the most
         if self._sample_flops is None:  # the model's forward FLOPs per sample
             self._sample_flops = sum(float(self.profile.part(seg, 1).flops.xreplace({b_sym: 1, s_sym: self.seq_len}))
                                      for seg in self.profile.sequence())
@@ -266,7 +267,7 @@ class CostModel:
             rebuilt = recompute_cost.rebuilt([m for st in stages for m in c.layer_modes(st)],
                                              [u for st in stages for u in st],
                                              recompute_collectives=self.recompute_collectives)
-            self._per_rank[key] = (sum(per_stage), per_stage[0], _max(per_stage), rebuilt)
+            self._per_rank[key] = (sum(per_stage), per_stage[0], largest(per_stage), rebuilt)
         return self._per_rank[key]
 
     def _kept_stage(self, c: Config, st: list[SegmentValues]) -> Any:
@@ -286,7 +287,7 @@ class CostModel:
             sizes = sorted((sum(u.params.values()) for st in stages for u in st), reverse=True)
             self._per_rank[key] = (
                 sum(sizes[: 1 + c.zero_prefetch]) * (p.gather or p.param),  # ZeRO-3: the layer in use, prefetched
-                _min([self.bucket_bytes, trainable * p.grad]),  # below: the gradient bucket being reduced
+                smallest([self.bucket_bytes, trainable * p.grad]),  # below: the gradient bucket being reduced
                 sum(2 * st[0].entering for st in stages))  # pipelines: a received activation and gradient per stage
         gathered, bucket, received = self._per_rank[key]
         out: Any = 0
@@ -323,7 +324,7 @@ class CostModel:
         shared = bool(cl.cores) and numeric
         links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
         per_rank = [self._rank_seconds(c, stages, *links[:2]) for stages in ranks]
-        compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
+        compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: number(t[0] + t[1] + t[2]))
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
         out = {
@@ -341,7 +342,7 @@ class CostModel:
             nodes = math.ceil(c.devices / cl.devices_per_node)
             work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
                 cl.cores * nodes)
-            out["shared_cores"] = _max([work - sum(out.values()) + out["data_parallel"], 0])
+            out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
         return out
 
     def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
@@ -355,7 +356,7 @@ class CostModel:
             return (c.pp - 1) / c.stages_per_rank * per_microbatch
         weight = (compute - redo) / 3
         phases = (forward + p2p_t / 2, backward - weight + p2p_t / 2, weight)
-        costs = tuple(_number(x, c.microbatch_size) for x in phases)
+        costs = tuple(number(x, c.microbatch_size) for x in phases)
         idle = self.bubbles.least_idle(c.pp, costs) if bound else self.bubbles.idle(c.schedule, c.pp, c.microbatches,
                                                                                    costs)
         return idle / c.stages_per_rank * per_microbatch
@@ -481,11 +482,11 @@ class CostModel:
             slope, const = (float(x) for x in poly.all_coeffs())
             return max(0, math.floor((memory - const) / slope)) if slope > 0 else 0
         lo, hi = 0, 1
-        while _number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
+        while number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
+            lo, hi = (mid, hi) if number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
         return lo
 
 
@@ -494,20 +495,3 @@ def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]
     ``passes.pipeline``'s policy, on segments."""
     bounds = [0, *balanced_cuts(weights, starts, n), len(weights)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
-
-
-def _number(x: Any, b: int = 1) -> float:
-    """A float for ordering; a sympy expression is evaluated at microbatch size ``b`` (default 1)."""
-    return float(x.xreplace({b_sym: b})) if isinstance(x, sympy.Basic) else float(x)
-
-
-def _max(xs: list[Any]) -> Any:
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Max(*xs)
-    return max(xs)
-
-
-def _min(xs: list[Any]) -> Any:
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Min(*xs)
-    return min(xs)

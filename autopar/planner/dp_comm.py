@@ -28,6 +28,7 @@ from autopar.core.zero_layout import layer_of
 from autopar.planner.cluster import Link
 from autopar.planner.comm_time import ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.config import ZERO_BUBBLE
+from autopar.planner.expr import largest
 from autopar.planner.memory_formulas import Precision
 from autopar.planner.segment_values import SegmentValues, state_elements
 
@@ -85,7 +86,7 @@ class DataParallel:
             return 0
         loss = ring_all_reduce(8, c.dp, link.p2p())  # the step's loss averaged over dp: one element, no payload
         if c.zero == 3:
-            return loss + _max([self._stage3(c, stages, forward, backward, link) for stages in ranks])
+            return loss + largest([self._stage3(c, stages, forward, backward, link) for stages in ranks])
         held = [[u for st in stages for u in st] for stages in ranks] if trainable is None else []
         p = self.precision
         elements = max(state_elements(units)[1] for units in held) if trainable is None else trainable
@@ -121,12 +122,4 @@ class DataParallel:
 
     def _exposed(self, t: Any, window: Any, tail: Any) -> Any:
         """What of ``t`` seconds of communication shows beside ``window`` seconds of compute; ``tail`` never hides."""
-        return _max([t - self.hide * window, tail, (1 - self.hide) * t])
-
-
-def _max(xs: list[Any]) -> Any:
-    import sympy
-
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Max(*xs)
-    return max(xs)
+        return largest([t - self.hide * window, tail, (1 - self.hide) * t])
