@@ -148,3 +148,66 @@ def test_plan_grid_and_picture(tmp_path: Path) -> None:
     assert grid[(1, 1)]["transformer.ln_f"] == "full"
     pytest.importorskip("matplotlib")
     assert draw_plan(program, Mesh(pp=2, tp=2), tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------
+# autopar plan: a factory with arguments, cluster descriptions, bad options
+# ---------------------------------------------------------------------------
+
+def test_plan_takes_a_factory_with_literal_arguments(capsys) -> None:
+    argv = ["plan", "autopar.planner:gpt(2, 64, 4, vocab=128, positions=64)", "--devices", "4", "--cluster",
+            "dgx-h100", "--seq", "64", "--global-batch", "8", "--top", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "autopar plan: GPT (" in out and "on 4 x DGX-H100" in out and "- 2 layers; the largest" in out
+
+
+def test_a_factorys_arguments_are_literals_never_evaluated() -> None:
+    from autopar.cli import literal_call
+
+    assert literal_call("gpt(128, 25600, 160, vocab=51200)", "s") == ((128, 25600, 160), {"vocab": 51200})
+    assert literal_call("f((1, 2), name='x', on=True, size=-2.5e3)", "s") == (((1, 2),), {"name": "x", "on": True,
+                                                                                        "size": -2500.0})
+    for bad in ("gpt(__import__('os'))", "gpt(n)", "gpt(1 + 1j * x)", "gpt(*sizes)", "gpt(**opts)", "gpt(",
+                "os.system('x')"):
+        with pytest.raises(ValueError, match="literal|write the arguments out|cannot read the call|one call"):
+            literal_call(bad, "spec")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--devices", "0"], "--devices 0: must be an integer >= 1 (devices of the job)"),
+    (["--devices", "8", "--global-batch", "-4"], "--global-batch -4: must be an integer >= 1"),
+    (["--devices", "8", "--set", "memory=0"], "memory=0 must be a number > 0 (bytes of memory a device offers"),
+    (["--devices", "8", "--set", "peak_flops=0"], "peak_flops=0 must be a number > 0 (dense FLOP/s"),
+    (["--devices", "8", "--set", "inter.bandwidth=-25e9"], "--set: inter.bandwidth=-25000000000.0 must be a number > 0"),
+    (["--devices", "8", "--set", "intra.bandwidth=0"], "--set: intra.bandwidth=0 must be a number > 0"),
+    (["--devices", "8", "--set", "devices_per_node=16"],
+     "the cluster's node of devices_per_node=16 devices is larger than the job's --devices 8"),
+    (["--devices", "8", "--set", "devices_per_node=0"], "devices_per_node=0 must be an integer >= 1"),
+    (["--devices", "8", "--set", "memory=lots"], "--set 'memory=lots': 'lots' is not a number"),
+    (["--devices", "8", "--set", "hbm=80e9"], "--set: unknown field hbm; the fields are name, devices_per_node"),
+    (["--devices", "8", "--cluster", "dgx-b200"], "--cluster dgx-b200: not a preset (dgx-a100, dgx-h100, cpu) nor a"),
+])
+def test_plan_errors_name_the_option_or_field_and_its_value(capsys, options: list[str], message: str) -> None:
+    assert main(["plan", "autopar.planner:gpt3_175b", *options]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 2
+
+
+def test_plan_reads_a_cluster_file_and_names_its_missing_figures(capsys, tmp_path: Path) -> None:
+    node = {"name": "8 x B", "devices_per_node": 8, "memory": 40e9, "peak_flops": 300e12, "peak_flops_fp32": 20e12,
+            "intra": {"bandwidth": 300e9, "latency": 5e-6}, "inter": {"bandwidth": 25e9, "latency": 1e-5}}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({k: v for k, v in node.items() if k != "peak_flops"}))
+    assert main(["plan", "autopar.planner:gpt3_175b", "--devices", "64", "--cluster", str(path)]) == 1
+    assert f"--cluster {path}: missing peak_flops (dense FLOP/s of a device's mixed-precision" in capsys.readouterr().err
+    path.write_text(json.dumps({**node, "inter": {"bandwidth": 0, "latency": 1e-5}}))
+    assert main(["plan", "autopar.planner:gpt3_175b", "--devices", "64", "--cluster", str(path)]) == 1
+    assert f"--cluster {path}: inter.bandwidth=0 must be a number > 0" in capsys.readouterr().err
+    path.write_text(json.dumps(node))
+    argv = ["plan", "autopar.planner:gpt(2, 64, 4, vocab=128, positions=64)", "--devices", "16", "--cluster",
+            str(path), "--seq", "64", "--global-batch", "16", "--top", "1"]
+    assert main(argv) == 0
+    assert "on 16 x 8 x B;" in capsys.readouterr().out
+    assert main([*argv[:3], "4", *argv[4:]]) == 1  # a node of 8 described for a job of 4 devices
+    assert "devices_per_node=8 devices is larger than the job's --devices 4" in capsys.readouterr().err

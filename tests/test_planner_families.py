@@ -74,7 +74,7 @@ def test_planning_a_meta_model_of_every_family(name: str, factory: Callable, bil
         assert 0.99 <= ratio <= (1.1 if seq else 1.3), (seg.name, ratio)  # a ViT's attention is per image
     largest = max(seg.parts[1].param_elements for seg in result.profile.layers)
     assert f"needs {16 * largest / GB:.1f} GB for parameters, gradients and optimizer state" in str(result)
-    whole = next(c for c in result.candidates if (c.config.tp, c.config.pp, c.config.zero) == (1, 1, 0))
+    whole = next(c for c in result.every.values() if (c.config.tp, c.config.pp, c.config.zero) == (1, 1, 0))
     assert whole.memory["parameters"] + whole.memory["gradients"] + whole.memory["optimizer"] == 16 * psi
     assert whole.fits == whole_fits
     best = result.best

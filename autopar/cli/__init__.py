@@ -169,8 +169,11 @@ def cluster_of(name: str, settings: list[str], devices: int) -> Any:
     from autopar.planner.cluster import PRESETS, Cluster
 
     path = Path(name)
-    if name.lower().replace("_", "-") in PRESETS or path.suffix != ".json":
+    if name.lower().replace("_", "-") in PRESETS:
         cluster, described = Cluster.preset(name), False
+    elif path.suffix != ".json":
+        raise ValueError(f"--cluster {name}: not a preset ({', '.join(PRESETS)}) nor a .json file describing one "
+                         "(Cluster's fields)")
     else:
         try:
             data = json.loads(path.read_text())

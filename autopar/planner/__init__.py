@@ -6,12 +6,14 @@ needs no memory), then evaluates every configuration of the search space:
 
 - meshes ``dp x pp x tp = N`` (tp among the sizes the profile analyzed);
 - ZeRO stage 0-3 over dp;
-- schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 stages per rank);
+- schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 stages per rank, the zero-bubble schedules);
 - microbatch size ``b`` (every divisor of the dp rank's batch up to
   ``max_microbatch``) and with it the microbatch count;
 - activation recomputation on or off.
 
-Candidates that fit the device memory are ranked by estimated step time;
+Candidates that fit the device memory are ranked by estimated step time (the
+time only of those a lower bound does not rule out of the best ``top``, of the
+best of each tp and pp size, or of the best autopar runs: ``bound.py``);
 each carries its memory per device, step-time breakdown, throughput, and
 whether autopar's runtime runs it today (``runnable``). The result explains
 the choice in checkable sentences: what the largest layer needs, why a

@@ -25,6 +25,7 @@ from autopar.planner.bubble import Bubbles
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, reduce_scatters
+from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
 )
@@ -140,8 +141,6 @@ class CostModel:
         if config.tp not in self.profile.tp_sizes:
             raise ValueError(f"tp={config.tp} was not analyzed for this model (analyzed: "
                              f"{list(self.profile.tp_sizes)}); pass tp_sizes=... to profile_model")
-        seq = self.profile.sequence()
-        stages = self.stages(config)
         ranks = self._rank_units(config, b_sym if symbolic else config.microbatch_size)
         alike: dict[tuple, tuple[int, dict[str, Any]]] = {}  # ranks of alike stages holding as many microbatches:
         memories = []  # one memory, and the first such rank
@@ -150,13 +149,13 @@ class CostModel:
             if key not in alike:
                 alike[key] = (r, self._memory(config, units, r))
             memories.append(alike[key][1])
-        worst = max(alike.values(), key=lambda x: _number(sum(x[1].values())))[0]  # the first of the most
+        worst = max(alike.values(), key=lambda x: number(sum(x[1].values())))[0]  # the first of the most
         if self._sample_flops is None:  # the model's forward FLOPs per sample
             self._sample_flops = sum(float(self.profile.part(seg, 1).flops.xreplace({b_sym: 1, s_sym: self.seq_len}))
-                                     for seg in seq)
+                                     for seg in self.profile.sequence())
         return Estimate(config=config, memory=memories[worst], time=self._time(config, ranks) if timed else None,
                         worst_rank=worst,
-                        per_rank=memories, stages=[[seq[i].name for i in st] for st in stages],
+                        per_rank=memories, stages=self._stage_names(config),
                         model_flops=3 * self._sample_flops * config.global_batch, seq_len=self.seq_len)
 
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
@@ -176,6 +175,14 @@ class CostModel:
         alike stages share their numbers below (``_per_stage``, ``_per_rank``)."""
         return self._per_stage.setdefault(("list", *map(id, items)), items)
 
+    def _stage_names(self, config: Config) -> list[list[str]]:
+        """The segment names of each pipeline stage of ``config`` (shared: not to be changed)."""
+        key = ("names", config.pp * config.stages_per_rank, config.tp)
+        if key not in self._per_stage:
+            seq = self.profile.sequence()
+            self._per_stage[key] = [[seq[i].name for i in st] for st in self.stages(config)]
+        return self._per_stage[key]
+
     def _state_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
         """``state_elements`` of a rank's stages (a list from ``_rank_units``)."""
         key = ("state", id(stages))
@@ -185,8 +192,7 @@ class CostModel:
 
     def fits(self, config: Config, memory: float) -> bool:
         """Whether every rank of ``config`` needs at most ``memory`` bytes (its memory alone, no step time)."""
-        return all(float(sum(self._memory(config, units, r).values())) <= memory
-                   for r, units in enumerate(self._rank_units(config, config.microbatch_size)))
+        return float(self.estimate(config, timed=False).total_memory) <= memory
 
     def layers_per_stage(self, config: Config) -> list[int]:
         """How many layers (entries of module lists) each pipeline stage of ``config`` holds."""
@@ -209,7 +215,10 @@ class CostModel:
         layers each stage recomputes fully, by name, and ``"*"`` for the others."""
         if not config.full_layers:
             return config.recompute
-        names = self.profile.layer_names()
+        key = ("layer names",)
+        if key not in self._per_stage:
+            self._per_stage[key] = self.profile.layer_names()
+        names = self._per_stage[key]
         full = [names[i] for st in self.stages(config)
                 for i in [i for i in st if names[i] is not None][: config.full_layers]]
         return {**dict.fromkeys(full, "full"), "*": config.recompute}
@@ -254,16 +263,22 @@ class CostModel:
         most of one stage; and what one recomputed layer rebuilds (``recompute_cost.rebuilt``)."""
         key = ("kept", id(stages), c.recompute, c.full_layers, c.zero == 3)
         if key not in self._per_rank:
-            again, per_stage = self.recompute_collectives, []
-            for st in stages:
-                modes = c.layer_modes(st)
-                copies = 0 if c.zero == 3 or not self.precision.copy else self.precision.copy * sum(
-                    sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
-                per_stage.append(recompute_cost.kept(modes, st, recompute_collectives=again) + copies)
+            per_stage = [self._kept_stage(c, st) for st in stages]
             rebuilt = recompute_cost.rebuilt([m for st in stages for m in c.layer_modes(st)],
-                                             [u for st in stages for u in st], recompute_collectives=again)
-            self._per_rank[key] = (sum(per_stage), per_stage[0], _max(per_stage), rebuilt)
+                                             [u for st in stages for u in st],
+                                             recompute_collectives=self.recompute_collectives)
+            self._per_rank[key] = (sum(per_stage), per_stage[0], largest(per_stage), rebuilt)
         return self._per_rank[key]
+
+    def _kept_stage(self, c: Config, st: list[SegmentValues]) -> Any:
+        key = ("kept", id(st), c.recompute, c.full_layers, c.zero == 3)
+        if key not in self._per_stage:
+            modes = c.layer_modes(st)
+            copies = 0 if c.zero == 3 or not self.precision.copy else self.precision.copy * sum(
+                sum(u.params.values()) for u, m in zip(st, modes) if m == "none")
+            self._per_stage[key] = recompute_cost.kept(modes, st, recompute_collectives=self.recompute_collectives) \
+                + copies
+        return self._per_stage[key]
 
     def _buffers(self, c: Config, stages: list[list[SegmentValues]], trainable: int) -> Any:
         p = self.precision
@@ -272,7 +287,7 @@ class CostModel:
             sizes = sorted((sum(u.params.values()) for st in stages for u in st), reverse=True)
             self._per_rank[key] = (
                 sum(sizes[: 1 + c.zero_prefetch]) * (p.gather or p.param),  # ZeRO-3: the layer in use, prefetched
-                _min([self.bucket_bytes, trainable * p.grad]),  # below: the gradient bucket being reduced
+                smallest([self.bucket_bytes, trainable * p.grad]),  # below: the gradient bucket being reduced
                 sum(2 * st[0].entering for st in stages))  # pipelines: a received activation and gradient per stage
         gathered, bucket, received = self._per_rank[key]
         out: Any = 0
@@ -305,11 +320,11 @@ class CostModel:
         # (stages 0-1); stage 1's first too, since its gradients are views of the flat buffer it reduces
         adds = c.microbatches - 1 + (c.zero == 1) if c.zero < 2 else 0
         accumulate = [3 * adds * t * self.precision.grad / cl.memory_bandwidth for t in trainable]
-        numeric = not any(isinstance(u.flops, sympy.Basic) for stages in ranks for st in stages for u in st)
+        numeric = not isinstance(ranks[0][0][0].flops, sympy.Basic)  # every segment is at one b
         shared = bool(cl.cores) and numeric
         links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
-        per_rank = [[sum(x) for x in zip(*(self._stage(c, st, *links[:2]) for st in stages))] for stages in ranks]
-        compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: _number(t[0] + t[1] + t[2]))
+        per_rank = [self._rank_seconds(c, stages, *links[:2]) for stages in ranks]
+        compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: number(t[0] + t[1] + t[2]))
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
         out = {
@@ -327,7 +342,7 @@ class CostModel:
             nodes = math.ceil(c.devices / cl.devices_per_node)
             work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
                 cl.cores * nodes)
-            out["shared_cores"] = _max([work - sum(out.values()) + out["data_parallel"], 0])
+            out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
         return out
 
     def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
@@ -341,10 +356,18 @@ class CostModel:
             return (c.pp - 1) / c.stages_per_rank * per_microbatch
         weight = (compute - redo) / 3
         phases = (forward + p2p_t / 2, backward - weight + p2p_t / 2, weight)
-        costs = tuple(_number(x, c.microbatch_size) for x in phases)
+        costs = tuple(number(x, c.microbatch_size) for x in phases)
         idle = self.bubbles.least_idle(c.pp, costs) if bound else self.bubbles.idle(c.schedule, c.pp, c.microbatches,
                                                                                    costs)
         return idle / c.stages_per_rank * per_microbatch
+
+    def _rank_seconds(self, c: Config, stages: list[list[SegmentValues]], tp_link: Any, pp_link: Any) -> list[Any]:
+        """A rank's ``_stage`` seconds summed over its stages."""
+        key = ("time", id(stages), c.recompute, c.full_layers, c.pp > 1, c.tp, c.sequence_parallel, id(tp_link),
+               id(pp_link))
+        if key not in self._per_rank:
+            self._per_rank[key] = [sum(x) for x in zip(*(self._stage(c, st, tp_link, pp_link) for st in stages))]
+        return self._per_rank[key]
 
     def _stage(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
         """One microbatch of one stage: compute, tp, pipeline, forward, backward and recomputed seconds."""
@@ -459,11 +482,11 @@ class CostModel:
             slope, const = (float(x) for x in poly.all_coeffs())
             return max(0, math.floor((memory - const) / slope)) if slope > 0 else 0
         lo, hi = 0, 1
-        while _number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
+        while number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if _number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
+            lo, hi = (mid, hi) if number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
         return lo
 
 
@@ -472,20 +495,3 @@ def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]
     ``passes.pipeline``'s policy, on segments."""
     bounds = [0, *balanced_cuts(weights, starts, n), len(weights)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
-
-
-def _number(x: Any, b: int = 1) -> float:
-    """A float for ordering; a sympy expression is evaluated at microbatch size ``b`` (default 1)."""
-    return float(x.xreplace({b_sym: b})) if isinstance(x, sympy.Basic) else float(x)
-
-
-def _max(xs: list[Any]) -> Any:
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Max(*xs)
-    return max(xs)
-
-
-def _min(xs: list[Any]) -> Any:
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Min(*xs)
-    return min(xs)

@@ -28,6 +28,7 @@ from autopar.core.zero_layout import layer_of
 from autopar.planner.cluster import Link
 from autopar.planner.comm_time import ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.config import ZERO_BUBBLE
+from autopar.planner.expr import largest
 from autopar.planner.memory_formulas import Precision
 from autopar.planner.segment_values import SegmentValues, state_elements
 
@@ -85,7 +86,7 @@ class DataParallel:
             return 0
         loss = ring_all_reduce(8, c.dp, link.p2p())  # the step's loss averaged over dp: one element, no payload
         if c.zero == 3:
-            return loss + _max([self._stage3(c, stages, forward, backward, link) for stages in ranks])
+            return loss + largest([self._stage3(c, stages, forward, backward, link) for stages in ranks])
         held = [[u for st in stages for u in st] for stages in ranks] if trainable is None else []
         p = self.precision
         elements = max(state_elements(units)[1] for units in held) if trainable is None else trainable
@@ -104,28 +105,21 @@ class DataParallel:
         (``reduce_scatters``); the first group's gather has nothing to hide behind."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
         key = (id(stages), c.dp, split)  # a rank's stages as the cost model keeps them (one list per layout)
-        if key not in self.groups:
+        if key not in self.groups:  # (groups, their elements, reduce-scatter calls and elements)
             units = [u for st in stages for u in st]
-            self.groups[key] = (zero3_groups(units, c.dp), reduce_scatters(units, c.dp, split))
-        groups, (calls, elements) = self.groups[key]
+            groups = zero3_groups(units, c.dp)
+            self.groups[key] = (len(groups), sum(g.elements for g in groups), *reduce_scatters(units, c.dp, split))
+        groups, gathered, calls, elements = self.groups[key]
         if not groups:
             return 0
         p, n = self.precision, c.dp
-        gathered = sum(g.elements for g in groups) * (p.gather or p.param)
-        gather = ring_gather(gathered, n, link, len(groups))
+        gathered *= p.gather or p.param
+        gather = ring_gather(gathered, n, link, groups)
         scatter = ring_scatter(elements * p.grad, n, link, calls)
-        first = ring_gather(gathered / len(groups), n, link)
+        first = ring_gather(gathered / groups, n, link)
         return c.microbatches * (self._exposed(gather, forward, first) + self._exposed(gather + scatter, backward,
                                                                                        first))
 
     def _exposed(self, t: Any, window: Any, tail: Any) -> Any:
         """What of ``t`` seconds of communication shows beside ``window`` seconds of compute; ``tail`` never hides."""
-        return _max([t - self.hide * window, tail, (1 - self.hide) * t])
-
-
-def _max(xs: list[Any]) -> Any:
-    import sympy
-
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Max(*xs)
-    return max(xs)
+        return largest([t - self.hide * window, tail, (1 - self.hide) * t])

@@ -33,19 +33,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from autopar.planner.expr import largest
+
 Modes = str | Sequence[str]  # one recompute mode for every unit, or one per unit
 
 
 def _per_unit(mode: Modes, units: list[Any]) -> list[str]:
     return [mode] * len(units) if isinstance(mode, str) else list(mode)
 
-
-def _max(xs: list[Any]) -> Any:
-    import sympy
-
-    if any(isinstance(x, sympy.Basic) for x in xs):
-        return sympy.Max(*xs)
-    return max(xs, default=0)
 
 
 def kept_unit(mode: str, u: Any, *, recompute_collectives: bool = False) -> Any:
@@ -64,13 +59,13 @@ def kept(mode: Modes, units: list[Any], *, recompute_collectives: bool = False) 
     modes = _per_unit(mode, units)
     total = sum(kept_unit(m, u, recompute_collectives=recompute_collectives) for m, u in zip(modes, units))
     heads = [u.entering_head for m, u in zip(modes, units) if u.kind == "layer" and m != "none"]
-    return total + _max(heads) if heads else total
+    return total + largest(heads) if heads else total
 
 
 def rebuilt(mode: Modes, units: list[Any], *, recompute_collectives: bool = False) -> Any:
     """Bytes one layer's recomputation adds while its backward runs: the most of any recomputed layer of
     ``units`` (``mode``: one for all, or one per unit)."""
-    return _max([u.activations - kept_unit(m, u, recompute_collectives=recompute_collectives)
+    return largest([u.activations - kept_unit(m, u, recompute_collectives=recompute_collectives)
                  for m, u in zip(_per_unit(mode, units), units) if u.kind == "layer" and m != "none"])
 
 

@@ -46,8 +46,8 @@ def render_table(result: PlanResult, top: int = 10) -> str:
     lines = [head]
     for i, c in enumerate(result.candidates[:top], 1):
         if result.top is not None and i == result.top + 1:
-            lines.append(f"  (below row {result.top}: the best of other meshes, not every configuration; plan with "
-                         f"top={top} to rank {top})")
+            lines.append(f"  (below row {result.top}: the best of the other tp and pp sizes and what else was timed, "
+                         f"not every configuration; plan with top={top} to rank {top})")
         cfg, m = c.config, c.memory
         v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
         sched = "-" if cfg.pp == 1 else cfg.schedule + v

@@ -7,8 +7,9 @@ fitting ones first, then by step time. ``PlanResult`` holds them with the cost
 model, so a configuration's memory and time can be asked again as sympy
 expressions in the microbatch size.
 
-Invariant: every candidate's numbers come from one ``CostModel.estimate``;
-nothing here recomputes memory or time.
+Invariant: every candidate's numbers come from ``CostModel.estimate`` (its
+memory when evaluated, its step time when first asked); nothing here
+recomputes memory or time.
 """
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ class PlanResult:
     """Ranked candidates (fitting ones first, fastest first) and the explanation of the best.
 
     ``candidates``: every configuration that does not fit, and of those that fit the ones that can rank
-    (``autopar/planner/bound.py``): the best ``top``, the best of each mesh, the best autopar runs, and any other
-    whose lower bound did not rule it out; ``candidate(config)`` finds any configuration of the search.
+    (``autopar/planner/bound.py``): the best ``top``, the best of each tp and each pp size, the best autopar
+    runs, and any other whose lower bound did not rule it out; ``candidate(config)`` finds any configuration of
+    the search.
     """
 
     model: str
@@ -167,7 +169,7 @@ class PlanResult:
         return json.dumps({
             "model": self.model, "parameters": self.profile.total_params, "devices": self.devices,
             "cluster": self.cluster.name, "precision": self.precision.name, "global_batch": self.global_batch,
-            "seq_len": self.seq_len, "considered": self.considered, "seconds": self.seconds,
+            "seq_len": self.seq_len, "considered": self.considered, "timed": self.timed, "seconds": self.seconds,
             "candidates": [c.as_dict() for c in self.candidates[:top]], "explanation": self.explanation,
         }, indent=2)
 
@@ -218,9 +220,9 @@ def plan(
     keeping the collectives' outputs (autopar). ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
     ``top``: rank exactly the best ``top`` configurations, the best of each
-    mesh and the best autopar runs; the step time of a configuration whose
-    lower bound shows it can be none of those is not estimated
-    (``autopar/planner/bound.py``). None: estimate and rank every one.
+    tp and each pp size and the best autopar runs; the step time of a
+    configuration whose lower bound shows it can be none of those is not
+    estimated (``autopar/planner/bound.py``). None: estimate and rank every one.
     """
     start = time.perf_counter()
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
