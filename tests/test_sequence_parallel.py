@@ -157,7 +157,8 @@ def test_the_planner_charges_less_activation_memory_with_it(profile) -> None:
     """At tp=2 with every recompute mode, sequence parallelism keeps fewer activation bytes (the layer inputs that
     recomputation keeps are shards too). It communicates what the plain plan does (each all-reduce an all-gather
     and a reduce-scatter) plus one all-gather in backward per forward one: the column-parallel inputs, kept as
-    shards, gathered again."""
+    shards, gathered again; plus the all-reduce of each norm's weight gradient (the norm sees only its shard of
+    the tokens), at the weight's size, as Megatron-LM all-reduces them."""
     from autopar.planner.cluster import Cluster
     from autopar.planner.cost_model import PRECISIONS, Config, CostModel
 
@@ -178,7 +179,9 @@ def test_the_planner_charges_less_activation_memory_with_it(profile) -> None:
     gathered = elements("all_gather", "forward")
     assert gathered != 0  # a reduce-scatter's backward gathers, and so does each column-parallel input's again
     assert elements("all_gather", "backward") == elements("reduce_scatter", "forward") + gathered
-    assert moved["sp"] == moved["plain"] + gathered
+    norms = sum(c.elements for c in sp if c.op == "all_reduce" and not getattr(c.elements, "free_symbols", ()))
+    assert norms != 0
+    assert moved["sp"] == moved["plain"] + gathered + 2 * norms
 
 
 def test_the_planner_chooses_it_where_memory_is_short(profile) -> None:
