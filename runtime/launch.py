@@ -86,9 +86,11 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
 
 
 class WorkerPool:
-    """``size`` persistent worker processes that run jobs of up to ``size`` ranks on ``backend``, computing on
-    ``device`` ("cpu" or "cuda"; by default ``AUTOPAR_DEVICE``, else NCCL on CUDA where it is available and
-    gloo on the CPU otherwise)."""
+    """Up to ``size`` persistent worker processes that run jobs of up to ``size`` ranks on ``backend``, computing
+    on ``device`` ("cpu" or "cuda"; by default ``AUTOPAR_DEVICE``, else NCCL on CUDA where it is available and
+    gloo on the CPU otherwise). Workers start when a job first needs them: a session whose jobs use two ranks
+    starts two processes, not ``size``; after a failed job (whose ranks may be stuck in a collective) every
+    worker is stopped and the next job starts what it needs."""
 
     def __init__(self, size: int, *, backend: str | None = None, device: str | None = None) -> None:
         self.size = size
@@ -99,24 +101,31 @@ class WorkerPool:
         self._procs: list[Any] = []
         self._jobs = 0
 
-    def _start(self) -> None:
-        self._results = self._ctx.Queue()
-        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
-        self._procs = [
-            self._ctx.Process(target=_worker, args=(i, self._tasks[i], self._results, list(sys.path)), daemon=True)
-            for i in range(self.size)
-        ]
-        for p in self._procs:
+    def _grow(self, n: int) -> None:
+        """Starts workers until ``n`` are running (after a stop, with a fresh results queue)."""
+        if not self._procs:
+            self._results = self._ctx.Queue()
+            self._tasks = []
+        for i in range(len(self._procs), n):
+            self._tasks.append(self._ctx.Queue())
+            p = self._ctx.Process(target=_worker, args=(i, self._tasks[i], self._results, list(sys.path)),
+                                  daemon=True)
+            self._procs.append(p)
             p.start()
+
+    @property
+    def running(self) -> int:
+        """How many worker processes are alive."""
+        return sum(p.is_alive() for p in self._procs)
 
     def launch(self, fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
         """Runs ``fn(*args)`` on ranks 0..nprocs-1 of a fresh job; returns the results by rank."""
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs={nprocs} must be between 1 and the pool size {self.size}")
         rank_device(self.backend, nprocs - 1, self.device)  # (NCCL: a GPU for every rank)
-        if not self._procs or not all(p.is_alive() for p in self._procs):
+        if not all(p.is_alive() for p in self._procs):
             self.close()
-            self._start()
+        self._grow(nprocs)
         self._jobs += 1
         # the parent serves the rendezvous store, so its port stays taken for the whole job (no race for it)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
