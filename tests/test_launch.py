@@ -37,12 +37,21 @@ def own_pool() -> WorkerPool:
         yield p
 
 
+def _raises() -> None:
+    raise ValueError("on purpose")
+
+
 def test_a_pool_starts_only_the_workers_its_jobs_need() -> None:
+    """Workers start as jobs need them; a failed job stops its own workers only."""
     with WorkerPool(8) as pool:
         assert pool.running == 0
         assert pool.launch(_rank_and_sum, 1) == [(0, 1.0)] and pool.running == 1
         assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)] and pool.running == 2
         assert pool.launch(_rank_and_sum, 1) == [(0, 1.0)] and pool.running == 2  # the second one stays
+        with pytest.raises(RankError, match="ValueError: on purpose"):
+            pool.launch(_raises, 1)
+        assert pool.running == 1  # worker 1 was not in the failed job
+        assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)] and pool.running == 2
 
 
 def _rank1_raises_while_rank0_waits() -> None:
