@@ -15,12 +15,13 @@ from __future__ import annotations
 import copyreg
 import multiprocessing as mp
 import os
-import queue
 import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Iterable
 
 import cloudpickle
 import torch
@@ -59,7 +60,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
+def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
     while True:
         task = tasks.get()
@@ -80,15 +81,28 @@ def _worker(index: int, tasks: Any, results: Any, sys_path: list[str]) -> None:
             start_job(backend, device, store=dist.PrefixStore(f"job{job}", store), rank=rank, world_size=world)
             out = fn(*args)
             dist.destroy_process_group()  # not on failure: peers would see a closed connection, not the cause
-            results.put((job, rank, True, cloudpickle.dumps(out)))
+            results.send((job, rank, True, cloudpickle.dumps(out)))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the job
-            results.put((job, rank, False, traceback.format_exc()))
+            results.send((job, rank, False, traceback.format_exc()))
+
+
+@dataclass
+class _Worker:
+    """A worker process, the queue it takes tasks from and the pipe its results come back on (its own: stopping
+    one worker leaves the others' channels whole)."""
+
+    process: Any
+    tasks: Any
+    results: Connection
 
 
 class WorkerPool:
-    """``size`` persistent worker processes that run jobs of up to ``size`` ranks on ``backend``, computing on
-    ``device`` ("cpu" or "cuda"; by default ``AUTOPAR_DEVICE``, else NCCL on CUDA where it is available and
-    gloo on the CPU otherwise)."""
+    """Up to ``size`` persistent worker processes that run jobs of up to ``size`` ranks on ``backend``, computing
+    on ``device`` ("cpu" or "cuda"; by default ``AUTOPAR_DEVICE``, else NCCL on CUDA where it is available and
+    gloo on the CPU otherwise). Rank ``i`` of every job runs on worker ``i``, started when a job first needs
+    it: a session whose jobs use two ranks starts two processes, not ``size``. A failed job's workers (whose
+    ranks may be stuck in a collective) are stopped and started again by the next job that needs them; the
+    others keep running, warm (torch, the model code and ``torch.export`` already loaded)."""
 
     def __init__(self, size: int, *, backend: str | None = None, device: str | None = None) -> None:
         self.size = size
@@ -96,74 +110,95 @@ class WorkerPool:
         self.backend = backend or default_backend(self.device)
         rank_device(self.backend, 0, self.device)  # a choice no rank can run is refused here, named
         self._ctx = mp.get_context("spawn")
-        self._procs: list[Any] = []
+        self._workers: list[_Worker | None] = []
         self._jobs = 0
 
-    def _start(self) -> None:
-        self._results = self._ctx.Queue()
-        self._tasks = [self._ctx.Queue() for _ in range(self.size)]
-        self._procs = [
-            self._ctx.Process(target=_worker, args=(i, self._tasks[i], self._results, list(sys.path)), daemon=True)
-            for i in range(self.size)
-        ]
-        for p in self._procs:
-            p.start()
+    def _start(self, i: int) -> _Worker:
+        tasks = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(target=_worker, args=(i, tasks, writer, list(sys.path)), daemon=True)
+        worker = _Worker(process, tasks, reader)
+        self._workers[i] = worker  # (before start: a failed start is still stopped by close)
+        process.start()
+        writer.close()  # the worker holds its end: the pipe reports the worker's death as end of file
+        return worker
+
+    def _ready(self, n: int) -> list[_Worker]:
+        """Workers 0..n-1, each started (again) where it is not running."""
+        self._workers += [None] * (n - len(self._workers))
+        return [w if w is not None and w.process.is_alive() else self._start(i)
+                for i, w in enumerate(self._workers[:n])]
+
+    @property
+    def running(self) -> int:
+        """How many worker processes are alive."""
+        return sum(w is not None and w.process.is_alive() for w in self._workers)
 
     def launch(self, fn: Callable[..., Any], nprocs: int, *args: Any) -> list[Any]:
         """Runs ``fn(*args)`` on ranks 0..nprocs-1 of a fresh job; returns the results by rank."""
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs={nprocs} must be between 1 and the pool size {self.size}")
         rank_device(self.backend, nprocs - 1, self.device)  # (NCCL: a GPU for every rank)
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close()
-            self._start()
+        workers = self._ready(nprocs)
         self._jobs += 1
         # the parent serves the rendezvous store, so its port stays taken for the whole job (no race for it)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         job, port, payload = self._jobs, store.port, cloudpickle.dumps((fn, args))
-        for rank in range(nprocs):
-            self._tasks[rank].put((job, rank, nprocs, port, self.backend, self.device, payload))
+        for rank, worker in enumerate(workers):
+            worker.tasks.put((job, rank, nprocs, port, self.backend, self.device, payload))
         try:
-            return self._collect(job, nprocs)
+            return self._collect(job, workers)
         except BaseException:
-            self.close()  # ranks may be blocked in a collective with the failed one
+            self._stop(range(nprocs))  # ranks may be blocked in a collective with the failed one
             raise
         finally:
             del store
 
-    def _collect(self, job: int, nprocs: int) -> list[Any]:
+    def _collect(self, job: int, workers: list[_Worker]) -> list[Any]:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = None  # once a rank fails, wait briefly for the others to report, then pick the cause
-        while len(results) + len(failures) < nprocs and (deadline is None or time.monotonic() < deadline):
-            for rank, p in enumerate(self._procs[:nprocs]):
-                if not p.is_alive() and rank not in results and rank not in failures:
-                    failures[rank] = f"the process died with exit code {p.exitcode}"
+        pending = {w.results: rank for rank, w in enumerate(workers)}
+        while pending and (deadline is None or time.monotonic() < deadline):
+            for conn in wait(list(pending), timeout=0.2):
+                rank = pending[conn]
+                try:
+                    got_job, _, ok, data = conn.recv()
+                except (EOFError, OSError):  # the process is gone
+                    del pending[conn]
+                    workers[rank].process.join(timeout=GRACE_S)
+                    failures[rank] = f"the process died with exit code {workers[rank].process.exitcode}"
+                    continue
+                if got_job != job:
+                    continue
+                del pending[conn]
+                if ok:
+                    results[rank] = cloudpickle.loads(data)
+                else:
+                    failures[rank] = data
             if failures and deadline is None:
                 deadline = time.monotonic() + GRACE_S
-            try:
-                got_job, rank, ok, data = self._results.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if got_job != job:
-                continue
-            if ok:
-                results[rank] = cloudpickle.loads(data)
-            else:
-                failures[rank] = data
         if failures:
             rank = min(failures, key=lambda r: (_is_consequence(failures[r]), r))
             raise RankError(rank, failures[rank])
-        return [results[r] for r in range(nprocs)]
+        return [results[r] for r in range(len(workers))]
+
+    def _stop(self, indices: Iterable[int]) -> None:
+        stopped = [w for i in indices if i < len(self._workers) and (w := self._workers[i]) is not None]
+        for w in stopped:
+            if w.process.pid is not None and w.process.is_alive():  # a failed start leaves one never started
+                w.process.kill()
+        for w in stopped:
+            if w.process.pid is not None:
+                w.process.join(timeout=5)
+            w.results.close()
+        for i in indices:
+            if i < len(self._workers):
+                self._workers[i] = None
 
     def close(self) -> None:
-        started = [p for p in self._procs if p.pid is not None]  # a failed start leaves some never started
-        for p in started:
-            if p.is_alive():
-                p.kill()
-        for p in started:
-            p.join(timeout=5)
-        self._procs = []
+        self._stop(range(len(self._workers)))
+        self._workers = []
 
     def __enter__(self) -> "WorkerPool":
         return self

@@ -15,7 +15,7 @@ MAX_NORM = 0.05  # well below GPT-2's gradient norm here (about 3): every step i
 
 @pytest.mark.parametrize("sizes,zero", [
     (dict(dp=2), 0), (dict(dp=2), 2), (dict(pp=2), 0), (dict(tp=2), 0),
-    (dict(dp=2, pp=2), 1), (dict(dp=2, tp=2), 3), (dict(dp=2, pp=2, tp=2), 3),
+    (dict(dp=2, pp=2), 1), (dict(dp=2, tp=2), 3), pytest.param(dict(dp=2, pp=2, tp=2), 3, marks=pytest.mark.slow),
 ])
 def test_clipped_training_equals_single_device(launcher, sizes: dict, zero: int) -> None:
     """GPT-2's tied embeddings sit on both pipeline ends, and its q|k|v and vocab are tp-sharded."""

@@ -22,13 +22,14 @@ from harness.exactness import IDS, MESHES, MODEL_BOUND, TARGET, check
 
 
 @pytest.mark.parametrize("name, mesh_name", [
-    ("gemma2", "pp2"), ("gemma2", "dp2-zero3"), ("gemma2", "tp2"),
+    ("gemma2", "pp2"), pytest.param("gemma2", "dp2-zero3", marks=pytest.mark.slow), ("gemma2", "tp2"),
     ("bart", "tp2"), ("bart", "pp2"),
     ("phi3", "tp2"), ("fused_slice", "tp2"),
-    ("mamba", "tp2"), ("mamba", "pp2"), ("mamba", "dp2-zero3"),
+    ("mamba", "tp2"), pytest.param("mamba", "pp2", marks=pytest.mark.slow), ("mamba", "dp2-zero3"),
 ])
 def test_rows_that_were_not_exact(launcher, name: str, mesh_name: str) -> None:
-    """Each was 1e-10 .. 1e-7 off (AdamW: up to 1e-5): a float32 sum split over ranks, or the model's own rounding."""
+    """Each was 1e-10 .. 1e-7 off (AdamW: up to 1e-5): a float32 sum split over ranks, or the model's own rounding.
+    A model's second mesh that splits the batch (checked against the control the same way) under -m slow."""
     report = check(name, mesh_name, launcher)
     if report.control_error is not None:  # the model rounds this much on one device when the batch is split
         assert 1e-12 < report.control_error <= MODEL_BOUND, report

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import models
 from autopar import Mesh, RankError, launch, parallelize
-from autopar.runtime.launch import free_port
+from autopar.runtime.launch import WorkerPool, free_port
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -23,13 +23,35 @@ def _rank_and_sum() -> tuple[int, float]:
     return dist.get_rank(), float(t)
 
 
-def test_launch_returns_results_by_rank() -> None:
-    assert launch(_rank_and_sum, 3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
-
-
-def test_launch_accepts_closures() -> None:
+def test_launch_returns_results_by_rank_and_accepts_closures() -> None:
     k = 7
-    assert launch(lambda: dist.get_world_size() * k, 2) == [14, 14]
+    assert launch(lambda: (*_rank_and_sum(), dist.get_world_size() * k), 3) == [(0, 6.0, 21), (1, 6.0, 21),
+                                                                                 (2, 6.0, 21)]
+
+
+@pytest.fixture(scope="module")
+def own_pool() -> WorkerPool:
+    """A pool for the jobs that fail on purpose: a failed job stops every worker of its pool, and the session's
+    pool keeps its warm workers."""
+    with WorkerPool(2) as p:
+        yield p
+
+
+def _raises() -> None:
+    raise ValueError("on purpose")
+
+
+def test_a_pool_starts_only_the_workers_its_jobs_need() -> None:
+    """Workers start as jobs need them; a failed job stops its own workers only."""
+    with WorkerPool(8) as pool:
+        assert pool.running == 0
+        assert pool.launch(_rank_and_sum, 1) == [(0, 1.0)] and pool.running == 1
+        assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)] and pool.running == 2
+        assert pool.launch(_rank_and_sum, 1) == [(0, 1.0)] and pool.running == 2  # the second one stays
+        with pytest.raises(RankError, match="ValueError: on purpose"):
+            pool.launch(_raises, 1)
+        assert pool.running == 1  # worker 1 was not in the failed job
+        assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)] and pool.running == 2
 
 
 def _rank1_raises_while_rank0_waits() -> None:
@@ -38,13 +60,14 @@ def _rank1_raises_while_rank0_waits() -> None:
     dist.all_reduce(torch.ones(1))  # would wait for rank 1 forever
 
 
-def test_a_raising_rank_stops_the_job_and_is_named(pool) -> None:
+def test_a_raising_rank_stops_the_job_and_is_named(own_pool) -> None:
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 failed") as info:
-        pool.launch(_rank1_raises_while_rank0_waits, 2)
+        own_pool.launch(_rank1_raises_while_rank0_waits, 2)
     assert "ValueError: bad thing on rank one" in info.value.detail
     assert time.monotonic() - start < 60
-    assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]  # the pool recovers
+    assert own_pool.running == 0  # every worker of the failed job was stopped
+    assert own_pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]  # the pool recovers
 
 
 def _rank0_dies() -> None:
@@ -53,9 +76,9 @@ def _rank0_dies() -> None:
     dist.all_reduce(torch.ones(1))
 
 
-def test_a_dying_rank_stops_the_job_and_is_named(pool) -> None:
+def test_a_dying_rank_stops_the_job_and_is_named(own_pool) -> None:
     with pytest.raises(RankError, match="rank 0 failed:\nthe process died with exit code 3"):
-        pool.launch(_rank0_dies, 2)
+        own_pool.launch(_rank0_dies, 2)
 
 
 def _wrong_world() -> None:
@@ -63,9 +86,9 @@ def _wrong_world() -> None:
     pm.step(torch.ones(4, 4, dtype=torch.float64), target=torch.ones(4, 2, dtype=torch.float64))
 
 
-def test_world_size_must_equal_the_mesh_size(launcher) -> None:
+def test_world_size_must_equal_the_mesh_size(own_pool) -> None:
     with pytest.raises(RankError, match=r"world size 2 does not equal the mesh size 4 \(dp=4\)"):
-        launcher(_wrong_world, 2)
+        own_pool.launch(_wrong_world, 2)
 
 
 def test_running_without_a_job_says_how_to_launch() -> None:
@@ -79,9 +102,9 @@ import sys, json, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 import models
 from autopar import Mesh, parallelize
-ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
-pm = parallelize(models.gpt2(), Mesh(dp=4), loss_fn=models.lm_loss, optimizer=models.adamw)
-losses = [pm.step(ids, target=ids) for _ in range(2)]
+x, y = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).split([4, 2], dim=1)
+pm = parallelize(models.mlp((4, 8, 2)), Mesh(dp=4), loss_fn=models.mse, optimizer=models.adamw)
+losses = [pm.step(x, target=y) for _ in range(2)]
 if dist.get_rank() == 0:
     json.dump(losses, open({out!r}, "w"))
 dist.barrier()
@@ -126,12 +149,12 @@ def test_two_node_torchrun_job_over_loopback(tmp_path: Path) -> None:
     import json
 
     got = json.loads(out.read_text())
-    model = models.gpt2()
+    model = models.mlp((4, 8, 2))
     opt = models.adamw(list(model.parameters()))
-    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(0))
+    x, y = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).split([4, 2], dim=1)
     for step_loss in got:
-        loss = models.lm_loss(model(ids), ids)
+        loss = models.mse(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        assert step_loss == pytest.approx(float(loss), rel=1e-9)
+        assert step_loss == pytest.approx(float(loss.detach()), rel=1e-9)

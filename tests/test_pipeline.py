@@ -20,14 +20,21 @@ def _hf(name: str, launcher, mesh: Mesh, **kw) -> None:
                       launcher=launcher, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
-@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 2), ("1f1b", 4), ("interleaved-1f1b", 4)])
+PP2 = [(name, schedule, m) for name in ("llama", "gpt2", "bert")
+       for schedule, m in [("gpipe", 2), ("1f1b", 4), ("interleaved-1f1b", 4)]]
+PP2_DEFAULT = {("llama", "gpipe", 2), ("gpt2", "1f1b", 4), ("bert", "interleaved-1f1b", 4)}
+
+
+@pytest.mark.parametrize("name, schedule, microbatches",
+                         [pytest.param(*c, marks=[] if c in PP2_DEFAULT else [pytest.mark.slow]) for c in PP2])
 def test_hf_pp2(launcher, name: str, schedule: str, microbatches: int) -> None:
+    """Each schedule with another model; every model with every schedule under -m slow."""
     _hf(name, launcher, Mesh(pp=2), schedule=schedule, microbatches=microbatches)
 
 
-@pytest.mark.parametrize("name, schedule, microbatches", [("llama", "1f1b", 4), ("gpt2", "gpipe", 8),
-                                                          ("bert", "1f1b", 2)])
+@pytest.mark.parametrize("name, schedule, microbatches", [
+    pytest.param("llama", "1f1b", 4, marks=pytest.mark.slow), ("gpt2", "gpipe", 8),
+    pytest.param("bert", "1f1b", 2, marks=pytest.mark.slow)])
 def test_hf_pp4(launcher, name: str, schedule: str, microbatches: int) -> None:
     _hf(name, launcher, Mesh(pp=4), schedule=schedule, microbatches=microbatches)
 

@@ -234,8 +234,10 @@ def test_errors_name_the_problem_and_the_fix(gpt2_profile) -> None:
 # speed and the command line
 # ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_planning_gpt3_175b_for_1024_devices() -> None:
-    """What the plan says (its speed, about 7 s, is measured by ``python benchmarks/planner_speed.py``)."""
+    """What the plan says (its speed, about 7 s, is measured by ``python benchmarks/planner_speed.py``). Under
+    -m slow: the default run plans models of up to 70B on 64 devices (``tests/test_planner_families.py``)."""
     result = plan(gpt3_175b(), 1024, cluster="dgx-a100", global_batch=1536, seq_len=2048)
     assert result.profile.total_params == pytest.approx(175e9, rel=0.01)
     best = result.best

@@ -24,8 +24,9 @@ def _hf(name: str, launcher, mesh: Mesh, **kw) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hf_tp(launcher, name: str, tp: int) -> None:
+    """Each model at tp=2; tp=4 under -m slow (the default run keeps tp=4 in the GQA test below)."""
     _hf(name, launcher, Mesh(tp=tp))
 
 

@@ -20,11 +20,14 @@ from harness.training import scheduled_reference, scheduled_steps
 IDS = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
 CASES = [(name, zero, dp) for name in ("gpt2", "llama") for zero in (1, 2, 3) for dp in (2, 4)]
+DEFAULT = {("gpt2", 1, 2), ("llama", 1, 4), ("llama", 2, 2), ("gpt2", 2, 4), ("gpt2", 3, 2), ("llama", 3, 4)}
 
 
-@pytest.mark.parametrize("name,zero,dp", CASES)
+@pytest.mark.parametrize("name,zero,dp", [pytest.param(*c, marks=[] if c in DEFAULT else [pytest.mark.slow])
+                                          for c in CASES])
 def test_hf_models_equal_single_device(launcher, name: str, zero: int, dp: int) -> None:
-    """AdamW on every case, SGD with momentum on half of them (all of them under -m slow)."""
+    """AdamW on every case, SGD with momentum on half of them (all of them under -m slow); each stage and dp
+    size with one of the models by default, with the other under -m slow."""
     make = models.factory(getattr(models, name))
     opts = [models.adamw] + ([models.sgd] if (zero + dp // 2) % 2 else [])
     for opt in opts:

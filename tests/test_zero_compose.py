@@ -24,9 +24,14 @@ def _slow_if(condition: bool) -> list:
     return [pytest.mark.slow] if condition else []
 
 
-@pytest.mark.parametrize("name,zero,dp,other", [pytest.param(*c, marks=_slow_if(c[2] == 4)) for c in CASES])
+DEFAULT = {("gpt2", 1, 2, "pp"), ("llama", 1, 2, "tp"), ("llama", 2, 2, "pp"), ("gpt2", 2, 2, "tp"),
+           ("gpt2", 3, 2, "pp"), ("llama", 3, 2, "tp")}
+
+
+@pytest.mark.parametrize("name,zero,dp,other", [pytest.param(*c, marks=_slow_if(c not in DEFAULT)) for c in CASES])
 def test_hf_models_equal_single_device(launcher, name: str, zero: int, dp: int, other: str) -> None:
-    """AdamW, and SGD with momentum, over 3 steps (dp=4 runs 8 ranks on 2 cores: under -m slow)."""
+    """AdamW, and SGD with momentum, over 3 steps: each stage with pp and with tp on one of the models by
+    default, on the other under -m slow (dp=4 runs 8 ranks on 2 cores: under -m slow)."""
     make = models.factory(getattr(models, name))
     mesh = Mesh(dp=dp, **WITH[other])
     extra = {"microbatches": 2} if other == "pp" else {}
@@ -35,15 +40,16 @@ def test_hf_models_equal_single_device(launcher, name: str, zero: int, dp: int, 
                           launcher=launcher, zero=zero, bucket_mb=0.02, **extra)
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_dp4_with_pp_and_with_tp_on_gpt2(launcher, zero: int) -> None:
-    """The dp=4 cases of the matrix above that the default run keeps (AdamW)."""
+    """The dp=4 cases of the matrix above that the default run keeps (AdamW): stage 3; 1 and 2 under -m slow."""
     make = models.factory(models.gpt2)
     for mesh in (Mesh(dp=4, pp=2), Mesh(dp=4, tp=2)):
         assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=3, rtol=1e-9, atol=1e-10,
                           launcher=launcher, zero=zero, bucket_mb=0.02)
 
 
+@pytest.mark.slow
 @given(
     sizes=st.sampled_from([dict(dp=2, pp=2), dict(dp=2, tp=2), dict(pp=2, dp=2), dict(tp=2, dp=2),
                            dict(dp=2, pp=2, tp=2), dict(tp=2, pp=2, dp=2)]),
@@ -74,7 +80,7 @@ def _partly_frozen_gpt2() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_frozen_parameters_stay_whole_on_a_3d_mesh(launcher, zero: int) -> None:
     assert_equivalent(_partly_frozen_gpt2, Mesh(dp=2, pp=2, tp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
                       steps=3, rtol=1e-9, atol=1e-10, launcher=launcher, zero=zero, bucket_mb=1e-3, microbatches=2)
@@ -104,7 +110,8 @@ def _train(path: str, sizes: dict, zero: int, steps: int, *, load: bool, save: b
     return {"losses": losses, "state": pm.state_dict()}
 
 
-@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, pp=2), 3), (dict(dp=2, tp=2), 1), (dict(dp=2, pp=2), 0),
+@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, pp=2), 3), (dict(dp=2, tp=2), 1),
+                                        pytest.param(dict(dp=2, pp=2), 0, marks=pytest.mark.slow),
                                         pytest.param(dict(dp=2, pp=2, tp=2), 2, marks=pytest.mark.slow),
                                         pytest.param(dict(dp=2, tp=2), 3, marks=pytest.mark.slow)])
 def test_resuming_on_a_composed_mesh_gives_the_losses_of_an_uninterrupted_run(launcher, tmp_path, sizes,
@@ -149,7 +156,7 @@ def _forward_then_state(zero: int) -> list:
     return [pm(IDS).logits, pm.state_dict()]
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_forward_and_state_dict_before_any_step_on_a_3d_mesh(launcher, zero: int) -> None:
     model = models.gpt2(layers=4)
     want = model(IDS).logits.detach()
