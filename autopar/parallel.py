@@ -9,7 +9,7 @@ user's module's parameter storage changes only in ``model_storage``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,11 @@ from autopar.options import Options
 from autopar.precision import check_model
 from autopar.program import Program, check_supported
 from autopar.rank_batch import is_empty, rank_inputs, reads_batch
+from autopar.rank_loader import in_step
 from autopar.rank_runtime import check_ownership, seed_rng, start_runtime
 from autopar.rank_state import checkpoint_state, full_state, local_state
 from autopar.runtime import checkpoint
+from autopar.runtime.groups import ensure_initialized, job_device
 from autopar.runtime.rank import Optimizer, RankRuntime
 from autopar.step import forward, train_step
 
@@ -94,6 +96,14 @@ class ParallelModel:
         """Whether this process's stages read the inputs or the target (under ``batch="local"`` a process
         whose stages read neither may pass nothing to ``step``)."""
         return reads_batch(self._programs.require(), _process_rank("pm.reads_batch"))
+
+    def batches(self, loader: Iterable) -> Iterator[Any]:
+        """``loader``'s batches, each once every rank has one: ``for x, y in pm.batches(loader): pm.step(...)``.
+        Loaders that yield different numbers of batches on different ranks are an error on every rank naming
+        the ranks and their counts (before the first batch where they have lengths), not a hang in the next
+        step (``autopar/rank_loader.py``). Every rank iterates through it."""
+        ensure_initialized()
+        return in_step(loader, job_device())
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> float:
         """Forward, backward, gradient sync and optimizer step on the GLOBAL batch; the global mean loss."""
