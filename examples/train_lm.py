@@ -4,10 +4,15 @@ The corpus is the Python standard library's own source files (on every machine, 
 bytes (a byte-level tokenizer: 256 tokens). Each data-parallel rank reads its own shard through a
 ``DistributedSampler`` (``batch="local"``); the script logs the loss, tokens/s and an MFU estimate to the
 console and to ``OUT/metrics.csv``, saves a sharded checkpoint every ``--ckpt-every`` steps, resumes from the
-latest complete one with ``--resume``, and draws ``OUT/loss.png``.
+latest complete one with ``--resume`` (starting afresh where none was committed yet), and draws
+``OUT/loss.png``. An axis given as ``*`` takes the rest of the world size, so that an elastic job that comes
+back on fewer ranks re-plans its mesh (docs/user_guide.md, "Elastic training").
 
     python examples/train_lm.py --mesh dp=2,tp=2 --steps 200 --out runs/lm        # local CPU ranks
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh dp=2,tp=2 --out runs/lm  # or under torchrun
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --max-restarts 3 --nproc-per-node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id lm \
+        examples/train_lm.py --mesh 'dp=*,tp=2' --resume --out runs/lm            # elastic: restarts resume
     python examples/train_lm.py --mesh none --steps 200 --out runs/one               # plain PyTorch, one device
 """
 from __future__ import annotations
@@ -74,6 +79,22 @@ def loader(data: TensorDataset, args: argparse.Namespace, dp_size: int, dp_rank:
     return DataLoader(data, batch_size=args.batch // dp_size, sampler=sampler, drop_last=True)
 
 
+def mesh_axes(spec: str, world: int | None) -> dict[str, int]:
+    """``dp=2,tp=2`` as axis sizes; one axis may be ``*``: the world size over the other axes' product."""
+    axes = dict(kv.split("=") for kv in spec.split(","))
+    fill = [axis for axis, size in axes.items() if size == "*"]
+    known = {axis: int(size) for axis, size in axes.items() if size != "*"}
+    if not fill:
+        return known
+    rest = 1
+    for size in known.values():
+        rest *= size
+    if len(fill) > 1 or world is None or world % rest:
+        raise ValueError(f"--mesh {spec}: one axis may be '*', and it takes the world size ({world}; torchrun sets "
+                         f"it) over the others' product {rest}; give every size, or a world size that {rest} divides")
+    return {axis: world // rest if axis == fill[0] else int(size) for axis, size in axes.items()}
+
+
 def flops_per_token(m: torch.nn.Module, args: argparse.Namespace) -> float:
     """Training FLOPs per token: 6 per parameter plus attention's 12 * layers * width * sequence (PaLM's)."""
     return 6 * sum(p.numel() for p in m.parameters()) + 12 * args.layers * args.width * args.seq
@@ -98,22 +119,25 @@ def train(args: argparse.Namespace) -> list[float]:
     fpt, out = flops_per_token(m, args), Path(args.out)
     parallel = args.mesh != "none"
     if parallel:
-        mesh = autopar.Mesh(**{k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))})
+        mesh = autopar.Mesh(**mesh_axes(args.mesh, int(os.environ["WORLD_SIZE"])))  # (torchrun and launch set it)
         pm = autopar.parallelize(m, mesh, loss_fn=next_token_loss, optimizer=optimizer, batch="local",
                                  microbatches=args.microbatches)
-        dp_size, dp_rank, rank = pm.dp_size, pm.dp_rank, int(os.environ.get("RANK", torch.distributed.get_rank()))
+        dp_size, dp_rank, rank = pm.dp_size, pm.dp_rank, int(os.environ["RANK"])
     else:
         opt, dp_size, dp_rank, rank = optimizer(list(m.parameters())), 1, 0, 0
     position = {"step": 0, "epoch": 0, "index": 0}  # steps done; the epoch and the batch within it to run next
     if parallel and args.resume and (out / "checkpoint").exists():
         x, y = next(iter(loader(data, args, dp_size, dp_rank, 0)))
         pm.compile((x,), {}, y)  # (a checkpoint loads into a compiled program)
-        position = pm.load(str(out / "checkpoint"))
+        try:
+            position = pm.load(str(out / "checkpoint"))
+        except FileNotFoundError:  # no save was committed yet (a job killed in its first save): start afresh
+            pass
     peak = args.peak_tflops * 1e12 if args.peak_tflops else matmul_peak(getattr(torch, args.dtype))
-    log, losses = (_metrics(out, append=position["step"] > 0) if rank == 0 else None), []
+    log, losses = (_metrics(out, resumed_at=position["step"]) if rank == 0 else None), []
     while position["step"] < args.steps:
-        batches = list(loader(data, args, dp_size, dp_rank, position["epoch"]))
-        for x, y in batches[position["index"]:]:
+        batches = list(loader(data, args, dp_size, dp_rank, position["epoch"]))[position["index"]:]
+        for x, y in pm.batches(batches) if parallel else batches:  # (every rank has each batch, or an error)
             start = time.perf_counter()
             if parallel:
                 loss = pm.step(x, target=y)
@@ -144,12 +168,17 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def _metrics(out: Path, *, append: bool) -> Any:
-    """A CSV writer on ``OUT/metrics.csv`` (its header written unless resuming)."""
+def _metrics(out: Path, *, resumed_at: int) -> Any:
+    """A CSV log on ``OUT/metrics.csv``: a new one, or, resuming after step ``resumed_at``, the old one without
+    the rows of later steps (those a killed run logged after its last checkpoint). Each row is on disk once
+    written (line buffering), so a job killed later keeps the steps it logged."""
     out.mkdir(parents=True, exist_ok=True)
-    log = csv.writer(open(out / "metrics.csv", "a" if append else "w", newline=""), lineterminator="\n")
-    if not append:
-        log.writerow(["step", "loss", "tokens_per_s", "mfu"])
+    path = out / "metrics.csv"
+    kept = [row for row in csv.reader(open(path)) if not row[0].isdigit() or int(row[0]) <= resumed_at] \
+        if resumed_at > 0 and path.exists() else [["step", "loss", "tokens_per_s", "mfu"]]
+    log = csv.writer(open(path, "w", newline="", buffering=1), lineterminator="\n")
+    for row in kept:
+        log.writerow(row)
     return log
 
 
@@ -173,7 +202,8 @@ def draw(out: Path) -> None:
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mesh", default="dp=2,tp=2", help="axes as dp=2,pp=1,tp=2, or 'none': plain PyTorch")
+    p.add_argument("--mesh", default="dp=2,tp=2",
+                   help="axes as dp=2,pp=1,tp=2 (one may be '*': the rest of the world size), or 'none': plain PyTorch")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8, help="the global batch (sequences per step)")
     p.add_argument("--microbatches", type=int, default=1)
@@ -188,7 +218,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=50, help="0: never")
     p.add_argument("--peak-tflops", type=float, default=None, help="per rank; default: a measured matmul rate")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint where one was committed")
     p.add_argument("--out", default="runs/train_lm")
     return p.parse_args(argv)
 
@@ -201,8 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     import autopar
 
     size = 1
-    for kv in args.mesh.split(","):
-        size *= int(kv.split("=")[1])
+    for n in mesh_axes(args.mesh, None).values():
+        size *= n
     autopar.launch(train, size, args)
 
 

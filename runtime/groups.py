@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,7 @@ def ensure_initialized() -> None:
     if dist.is_available() and dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _warn_restarts_on_a_shared_store()
         start_job(default_backend(requested_device()), job_device())
         return
     raise RuntimeError(
@@ -126,6 +128,17 @@ def ensure_initialized() -> None:
         "torchrun --nproc-per-node=N or call it through autopar.launch(fn, nprocs=N). "
         "Compile-time inspection (pm.plan, pm.graph(rank)) needs neither."
     )
+
+
+def _warn_restarts_on_a_shared_store() -> None:
+    """torchrun with restarts and its agent's store shared with the ranks (torch's default since 2.5): the ranks
+    of a restart may read the previous attempt's addresses from that store (pytorch/pytorch#135712)."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        warnings.warn("torchrun --max-restarts with the rendezvous store shared with the ranks: a restarted job "
+                      "may connect to the previous attempt's addresses and fail to start; run torchrun with "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/user_guide.md, \"Elastic "
+                      "training\")", stacklevel=3)
 
 
 def join(mesh: Mesh) -> Groups:

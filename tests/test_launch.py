@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import torch.distributed as dist
 import models
 from autopar import Mesh, RankError, launch, parallelize
 from autopar.runtime.launch import WorkerPool, free_port
+from harness.nodes import run_nodes
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -116,36 +114,17 @@ def test_two_node_torchrun_job_over_loopback(tmp_path: Path) -> None:
     """Two torchrun 'nodes' of two processes each join one job through env://.
 
     The nodes meet the way a cluster's launcher starts them: node 0 hosts the store at the master address and
-    each node names its rank. (Two c10d rendezvous agents on one host race to host the store.) Each node logs to
-    a file, so that neither blocks on a full pipe, and a job that outlives the limit is killed with its logs."""
+    each node names its rank. (Two c10d rendezvous agents on one host race to host the store; tests/test_elastic.py
+    serves the c10d store from the test instead.) A job that outlives the limit is killed with its logs."""
     script = tmp_path / "job.py"
     out = tmp_path / "losses.json"
     script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
     port = free_port()
-    logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={i}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", str(script)],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-            start_new_session=True,  # its own process group: a kill reaches the ranks too
-        )
-        for i, log in enumerate(logs)
-    ]
-    deadline = time.monotonic() + 240
-    try:
-        for p in nodes:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    text = "\n".join(f"--- node {i} (exit {p.returncode}) ---\n{log.read_text()[-1500:]}"
-                     for i, (p, log) in enumerate(zip(nodes, logs)))
-    assert all(p.returncode == 0 for p in nodes), text
+    codes, text = run_nodes([["--nnodes=2", "--nproc-per-node=2", f"--node-rank={i}", "--master-addr=127.0.0.1",
+                              f"--master-port={port}", str(script)] for i in range(2)],
+                            [tmp_path / f"node{i}.log" for i in range(2)], {**os.environ, "OMP_NUM_THREADS": "1"},
+                            timeout_s=240)
+    assert codes == [0, 0], text
     import json
 
     got = json.loads(out.read_text())
