@@ -89,9 +89,14 @@ def mesh_axes(spec: str, world: int | None) -> dict[str, int]:
     rest = 1
     for size in known.values():
         rest *= size
-    if len(fill) > 1 or world is None or world % rest:
-        raise ValueError(f"--mesh {spec}: one axis may be '*', and it takes the world size ({world}; torchrun sets "
-                         f"it) over the others' product {rest}; give every size, or a world size that {rest} divides")
+    if len(fill) > 1:
+        raise ValueError(f"--mesh {spec}: only one axis may be '*' ({' and '.join(fill)} are); give the others' sizes")
+    if world is None:
+        raise ValueError(f"--mesh {spec}: '*' takes the rest of torchrun's world size, and local ranks have none; "
+                         f"give every size (e.g. {fill[0]}=2), or start the script under torchrun")
+    if world % rest:
+        raise ValueError(f"--mesh {spec}: the world size {world} does not divide by the other axes' product {rest}; "
+                         f"start a multiple of {rest} ranks")
     return {axis: world // rest if axis == fill[0] else int(size) for axis, size in axes.items()}
 
 
@@ -146,7 +151,7 @@ def train(args: argparse.Namespace) -> list[float]:
                 loss_t.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                loss = float(loss_t)
+                loss = float(loss_t.detach())
             seconds = time.perf_counter() - start
             position["step"], position["index"] = position["step"] + 1, position["index"] + 1
             losses.append(loss)

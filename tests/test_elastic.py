@@ -112,3 +112,13 @@ def test_restarts_on_the_rendezvous_store_shared_with_the_ranks_are_warned_about
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_restarts_on_a_shared_store()
+
+
+def test_a_mesh_axis_given_as_a_star_takes_the_rest_of_the_world_size() -> None:
+    mesh_axes = _script().mesh_axes
+    assert mesh_axes("dp=*,tp=2", 4) == {"dp": 2, "tp": 2} and mesh_axes("dp=*,tp=2", 2) == {"dp": 1, "tp": 2}
+    assert mesh_axes("dp=2,pp=2", None) == {"dp": 2, "pp": 2}
+    with pytest.raises(ValueError, match="the world size 3 does not divide by the other axes' product 2"):
+        mesh_axes("dp=*,tp=2", 3)
+    with pytest.raises(ValueError, match="local ranks have none; give every size"):
+        mesh_axes("dp=*,tp=2", None)
