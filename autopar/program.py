@@ -18,7 +18,8 @@ from autopar.core.buckets import bucket_sizes
 from autopar.core.graph import Slot, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, memory, numel, replicated
-from autopar.core.schedule import Schedule, add_communication, make_schedule
+from autopar.core.schedule import Schedule, add_communication
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.core.step_schedule import forward_step, local_schedule, training_step
 from autopar.log import log_pass

@@ -6,7 +6,7 @@ generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`; the V-shaped `z
 `dualpipev` in modules of their own) are pure functions of the sizes and return *compute-only* schedules: each rank's list holds one ``F``
 and one ``B`` (and, for `zb_h1`, one ``W``) per (stage it owns, microbatch), and
 nothing else.
-`add_communication` lowers such a schedule to one that also says where values
+``autopar.core.schedules`` names them (``make_schedule``). `add_communication` lowers such a schedule to one that also says where values
 cross ranks. `autopar.core.simulate` checks a schedule (deadlock, completeness, data
 dependencies) and measures its bubble before anything runs.
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -367,48 +367,6 @@ def zb_h1(n_ranks: int, n_microbatches: int) -> Schedule:
                     program.append(held.pop(0))
         programs.append(program + held)
     return _compute_only(n_ranks, n_ranks, n_microbatches, programs)
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda p, v, m: gpipe(p, m),
-    "1f1b": lambda p, v, m: one_f_one_b(p, m),
-    "interleaved-1f1b": lambda p, v, m: interleaved_1f1b(p, v, m),
-    "zb-h1": lambda p, v, m: zb_h1(p, m),
-    "zbv": lambda p, v, m: _zbv(p, m),
-    "dualpipev": lambda p, v, m: _dualpipev(p, m),
-}
-
-
-def _zbv(n_ranks: int, n_microbatches: int) -> Schedule:
-    from autopar.core.zero_bubble import zbv  # a list scheduler in a module of its own, which imports this one
-
-    return zbv(n_ranks, n_microbatches)
-
-
-def _dualpipev(n_ranks: int, n_microbatches: int) -> Schedule:
-    from autopar.core.dualpipe import dualpipev  # (its module imports this one)
-
-    return dualpipev(n_ranks, n_microbatches)
-
-
-STAGES_PER_RANK = {"zbv": 2, "dualpipev": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
-
-
-def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int | None = None) -> Schedule:
-    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv" or
-    "dualpipev")."""
-    if name not in SCHEDULES:
-        known = ", ".join(map(repr, SCHEDULES))
-        raise ValueError(f"unknown pipeline schedule {name!r}; the known schedules are {known}")
-    fixed = STAGES_PER_RANK.get(name, 1)
-    if n_stages_per_rank is None:
-        n_stages_per_rank = 2 if name == "interleaved-1f1b" else fixed
-    if name != "interleaved-1f1b" and n_stages_per_rank != fixed:
-        raise ValueError(
-            f"schedule {name!r} places {fixed} stage{'s' * (fixed > 1)} per rank, got "
-            f"n_stages_per_rank={n_stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank"
-        )
-    return SCHEDULES[name](n_ranks, n_stages_per_rank, n_microbatches)
 
 
 # ---------------------------------------------------------------------------
