@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autopar.core.recompute import Choice, check_choice
+from autopar.core.recompute_modes import Choice, check_choice
 from autopar.core.schedules import SCHEDULES as GENERATORS
 from autopar.core.schedules import STAGES_PER_RANK, stages_per_rank
 from autopar.precision import Policy, policy

@@ -27,7 +27,7 @@ from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.device import retarget_device
 from autopar.passes.loss_count import normalize_by_global_count
-from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
+from autopar.passes.stage_cuts import choose_split_points, shared_parameters, split_stages
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions

@@ -47,13 +47,42 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterable, Sequence
 
-F, B, W = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-UNSHARD, RESHARD = "UNSHARD", "RESHARD"
-REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = "REDUCE_GRAD", "REDUCE_SHARED", "OPTIMIZER"
-BROADCAST_LOSS, BROADCAST_OUTPUTS = "BROADCAST_LOSS", "BROADCAST_OUTPUTS"
+
+
+class Kind(str, Enum):
+    """What an action does. A kind equals its name as a string (``Kind.F == "F"``) and prints as it, so that
+    schedules read, print and parse as text."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    REDUCE_SHARED = "REDUCE_SHARED"
+    OPTIMIZER = "OPTIMIZER"
+    BROADCAST_LOSS = "BROADCAST_LOSS"
+    BROADCAST_OUTPUTS = "BROADCAST_OUTPUTS"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+F, B, W = Kind.F, Kind.B, Kind.W
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+UNSHARD, RESHARD = Kind.UNSHARD, Kind.RESHARD
+REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = Kind.REDUCE_GRAD, Kind.REDUCE_SHARED, Kind.OPTIMIZER
+BROADCAST_LOSS, BROADCAST_OUTPUTS = Kind.BROADCAST_LOSS, Kind.BROADCAST_OUTPUTS
 COMPUTE_KINDS = (F, B, W)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 STAGE_KINDS = (UNSHARD, RESHARD)  # of one stage, for no microbatch (see autopar.core.step_schedule)
@@ -77,15 +106,16 @@ class Action:
     """
 
     stage: int | None
-    kind: str
+    kind: Kind  # (a kind's name is accepted too: Action(0, "F", 1))
     microbatch: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind in COMPUTE_KINDS and type(self.stage) is int and type(self.microbatch) is int \
-                and self.stage >= 0 and self.microbatch >= 0:
+        if type(self.kind) is Kind and self.kind in COMPUTE_KINDS and type(self.stage) is int \
+                and type(self.microbatch) is int and self.stage >= 0 and self.microbatch >= 0:
             return  # the common case, valid (the generators make thousands)
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; the kinds are {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", Kind(self.kind))
         has_stage = self.kind not in RANK_KINDS
         has_microbatch = self.kind in COMPUTE_KINDS + COMM_KINDS
         for name, needed in (("stage", has_stage), ("microbatch", has_microbatch)):
