@@ -17,6 +17,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.capture_cache import EXPORTS, Export, export_key
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
 from autopar.log import log_pass
@@ -85,9 +86,14 @@ def capture(
            for x in pytree.tree_leaves((args, kwargs, target) if with_loss else (args, kwargs))]
     with in_compute_dtype(model, compute_dtype, (args, kwargs), target) if compute_dtype is not None \
             else contextlib.nullcontext(((args, kwargs), target)) as ((args, kwargs), target):
-        ep = _export(model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn, target=target,
-                     output_dtype=torch.float32 if compute_dtype is not None else None)
-    captured = _dedupe_tied(_from_exported(ep), model)
+        output_dtype = torch.float32 if compute_dtype is not None else None
+        key = export_key(model, (args, kwargs, target if with_loss else None), loss_fn if with_loss else None,
+                         with_loss=with_loss, output_dtype=output_dtype)
+        exported = EXPORTS.get(key)
+        if exported is None:
+            exported = EXPORTS.put(key, Export.of(_export(model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn,
+                                                          target=target, output_dtype=output_dtype)))
+    captured = _dedupe_tied(_from_exported(exported), model)
     captured.input_dtypes = fed
     with log_pass("constant attention masks -> is_causal", len(captured.gm.graph.nodes)) as info:
         info["detail"] = f"{fold_constant_masks(captured.gm)} attention calls rewritten"
@@ -131,11 +137,10 @@ def _hint(e: BaseException) -> str:
     return "see the cause above; the model must run under torch.export(strict=False)"
 
 
-def _from_exported(ep: torch.export.ExportedProgram) -> Captured:
-    sig = ep.graph_signature
+def _from_exported(ep: Export) -> Captured:
     slots, constants = [], {}
     kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
-    for spec in sig.input_specs:
+    for spec in ep.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             slots.append(Slot("input", spec.arg.name))
         elif spec.kind in kinds:
@@ -146,7 +151,7 @@ def _from_exported(ep: torch.export.ExportedProgram) -> Captured:
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({spec.target})")
     mutated = []
-    for spec in sig.output_specs:
+    for spec in ep.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION:
             mutated.append(spec.target.removeprefix(PREFIX))
         elif spec.kind != OutputKind.USER_OUTPUT:
@@ -154,7 +159,7 @@ def _from_exported(ep: torch.export.ExportedProgram) -> Captured:
                                hint="do not assign to inputs inside forward")
     gm = ep.graph_module
     gm.meta["autopar.captured"] = True
-    return Captured(gm=gm, slots=slots, mutated_buffers=mutated, out_spec=ep.call_spec.out_spec, constants=constants)
+    return Captured(gm=gm, slots=slots, mutated_buffers=mutated, out_spec=ep.out_spec, constants=constants)
 
 
 def _dedupe_tied(c: Captured, model: torch.nn.Module) -> Captured:

@@ -9,11 +9,17 @@ import time
 from typing import Iterator
 
 logger = logging.getLogger("autopar")
-if os.environ.get("AUTOPAR_DEBUG", "") not in ("", "0") and not logger.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("[autopar] %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.DEBUG)
+
+
+def debug_enabled() -> bool:
+    """Whether the passes log: ``AUTOPAR_DEBUG=1`` adds a handler on stderr the first time a pass asks (nothing
+    is installed at import); a logger the application configured itself is left as it is."""
+    if os.environ.get("AUTOPAR_DEBUG", "") not in ("", "0") and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[autopar] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    return logger.isEnabledFor(logging.DEBUG)
 
 
 @contextlib.contextmanager
@@ -22,7 +28,7 @@ def log_pass(name: str, nodes_before: int | None = None) -> Iterator[dict]:
     info: dict = {}
     start = time.perf_counter()
     yield info
-    if logger.isEnabledFor(logging.DEBUG):
+    if debug_enabled():
         before = "" if nodes_before is None else f"{nodes_before} -> "
         after = info.get("nodes", "?")
         detail = f"; {info['detail']}" if "detail" in info else ""

@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autopar.core.recompute import Choice, check_choice
-from autopar.core.schedule import SCHEDULES as GENERATORS
-from autopar.core.schedule import STAGES_PER_RANK
+from autopar.core.recompute_modes import Choice, check_choice
+from autopar.core.schedules import SCHEDULES as GENERATORS
+from autopar.core.schedules import STAGES_PER_RANK, stages_per_rank
 from autopar.precision import Policy, policy
 
-SCHEDULES = tuple(GENERATORS)  # the schedule names (autopar.core.schedule generates each)
+SCHEDULES = tuple(GENERATORS)  # the schedule names (autopar.core.schedules)
 FIXED_STAGES_PER_RANK = STAGES_PER_RANK  # (the V holds two stages on every rank)
 
 
@@ -41,12 +41,7 @@ class Options:
             raise ValueError(f"unknown schedule {self.schedule!r}; the schedules are {', '.join(SCHEDULES)}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches!r} must be an integer >= 1")
-        if self.stages_per_rank is not None and self.stages_per_rank < 1:
-            raise ValueError(f"stages_per_rank={self.stages_per_rank} must be >= 1")
-        fixed = FIXED_STAGES_PER_RANK.get(self.schedule, 1)
-        if self.stages_per_rank not in (None, fixed) and self.schedule != "interleaved-1f1b":
-            raise ValueError(f"schedule={self.schedule!r} places {fixed} stage(s) per rank, got stages_per_rank="
-                             f"{self.stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank")
+        stages_per_rank(self.schedule, self.stages_per_rank)  # raises for a number the schedule cannot place
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be > 0 (or None: no clipping)")
         if self.batch not in ("global", "local"):
@@ -65,9 +60,7 @@ class Options:
     @property
     def virtual_stages(self) -> int:
         """Stages per pipeline rank."""
-        if self.stages_per_rank is not None:
-            return self.stages_per_rank
-        return 2 if self.schedule == "interleaved-1f1b" else FIXED_STAGES_PER_RANK.get(self.schedule, 1)
+        return stages_per_rank(self.schedule, self.stages_per_rank)
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,4 +1,6 @@
-"""Compile: capture the model for one local microbatch, run the passes, keep each rank's graph and the plan.
+"""The compiled program (each rank's graphs, the step schedule, the plan) and what the passes use to build it.
+
+The passes run in order in ``autopar/compiler.py``.
 
 Compilation needs no process group: every rank's program (and the plan that
 describes them all) is computed in one process from the mesh and the model.
@@ -11,28 +13,23 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
-from autopar.capture import Captured, capture
+from autopar.capture import Captured
 from autopar.core.buckets import bucket_sizes
 from autopar.core.graph import Slot, StageGraph
 from autopar.core.mesh import Mesh
-from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, memory, numel, replicated
-from autopar.core.schedule import Schedule, add_communication, make_schedule
+from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, numel, replicated
+from autopar.core.schedule import Schedule
 from autopar.core.simulate import simulate
 from autopar.core.step_schedule import forward_step, local_schedule, training_step
-from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.device import retarget_device
-from autopar.passes.loss_count import normalize_by_global_count
-from autopar.passes.pipeline import choose_split_points, shared_parameters, split_stages
+from autopar.passes.stage_cuts import shared_parameters
 from autopar.passes.split_backward import defer_weight_gradients
-from autopar.passes.tensor_parallel import TensorParallel, tensor_parallel, with_graph
-from autopar.precision import apply_to_program, check_model, describe_reductions
-from autopar.recompute_compile import apply_recompute
+from autopar.passes.tensor_parallel import TensorParallel
 from autopar.runtime.zero import check_optimizer
-from autopar.zero_compile import apply_zero
 
 
 @dataclass
@@ -108,78 +105,17 @@ def check_supported(mesh: Mesh, options: Options) -> None:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 
 
-def compile_program(
-    model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool,
-    split_points: list[str] | None = None, placements: dict[str, Any] | None = None,
-) -> Program:
-    """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank.
-
-    ``split_points`` (module names) fixes the pipeline cuts; by default they come
-    from ``options`` or are chosen by cost, and the program records them.
-    ``placements`` pins the tp placement of parameters (every graph of one model
-    must agree with how the runtime stores them).
-    """
-    check_supported(mesh, options)
-    check_model(model, options.policy)
-    args, kwargs, target = local
-    with log_pass("capture (torch.export)") as info:
-        cap = capture(model, args, kwargs, with_loss=with_loss, loss_fn=options.loss_fn, target=target,
-                      compute_dtype=options.policy.compute if options.policy else None)
-        info["nodes"] = len(cap.gm.graph.nodes)
-    with log_pass("loss counts (means over counted items divided by the whole batch's count)") as info:
-        cap.counts = normalize_by_global_count(cap)
-        info["detail"] = f"{len(cap.counts.sources) if cap.counts else 0} terms: " \
-                         f"{', '.join(cap.counts.sources) if cap.counts else '-'}"
-    plan = _plan(model, mesh, options, cap, args)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    lowered, pinned, placements, layouts = [cap], placements, {}, {}
-    if mesh.tp > 1:
-        with log_pass(f"tensor parallel (solve + lower, tp={mesh.tp})", len(cap.gm.graph.nodes)) as info:
-            tp = tensor_parallel(cap, mesh.tp, trainable, fixed=pinned, sequence_parallel=options.sequence_parallel)
-            info["nodes"] = len(tp.graphs[0].graph.nodes)
-            info["detail"] = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
-        lowered, placements, layouts = [with_graph(cap, g) for g in tp.graphs], tp.placements, tp.layouts
-        add_tensor_parallel_to_plan(plan, mesh, tp)
-    if mesh.pp == 1:
-        graphs = {rank: lowered[mesh.coords(rank)["tp"]].gm for rank in range(mesh.size)}
-        return _finish(Program(captured=cap, graphs=graphs, plan=plan, placements=placements, layouts=layouts),
-                       model, mesh, options, trainable, with_loss=with_loss)
-    n_stages = mesh.pp * options.virtual_stages
-    schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
-    simulate(add_communication(schedule))  # raises on a deadlock before anything runs
-    if split_points is None:
-        split_points = (list(options.split_points) if options.split_points
-                        else choose_split_points(lowered[0].gm, n_stages))
-    if len(split_points) != n_stages - 1:
-        raise ValueError(f"{len(split_points)} split points give {len(split_points) + 1} stages, but pp={mesh.pp} "
-                         f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split points")
-    with log_pass(f"pipeline cut ({n_stages} stages)", len(lowered[0].gm.graph.nodes)) as info:
-        cut: dict[int, list[StageGraph]] = {}  # tp ranks share one lowered graph: cut it once
-        stage_sets = [cut.setdefault(id(c.gm), split_stages(c, split_points, trainable)) if id(c.gm) not in cut
-                      else cut[id(c.gm)] for c in lowered]
-        info["nodes"] = " + ".join(str(len(st.gm.graph.nodes)) for st in stage_sets[0])
-        info["detail"] = "cuts before " + ", ".join(split_points)
-    if schedule.splits_backward:
-        stage_sets = _split_backward(stage_sets, trainable)
-    graphs = {rank: stage_sets[mesh.coords(rank)["tp"]][mesh.coords(rank)["pp"]].gm for rank in range(mesh.size)}
-    add_pipeline_to_plan(plan, stage_sets[0], schedule, split_points)
-    return _finish(Program(captured=cap, graphs=graphs, plan=plan, stages=stage_sets[0], schedule=schedule,
-                           split_points=split_points, stage_sets=stage_sets, placements=placements, layouts=layouts),
-                   model, mesh, options, trainable, with_loss=with_loss)
-
-
-def _split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> list[list[StageGraph]]:
-    """Stages whose weight matmuls can leave their weight gradients to the schedule's ``W`` actions."""
-    with log_pass("split backward (B: input gradients, W: weight gradients)") as info:
-        out, done, count = [], {}, 0
-        for stages in stage_sets:  # tp ranks may share one list of stages: rewrite each once
-            if id(stages) not in done:
-                split = [defer_weight_gradients(st.gm, st.slots, trainable) for st in stages]
-                done[id(stages)] = [dataclasses.replace(st, gm=gm) for st, (gm, _) in zip(stages, split)]
-                count = count or sum(n for _, n in split)
-            out.append(done[id(stages)])
-        info["detail"] = f"{count} weight matmuls defer their weight gradient"
-    return out
+def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:
+    """Stages whose weight matmuls can leave their weight gradients to the schedule's ``W`` actions, and how
+    many matmuls of one tp index's stages do."""
+    out, done, count = [], {}, 0
+    for stages in stage_sets:  # tp ranks may share one list of stages: rewrite each once
+        if id(stages) not in done:
+            split = [defer_weight_gradients(st.gm, st.slots, trainable) for st in stages]
+            done[id(stages)] = [dataclasses.replace(st, gm=gm) for st, (gm, _) in zip(stages, split)]
+            count = count or sum(n for _, n in split)
+        out.append(done[id(stages)])
+    return out, count
 
 
 def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: bool) -> Schedule:
@@ -211,39 +147,6 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
     return sum(sizes.values()), trainable
 
 
-def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, trainable: set[str], *,
-            with_loss: bool) -> Program:
-    """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages);
-    the step schedule, checked by the simulator."""
-    if options.policy is not None:
-        with log_pass(f"mixed precision ({options.precision})") as info:
-            apply_to_program(program, model, options.policy, with_loss=with_loss)
-            info["detail"] = "fp32 placeholders cast at their first use"
-    program.step = step_schedule(program, mesh, options, training=with_loss)
-    simulate(program.step)  # raises on a broken or deadlocking step before anything runs
-    placeholders = [nd for nd in program.captured.gm.graph.nodes if nd.op == "placeholder"]
-    program.param_of = {nd.name: s.name for nd, s in zip(placeholders, program.captured.slots) if s.kind == "param"}
-    program.trainable = trainable
-    program.device = capture_device(model)
-    factor = optimizer_state_factor(options)
-    per_rank = {r: rank_parameter_bytes(program, mesh, r) for r in range(mesh.size)}
-    if options.zero:  # ZeRO's layouts, estimate and dp collectives replace data parallelism's
-        with log_pass(f"zero={options.zero} (layouts over dp={mesh.dp})") as info:
-            collectives = apply_zero(program, model, mesh, options, factor=factor,
-                                     frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
-            info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
-        program.plan.collectives = [c for c in program.plan.collectives if c.axis != "dp"] + collectives
-        return apply_recompute(describe_reductions(program, options.policy), options)
-    worst = max(per_rank, key=lambda r: per_rank[r][0])
-    params, grads = per_rank[worst]
-    program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
-    program.plan.collectives = [
-        Collective(c.axis, c.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, c.what) if c.axis == "dp" else c
-        for c in program.plan.collectives
-    ]
-    return apply_recompute(describe_reductions(program, options.policy), options)
-
-
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:
     plan.params = [dataclasses.replace(p.with_placement("tp", tp.placements.get(p.name, Replicate())),
                                        interleave=tp.layouts[p.name].blocks if p.name in tp.layouts else None)
@@ -268,7 +171,8 @@ def add_pipeline_to_plan(plan: Plan, stages: list[StageGraph], schedule: Schedul
     )
 
 
-def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:
+def initial_plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, args: tuple) -> Plan:
+    """The plan before the passes: the parameters replicated, data parallelism's gradient all-reduce."""
     params = dict(model.named_parameters())
     shapes = [replicated(name, tuple(params[name].shape), mesh) for name in cap.param_names]
     trainable = [params[n] for n in cap.param_names if params[n].requires_grad]
@@ -287,7 +191,7 @@ def _plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Captured, a
         collectives=collectives,
         tied=dict(cap.aliases),
         loss_counts=tuple(cap.counts.sources) if cap.counts else (),
-    )  # the memory estimate comes in _finish, from each rank's graphs
+    )  # the memory estimate comes later (autopar/compiler.py), from each rank's graphs
 
 
 def optimizer_state_factor(options: Options) -> int:

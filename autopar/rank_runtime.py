@@ -21,7 +21,7 @@ from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.groups import Groups, join
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.pipeline import Executor
+from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
 from autopar.runtime.zero import ZeroRuntime
 from autopar.zero_compile import shared_across_pp

@@ -28,7 +28,7 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.core.plan import RecomputePlan
-from autopar.core.recompute import mode_of, unmatched_keys
+from autopar.core.recompute_modes import mode_of, unmatched_keys
 from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
 from autopar.log import log_pass
 from autopar.options import Options

@@ -19,7 +19,7 @@ from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.rank_runtime import pp_rank_fn
 from autopar.runtime.clip import clip, global_grad_norm
-from autopar.runtime.pipeline import StepHandlers, output_metas
+from autopar.runtime.step_executor import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from autopar.core.mesh import Mesh
-from autopar.core.schedule import SCHEDULES, STAGES_PER_RANK
+from autopar.core.schedules import SCHEDULES, STAGES_PER_RANK
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -23,7 +23,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, memory
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
-from autopar.passes.pipeline import shared_parameters
+from autopar.passes.stage_cuts import shared_parameters
 from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
 from autopar.precision import Policy, stored_dtype
 

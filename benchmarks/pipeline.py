@@ -42,7 +42,8 @@ from torch import nn
 import autopar
 from autopar.core.schedule import B as BACKWARD
 from autopar.core.schedule import F as FORWARD
-from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication, make_schedule
+from autopar.core.schedule import RECV_B, RECV_F, SEND_B, SEND_F, Schedule, add_communication
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.testing import reference_run
 from pipeline_chain import Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd, step_fractions

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule, add_communication, make_schedule
+from autopar.core.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Schedule, add_communication
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.core.weight_grad import collect, split_linear
 from pipeline_chain import Chain, Timeline, chain, chain_batch, cut_blocks, durations, mse, p2p_seconds, sgd

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.passes.pipeline import module_path
+from autopar.passes.stage_cuts import module_path
 
 
 def _block_of(node: fx.Node) -> tuple[str, str] | None:

@@ -24,14 +24,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.core import collectives as coll
 from autopar.core import comm
 from autopar.passes.rules import local_args, replacement
 from autopar.passes.rules.base import R
-from autopar.passes.sharding import Choice, needs_grad_sync, out_placement, tensor_inputs
+from autopar.passes.sharding import tensor_inputs
+from autopar.passes.sharding_program import Choice, needs_grad_sync, out_placement
 
 autopar_ops = torch.ops.autopar
 
@@ -125,21 +124,6 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
     lowered = fx.GraphModule(gm, graph)
     lowered.graph.lint()
     return lowered
-
-
-def propagate_shapes(gm: fx.GraphModule, example: list[Any], axis_sizes: dict[str, int]) -> None:
-    """Writes ``meta["val"]`` (fake tensors) on every node of ``gm``.
-
-    ``example`` holds, per placeholder, a ``(shape, dtype, device)`` spec or a value; no real
-    memory is allocated for the specs.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = [torch.empty(e[0], dtype=e[1], device=e[2]) if isinstance(e, tuple) else e for e in example]
-    with coll.fake_axis_sizes(axis_sizes):
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
 
 
 def _needs_sync(arg: fx.Node, strategy: Any, k: int, requires_grad: dict[fx.Node, bool]) -> bool:

@@ -4,7 +4,7 @@
 of a module list a node's module path runs through, ``transformer.h.3``; a node
 a pass inserted, such as a tp collective or ZeRO-3's all-gather, joins the
 layer of its users) and outlines every layer ``mode_of(layer)`` recomputes into
-one submodule, called through ``autopar.core.recompute.Recompute``: autograd
+one submodule, called through ``autopar.core.recompute_modes.Recompute``: autograd
 keeps the region's inputs and the outputs its mode keeps (``"full"``: those
 that communicated in forward; ``"selective"``: also matmuls and attention),
 and backward runs the region again for the rest. The embeddings, the head and
@@ -34,8 +34,8 @@ import torch
 import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
-from autopar.core.recompute import COMMUNICATING, Recompute
-from autopar.passes.pipeline import module_path, node_layer
+from autopar.core.recompute_modes import COMMUNICATING, Recompute
+from autopar.passes.stage_cuts import module_path, node_layer
 
 
 @dataclass

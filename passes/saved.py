@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.core.recompute import COMMUNICATING, keeps
+from autopar.core.recompute_modes import COMMUNICATING, keeps
 
 
 @dataclass

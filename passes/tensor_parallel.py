@@ -83,7 +83,7 @@ SHOWN = {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "scaled_dot_produc
 def layer_summary(gm: fx.GraphModule, same_as: dict[fx.Node, fx.Node], regather: bool = False) -> LayerLayout | None:
     """The first repeated layer as Megatron draws it: each matmul's parallel style and each collective
     (``regather``: sequence parallelism gathers its ``all_gather_rs`` inputs again in backward)."""
-    from autopar.passes.pipeline import module_path
+    from autopar.passes.stage_cuts import module_path
 
     firsts = set(same_as.values())
     paths = [p for nd in firsts for p in module_path(nd) if p.rsplit(".", 1)[-1].isdigit()]

@@ -25,7 +25,7 @@ import torch.fx as fx
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.graph import Slot, copy_module
 from autopar.core.plan import Collective, FlatShard, ParamPlan, ZeroShard
-from autopar.core.zero_layout import FlatGroup, ZeroLayout, zero_layout
+from autopar.core.zero_layout import FlatGroup, ZeroLayout
 from autopar.passes.mixed_precision import CAST, COMPUTE, retyped
 
 
@@ -212,18 +212,6 @@ def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: tor
             kind("reduce_scatter", k * m * (1 + split), reduce_dtype,
                  "each layer's gradients when B and again when W finishes" if split else "each layer's gradients in backward",
                  m * (1 + split))]
-
-
-def zero_plan(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, frozen_bytes: int, stage: int, n: int,
-              bucket_bytes: int, microbatches: int, optimizer_factor: int,
-              prefetch: int) -> tuple[ZeroLayout, dict[str, int], list[Collective]]:
-    """The layout, the per-rank memory estimate and the collectives of ZeRO ``stage`` for a plan."""
-    layout = zero_layout(params, stage=stage, n=n, bucket_bytes=bucket_bytes)
-    trainable = sum(g.nbytes for g in layout.groups)
-    memory = memory_estimate(param_bytes=frozen_bytes + trainable, trainable_bytes=trainable,
-                             optimizer_factor=optimizer_factor, stage=stage, n=n,
-                             gathered=layout.largest_gathered(prefetch) if stage == 3 else 0)
-    return layout, memory, zero_collectives(layout, microbatches=microbatches)
 
 
 def zero_placements(params: list[ParamPlan], layout: ZeroLayout) -> list[ParamPlan]:

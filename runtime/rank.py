@@ -17,7 +17,7 @@ from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.master import Masters
 from autopar.runtime.groups import Groups
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.pipeline import Executor
+from autopar.runtime.step_executor import Executor
 from autopar.runtime.zero import ZeroRuntime
 
 

@@ -23,6 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 POOL_SIZE = 8
 # the tests run their ranks on the CPU (over gloo) on any machine; benchmarks/gpu_check.py runs the CUDA path
 os.environ.setdefault("AUTOPAR_DEVICE", "cpu")
+os.environ.setdefault("AUTOPAR_CHECK_PASSES", "1")  # each compiler pass's invariant checked (autopar/compiler.py)
 
 
 @pytest.fixture(scope="session")

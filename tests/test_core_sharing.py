@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.core.schedule import make_schedule
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.planner.core_sharing import Comm, Phase, Task, makespan, step_programs
 

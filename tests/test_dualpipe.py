@@ -9,7 +9,8 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.core.dualpipe import dualpipev, min_microbatches, phases
-from autopar.core.schedule import F, W, Action, add_communication, make_schedule, one_f_one_b, zb_h1
+from autopar.core.schedule import F, W, Action, add_communication, one_f_one_b, zb_h1
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import Timing, render, simulate
 from autopar.core.zero_bubble import v_placement, zbv
 from autopar.testing import assert_equivalent

@@ -132,3 +132,64 @@ def test_every_package_is_installed() -> None:
     expected = {package_of(f / "__init__.py") for f in folders}
     assert set(config["packages"]) == expected
     assert config["package-dir"] == {"autopar.passes": "passes", "autopar.runtime": "runtime"}
+
+
+def module_of(path: Path) -> str:
+    return package_of(path) if path.stem == "__init__" else f"{package_of(path)}.{path.stem}"
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The autopar modules (not packages) ``path`` imports when it runs: at module level or inside functions,
+    not under ``if TYPE_CHECKING:`` (annotations only)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    lines = {n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only}
+    found = set()
+    for line, module in imported_modules(path):
+        while module and module not in modules:
+            module = module.rpartition(".")[0]
+        if line in lines and module:
+            found.add(module)
+    return found
+
+
+def import_cycles(paths: list[Path]) -> list[list[str]]:
+    """Each cycle of modules that import one another (depth-first search over ``runtime_imports``)."""
+    by_name = {module_of(p): p for p in paths if p.stem != "__init__"}
+    graph = {m: runtime_imports(p, set(by_name)) - {m} for m, p in by_name.items()}
+    cycles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return cycles
+
+
+def test_no_module_imports_back_up() -> None:
+    """No circle of imports, counting those hidden inside functions: a generator table or a module of shared
+    types breaks a circle, a function-level import only hides it."""
+    cycles = import_cycles(sources())
+    assert not cycles, "modules that import one another:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_checker_sees_an_import_inside_a_function(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "autopar" / "core"
+    folder.mkdir(parents=True)
+    (folder / "a.py").write_text("from autopar.core.b import g\n")
+    (folder / "b.py").write_text("def g():\n    from autopar.core.a import f\n")
+    (folder / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from autopar.core.a import f\n")
+    (folder / "d.py").write_text("from autopar.core.c import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_cycles(sorted(folder.glob("*.py"))) == [["autopar.core.a", "autopar.core.b", "autopar.core.a"]]

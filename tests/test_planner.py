@@ -28,7 +28,7 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.cli import main
-from autopar.core.schedule import make_schedule
+from autopar.core.schedules import make_schedule
 from autopar.planner import gpt, gpt3_175b, plan
 from autopar.planner.cluster import GB, Cluster, Link
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel, state_bytes

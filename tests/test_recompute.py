@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import models
 from autopar import Mesh, parallelize
 from autopar.core.graph import PREFIX
-from autopar.core.recompute import Recompute, keeps
+from autopar.core.recompute_modes import Recompute, keeps
 from autopar.options import Options
 from autopar.passes.recompute import assign_layers, recompute
 from autopar.testing import assert_equivalent, parallel_run, relative_errors

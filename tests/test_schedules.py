@@ -22,10 +22,10 @@ from autopar.core.schedule import (
     gpipe,
     interleaved_1f1b,
     looped_placement,
-    make_schedule,
     one_f_one_b,
     parse_program,
 )
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import ScheduleError, Timing, check_channel_order, render, simulate
 
 

@@ -10,8 +10,9 @@ import models
 from autopar import Mesh, parallelize
 from autopar.core.schedule import (
     B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
-    Schedule, looped_placement, make_schedule, parse_program,
+    Schedule, looped_placement, parse_program,
 )
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import ScheduleError, simulate
 from autopar.core.step_schedule import forward_step, last_backwards, local_schedule, training_step
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 
 import models
-from autopar.core.schedule import make_schedule
+from autopar.core.schedules import make_schedule
 from autopar.options import Options
 from autopar.testing import assert_equivalent, strategies
 

@@ -143,7 +143,7 @@ def test_repeated_layers_are_solved_once() -> None:
     model = models.llama(layers=4)
     cap = capture(model, (IDS,), {}, with_loss=True, loss_fn=models.lm_loss, target=TARGET)
     same = repeated_blocks(cap.gm)
-    from autopar.passes.pipeline import module_path
+    from autopar.passes.stage_cuts import module_path
 
     assert all("model.layers.0" in module_path(n) for n in same.values()), "counterparts are in the first layer"
     assert {p.split(".")[2] for n in same for p in module_path(n) if p.startswith("model.layers.")} == {"1", "2", "3"}

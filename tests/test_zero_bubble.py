@@ -8,7 +8,8 @@ import torch
 
 import models
 from autopar import Mesh, parallelize
-from autopar.core.schedule import W, Action, add_communication, make_schedule, one_f_one_b, zb_h1
+from autopar.core.schedule import W, Action, add_communication, one_f_one_b, zb_h1
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import render, simulate
 from autopar.core.weight_grad import collect, split_linear
 from autopar.core.zero_bubble import zbv

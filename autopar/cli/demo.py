@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from autopar.core.mesh import Mesh
-from autopar.core.schedule import B, F, W, add_communication, make_schedule
+from autopar.core.schedule import B, F, W, add_communication
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 
 Timeline = list[tuple[str, float, float]]  # (action, start, end) of one rank's step

@@ -6,7 +6,7 @@ generators (`gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`; the V-shaped `z
 `dualpipev` in modules of their own) are pure functions of the sizes and return *compute-only* schedules: each rank's list holds one ``F``
 and one ``B`` (and, for `zb_h1`, one ``W``) per (stage it owns, microbatch), and
 nothing else.
-`add_communication` lowers such a schedule to one that also says where values
+``autopar.core.schedules`` names them (``make_schedule``). `add_communication` lowers such a schedule to one that also says where values
 cross ranks. `autopar.core.simulate` checks a schedule (deadlock, completeness, data
 dependencies) and measures its bubble before anything runs.
 
@@ -47,13 +47,42 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from enum import Enum
+from typing import Iterable, Sequence
 
-F, B, W = "F", "B", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-UNSHARD, RESHARD = "UNSHARD", "RESHARD"
-REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = "REDUCE_GRAD", "REDUCE_SHARED", "OPTIMIZER"
-BROADCAST_LOSS, BROADCAST_OUTPUTS = "BROADCAST_LOSS", "BROADCAST_OUTPUTS"
+
+
+class Kind(str, Enum):
+    """What an action does. A kind equals its name as a string (``Kind.F == "F"``) and prints as it, so that
+    schedules read, print and parse as text."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    REDUCE_SHARED = "REDUCE_SHARED"
+    OPTIMIZER = "OPTIMIZER"
+    BROADCAST_LOSS = "BROADCAST_LOSS"
+    BROADCAST_OUTPUTS = "BROADCAST_OUTPUTS"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+F, B, W = Kind.F, Kind.B, Kind.W
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+UNSHARD, RESHARD = Kind.UNSHARD, Kind.RESHARD
+REDUCE_GRAD, REDUCE_SHARED, OPTIMIZER = Kind.REDUCE_GRAD, Kind.REDUCE_SHARED, Kind.OPTIMIZER
+BROADCAST_LOSS, BROADCAST_OUTPUTS = Kind.BROADCAST_LOSS, Kind.BROADCAST_OUTPUTS
 COMPUTE_KINDS = (F, B, W)
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 STAGE_KINDS = (UNSHARD, RESHARD)  # of one stage, for no microbatch (see autopar.core.step_schedule)
@@ -77,15 +106,16 @@ class Action:
     """
 
     stage: int | None
-    kind: str
+    kind: Kind  # (a kind's name is accepted too: Action(0, "F", 1))
     microbatch: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind in COMPUTE_KINDS and type(self.stage) is int and type(self.microbatch) is int \
-                and self.stage >= 0 and self.microbatch >= 0:
+        if type(self.kind) is Kind and self.kind in COMPUTE_KINDS and type(self.stage) is int \
+                and type(self.microbatch) is int and self.stage >= 0 and self.microbatch >= 0:
             return  # the common case, valid (the generators make thousands)
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; the kinds are {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", Kind(self.kind))
         has_stage = self.kind not in RANK_KINDS
         has_microbatch = self.kind in COMPUTE_KINDS + COMM_KINDS
         for name, needed in (("stage", has_stage), ("microbatch", has_microbatch)):
@@ -367,48 +397,6 @@ def zb_h1(n_ranks: int, n_microbatches: int) -> Schedule:
                     program.append(held.pop(0))
         programs.append(program + held)
     return _compute_only(n_ranks, n_ranks, n_microbatches, programs)
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda p, v, m: gpipe(p, m),
-    "1f1b": lambda p, v, m: one_f_one_b(p, m),
-    "interleaved-1f1b": lambda p, v, m: interleaved_1f1b(p, v, m),
-    "zb-h1": lambda p, v, m: zb_h1(p, m),
-    "zbv": lambda p, v, m: _zbv(p, m),
-    "dualpipev": lambda p, v, m: _dualpipev(p, m),
-}
-
-
-def _zbv(n_ranks: int, n_microbatches: int) -> Schedule:
-    from autopar.core.zero_bubble import zbv  # a list scheduler in a module of its own, which imports this one
-
-    return zbv(n_ranks, n_microbatches)
-
-
-def _dualpipev(n_ranks: int, n_microbatches: int) -> Schedule:
-    from autopar.core.dualpipe import dualpipev  # (its module imports this one)
-
-    return dualpipev(n_ranks, n_microbatches)
-
-
-STAGES_PER_RANK = {"zbv": 2, "dualpipev": 2}  # schedules with a fixed number of stages per rank (default 1, interleaved any)
-
-
-def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_stages_per_rank: int | None = None) -> Schedule:
-    """The compute-only schedule called ``name`` ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv" or
-    "dualpipev")."""
-    if name not in SCHEDULES:
-        known = ", ".join(map(repr, SCHEDULES))
-        raise ValueError(f"unknown pipeline schedule {name!r}; the known schedules are {known}")
-    fixed = STAGES_PER_RANK.get(name, 1)
-    if n_stages_per_rank is None:
-        n_stages_per_rank = 2 if name == "interleaved-1f1b" else fixed
-    if name != "interleaved-1f1b" and n_stages_per_rank != fixed:
-        raise ValueError(
-            f"schedule {name!r} places {fixed} stage{'s' * (fixed > 1)} per rank, got "
-            f"n_stages_per_rank={n_stages_per_rank}; use schedule='interleaved-1f1b' for any number per rank"
-        )
-    return SCHEDULES[name](n_ranks, n_stages_per_rank, n_microbatches)
 
 
 # ---------------------------------------------------------------------------

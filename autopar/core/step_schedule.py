@@ -6,7 +6,7 @@ ZeRO-3 gathers each stage's parameters and releases them, the optimizer steps,
 and the loss reaches every rank. `training_step` lowers a compute-only
 schedule (`autopar.core.schedule`) to one rank program that says all of it,
 and `forward_step` does the same for a forward pass (``pm(x)``), so one
-executor (``autopar.runtime.pipeline.Executor``) runs both and the simulator
+executor (``autopar.runtime.step_executor.Executor``) runs both and the simulator
 checks both before anything runs. A model without a pipeline is a schedule of
 one rank and one stage.
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.core.recompute import MODES
+from autopar.core.recompute_modes import MODES
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import PRECISIONS, precision_of
 from autopar.planner.example_inputs import sequence_of

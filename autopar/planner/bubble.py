@@ -20,7 +20,7 @@ Invariant: with ``F``, ``B`` and ``W`` taking the same time, the wait is what
 """
 from __future__ import annotations
 
-from autopar.core.schedule import make_schedule
+from autopar.core.schedules import make_schedule
 from autopar.core.simulate import Timing
 
 RESOLUTION = 200  # F, B and W are rounded to 1/200 of a stage's F + B + W before simulating

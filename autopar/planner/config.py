@@ -6,7 +6,7 @@ and the others use ``recompute`` ("none" or "selective"), so that only as
 many layers as needed pay for a whole forward again.
 
 Invariant: a ``Config`` is valid when constructed; ``layer_modes`` gives each
-segment of a stage the mode the runtime runs it with (``autopar.core.recompute``).
+segment of a stage the mode the runtime runs it with (``autopar.core.recompute_modes``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from autopar.options import FIXED_STAGES_PER_RANK, SCHEDULES
 SCHEDULE_NAMES = SCHEDULES  # autopar.options: the schedules autopar runs
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # backwards split into B and W (bubble: simulated, `bubble.Bubbles`)
 V_SHAPED = tuple(FIXED_STAGES_PER_RANK)  # two stages per rank in a V (autopar.core.zero_bubble.v_placement)
-RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute.MODES
+RECOMPUTE = ("none", "selective", "full")  # autopar.core.recompute_modes.MODES
 MIXED_WITH = ("none", "selective")  # the modes the layers a mix does not recompute fully run with
 
 

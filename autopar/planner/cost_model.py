@@ -16,9 +16,9 @@ from typing import Any
 
 import sympy
 
-from autopar.core.schedule import make_schedule
+from autopar.core.schedules import make_schedule
 from autopar.core.zero_bubble import v_placement
-from autopar.passes.pipeline import balanced_cuts
+from autopar.passes.stage_cuts import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather
 from autopar.planner import recompute_cost
 from autopar.planner.bubble import Bubbles

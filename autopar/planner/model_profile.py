@@ -54,7 +54,7 @@ from autopar.core.comm import OPS
 from autopar.core.graph import tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
-from autopar.core.recompute import COMMUNICATING
+from autopar.core.recompute_modes import COMMUNICATING
 from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, kept_elements, moved_elements,
                                               numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX
-from autopar.passes.pipeline import node_layer
+from autopar.passes.stage_cuts import node_layer
 
 ORIGIN = "autopar.origin"  # meta key: the captured node a lowered node came from
 KEEP = 2  # entries of a repeated module list kept while capturing

@@ -182,51 +182,67 @@ class Executor:
 
     def _pipeline_action(self, a: Action, ctx: _Ctx, microbatches: list[list[Any]], state: dict, constants: dict,
                          handlers: StepHandlers, last: bool) -> None:
-        s, mb, stage, n = a.stage, a.microbatch, self.stages[a.stage], len(self.stages)
-        key = (s, mb)
-        if a.kind == RECV_F:
-            ctx.inputs[key] = self._receive(a, ctx)
-        elif a.kind == F:
-            if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
-                ctx.inputs[key] = self._hand_over(ctx, s, mb)
-            with forward_run(self.regather and ctx.training):
-                outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
-            k = len(stage.mutated)
-            with torch.no_grad():
-                for name, value in zip(stage.mutated, outs[:k]):
-                    state[name].copy_(value)
-            outs = outs[k:]
-            if stage.is_last and ctx.training:
-                ctx.losses[mb] = outs[len(stage.send)]
-            elif stage.is_last:
-                ctx.results[mb] = outs[len(stage.send):]
-            if ctx.training or not stage.is_last:
-                ctx.outputs[key] = outs
-            held = len({k for k in [*ctx.outputs, *ctx.deferred] if k[0] == s})  # (W still needs a B's inputs)
-            self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
-        elif a.kind == SEND_F:
-            _send(ctx.outputs[key][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False, n), ctx.works,
-                  self.wire)
-        elif a.kind == RECV_B:
-            ctx.grads[key] = self._receive(a, ctx)
-        elif a.kind == B:
-            if not stage.is_last and key not in ctx.grads:  # the next stage is on this rank too
-                ctx.grads[key] = _input_grads(ctx.inputs.pop((s + 1, mb)), self.stages[s + 1])
-            handlers.arm(last)
-            with weight_grad.collect() if ctx.split else contextlib.nullcontext() as deferred:
-                self._backward(ctx, stage, key, len(microbatches))
-            if deferred is not None:
-                ctx.deferred[key] = deferred
-        elif a.kind == W:
-            handlers.arm(last)
-            ctx.deferred.pop(key).run(self.kept)
-        elif a.kind == SEND_B:
-            _send(_input_grads(ctx.inputs[key], stage), self.rank_of_stage(s - 1), _tag(s - 1, mb, True, n), ctx.works,
-                  self.wire)
+        key = (a.stage, a.microbatch)
+        _PIPELINE_ACTIONS[a.kind](self, a, ctx, microbatches, state, constants, handlers, last)
         if a.kind == B or (a.kind == SEND_F and not ctx.training):
             del ctx.outputs[key]  # (forward only: nothing comes back for it)
         if a.kind == SEND_B or (a.kind == F and not ctx.training):
             ctx.inputs.pop(key, None)
+
+    def _recv_f(self, a: Action, ctx: _Ctx, *_: Any) -> None:
+        ctx.inputs[(a.stage, a.microbatch)] = self._receive(a, ctx)
+
+    def _recv_b(self, a: Action, ctx: _Ctx, *_: Any) -> None:
+        ctx.grads[(a.stage, a.microbatch)] = self._receive(a, ctx)
+
+    def _forward(self, a: Action, ctx: _Ctx, microbatches: list[list[Any]], state: dict, constants: dict,
+                 *_: Any) -> None:
+        s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
+        key = (s, mb)
+        if s > 0 and key not in ctx.inputs and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
+            ctx.inputs[key] = self._hand_over(ctx, s, mb)
+        with forward_run(self.regather and ctx.training):
+            outs = list(stage.gm(*self._args(stage, state, constants, microbatches[mb], ctx.inputs.get(key, []))))
+        k = len(stage.mutated)
+        with torch.no_grad():
+            for name, value in zip(stage.mutated, outs[:k]):
+                state[name].copy_(value)
+        outs = outs[k:]
+        if stage.is_last and ctx.training:
+            ctx.losses[mb] = outs[len(stage.send)]
+        elif stage.is_last:
+            ctx.results[mb] = outs[len(stage.send):]
+        if ctx.training or not stage.is_last:
+            ctx.outputs[key] = outs
+        held = len({k for k in [*ctx.outputs, *ctx.deferred] if k[0] == s})  # (W still needs a B's inputs)
+        self.peak_in_flight[s] = max(self.peak_in_flight[s], held)
+
+    def _send_f(self, a: Action, ctx: _Ctx, *_: Any) -> None:
+        s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
+        _send(ctx.outputs[(s, mb)][: len(stage.send)], self.rank_of_stage(s + 1), _tag(s + 1, mb, False,
+              len(self.stages)), ctx.works, self.wire)
+
+    def _backward_input(self, a: Action, ctx: _Ctx, microbatches: list[list[Any]], state: dict, constants: dict,
+                        handlers: StepHandlers, last: bool) -> None:
+        s, mb, stage = a.stage, a.microbatch, self.stages[a.stage]
+        key = (s, mb)
+        if not stage.is_last and key not in ctx.grads:  # the next stage is on this rank too
+            ctx.grads[key] = _input_grads(ctx.inputs.pop((s + 1, mb)), self.stages[s + 1])
+        handlers.arm(last)
+        with weight_grad.collect() if ctx.split else contextlib.nullcontext() as deferred:
+            self._backward(ctx, stage, key, len(microbatches))
+        if deferred is not None:
+            ctx.deferred[key] = deferred
+
+    def _backward_weight(self, a: Action, ctx: _Ctx, microbatches: list[list[Any]], state: dict, constants: dict,
+                         handlers: StepHandlers, last: bool) -> None:
+        handlers.arm(last)
+        ctx.deferred.pop((a.stage, a.microbatch)).run(self.kept)
+
+    def _send_b(self, a: Action, ctx: _Ctx, *_: Any) -> None:
+        s, mb = a.stage, a.microbatch
+        _send(_input_grads(ctx.inputs[(s, mb)], self.stages[s]), self.rank_of_stage(s - 1),
+              _tag(s - 1, mb, True, len(self.stages)), ctx.works, self.wire)
 
     def _hand_over(self, ctx: _Ctx, s: int, mb: int) -> list[torch.Tensor]:
         """Stage ``s - 1``'s outputs as stage ``s``'s inputs on one rank: detached, as if received, so that
@@ -252,21 +268,30 @@ class Executor:
             for work, _ in ctx.works:
                 work.wait()
             ctx.works.clear()
-        if a.kind == UNSHARD:
-            handlers.unshard(a.stage)
-        elif a.kind == RESHARD:
-            handlers.reshard(a.stage)
-        elif a.kind == REDUCE_GRAD:
-            handlers.reduce_grad()
-        elif a.kind == REDUCE_SHARED:
-            handlers.reduce_shared()
-        elif a.kind == OPTIMIZER:
-            self.kept.through(handlers.optimizer)
-        elif a.kind == BROADCAST_LOSS:
-            loss = torch.stack([ctx.losses[i].detach() for i in range(m)]).double().mean() if ctx.losses else None
-            ctx.returned = handlers.broadcast_loss(loss)
-        elif a.kind == BROADCAST_OUTPUTS:
-            ctx.returned = handlers.broadcast_outputs([ctx.results[i] for i in range(m)] if ctx.results else None)
+        _STEP_ACTIONS[a.kind](self, a, ctx, m, handlers)
+
+    def _broadcast_loss(self, ctx: _Ctx, m: int, handlers: StepHandlers) -> None:
+        loss = torch.stack([ctx.losses[i].detach() for i in range(m)]).double().mean() if ctx.losses else None
+        ctx.returned = handlers.broadcast_loss(loss)
+
+    def _broadcast_outputs(self, ctx: _Ctx, m: int, handlers: StepHandlers) -> None:
+        ctx.returned = handlers.broadcast_outputs([ctx.results[i] for i in range(m)] if ctx.results else None)
+
+
+# what each kind of action does (``Kind`` in autopar/core/schedule.py): pipeline actions, then the step's own
+_PIPELINE_ACTIONS = {
+    RECV_F: Executor._recv_f, F: Executor._forward, SEND_F: Executor._send_f,
+    RECV_B: Executor._recv_b, B: Executor._backward_input, W: Executor._backward_weight, SEND_B: Executor._send_b,
+}
+_STEP_ACTIONS = {
+    UNSHARD: lambda ex, a, ctx, m, h: h.unshard(a.stage),
+    RESHARD: lambda ex, a, ctx, m, h: h.reshard(a.stage),
+    REDUCE_GRAD: lambda ex, a, ctx, m, h: h.reduce_grad(),
+    REDUCE_SHARED: lambda ex, a, ctx, m, h: h.reduce_shared(),
+    OPTIMIZER: lambda ex, a, ctx, m, h: ex.kept.through(h.optimizer),
+    BROADCAST_LOSS: lambda ex, a, ctx, m, h: ex._broadcast_loss(ctx, m, h),
+    BROADCAST_OUTPUTS: lambda ex, a, ctx, m, h: ex._broadcast_outputs(ctx, m, h),
+}
 
 
 def _input_grads(inputs: list[torch.Tensor], stage: StageGraph) -> list[torch.Tensor]:

@@ -1,0 +1,154 @@
+"""Exports remembered within a process, keyed by everything that can change the exported graph.
+
+``torch.export`` is most of a compile's time, and a process often exports the same model on the same
+signature again: a second ``parallelize`` of a freshly built identical model, the ranks of a worker pool
+running job after job. ``export_key`` fingerprints what the export reads and nothing it does not:
+
+- the model's modules in order: class (so its code), every attribute (Hugging Face's config, flags,
+  ``training``), the names, shapes, dtypes, devices and ``requires_grad`` of parameters and buffers, and
+  the value of any plain tensor attribute (it would become a constant of the graph). Parameter and buffer
+  values are not read: the export sees them as fake tensors, so no value can shape the graph;
+- the inputs and target: tensors by shape, dtype, device and ``requires_grad`` (fake as well), every other
+  leaf by value; the loss function (the object itself, and what its closure holds);
+- whether a loss is captured and the output dtype.
+
+Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type) makes the key
+``None``: that export is not remembered. A hit returns a copy of the pristine export (new nodes and metadata;
+the fake values are shared, as no pass changes one in place), so that the passes may rewrite it freely.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import hashlib
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+
+ENTRIES = 8  # exports kept (least recently used dropped first)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
+          "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")
+_SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *_HOOKS}
+_DEPTH = 6
+
+
+class _Unknown(Exception):
+    """A value the key cannot hold exactly."""
+
+
+@dataclass
+class Export:
+    """What capture reads of an ``ExportedProgram``."""
+
+    graph_module: torch.fx.GraphModule
+    input_specs: list
+    output_specs: list
+    constants: dict[str, Any]
+    out_spec: Any
+
+    @classmethod
+    def of(cls, ep: torch.export.ExportedProgram) -> "Export":
+        sig = ep.graph_signature
+        return cls(ep.graph_module, list(sig.input_specs), list(sig.output_specs), dict(ep.constants),
+                   ep.call_spec.out_spec)
+
+    def copy(self) -> "Export":
+        constants = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.constants.items()}
+        return Export(copy.deepcopy(self.graph_module), self.input_specs, self.output_specs, constants,
+                      self.out_spec)
+
+
+class ExportCache:
+    def __init__(self, entries: int = ENTRIES) -> None:
+        self.entries = entries
+        self.kept: OrderedDict[Hashable, Export] = OrderedDict()
+        self.hits = 0
+
+    def get(self, key: Hashable | None) -> Export | None:
+        if key is None or key not in self.kept:
+            return None
+        self.kept.move_to_end(key)
+        self.hits += 1
+        return self.kept[key].copy()
+
+    def put(self, key: Hashable | None, export: Export) -> Export:
+        """Keeps ``export`` (when ``key`` is not None) and returns a copy to rewrite."""
+        if key is None:
+            return export
+        self.kept[key] = export
+        while len(self.kept) > self.entries:
+            self.kept.popitem(last=False)
+        return export.copy()
+
+
+EXPORTS = ExportCache()
+
+
+def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: bool,
+               output_dtype: torch.dtype | None) -> Hashable | None:
+    """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
+    try:
+        modules = tuple((name, type(m), _attributes(m), _tensors(m)) for name, m in model.named_modules())
+        return (modules, _value(inputs, fake=True), _function(loss_fn), with_loss, output_dtype,
+                torch.is_grad_enabled(), torch.get_default_dtype())
+    except _Unknown:
+        return None
+
+
+def _attributes(m: torch.nn.Module) -> tuple:
+    if any(getattr(m, h, None) for h in _HOOKS):
+        raise _Unknown("hooks")
+    return tuple((k, _value(v)) for k, v in sorted(vars(m).items()) if k not in _SKIP)
+
+
+def _tensors(m: torch.nn.Module) -> tuple:
+    def spec(t: torch.Tensor | None) -> Any:
+        return None if t is None else (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+    return (tuple((k, spec(t)) for k, t in m._parameters.items()),
+            tuple((k, spec(t), k in m._non_persistent_buffers_set) for k, t in m._buffers.items()))
+
+
+def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
+    """``v`` as a hashable value that is equal exactly when ``v`` is (tensors by value unless ``fake``)."""
+    if depth > _DEPTH:
+        raise _Unknown("too deep")
+    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+        return (type(v), v)
+    if isinstance(v, torch.Tensor):
+        if fake or v.device.type == "meta":
+            return ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
+        data = v.detach().cpu().contiguous()
+        return ("tensor", tuple(v.shape), v.dtype, hashlib.blake2b(data.view(torch.uint8).numpy()
+                                                                   if data.numel() else b"").hexdigest())
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_value(x, depth + 1, fake) for x in v))
+    if isinstance(v, dict):
+        return (type(v), tuple((_value(k, depth + 1), _value(x, depth + 1, fake)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return (type(v), frozenset(_value(x, depth + 1) for x in v))
+    if isinstance(v, type) or callable(v) and hasattr(v, "__code__"):
+        return _function(v)
+    if isinstance(v, types.BuiltinFunctionType) and (v.__self__ is None or isinstance(v.__self__, types.ModuleType)):
+        return ("builtin", v)  # a function of a C module (F.gelu): stateless
+    if isinstance(v, torch.nn.Module):
+        return ("module", id(v))  # a submodule: fingerprinted in its own place among the model's modules
+    if isinstance(v, enum.Enum):
+        return (type(v), v.value)
+    if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__"):  # a plain object (a model's config)
+        return (type(v), tuple((k, _value(x, depth + 1)) for k, x in sorted(vars(v).items())))
+    raise _Unknown(type(v).__name__)
+
+
+def _function(f: Any) -> Any:
+    """A function or class: the object itself (its code), and what its closure and defaults hold."""
+    if f is None or isinstance(f, type):
+        return f
+    if not hasattr(f, "__code__"):
+        raise _Unknown(type(f).__name__)
+    cells = tuple(_value(c.cell_contents) for c in (f.__closure__ or ()))
+    return (f, cells, _value(f.__defaults__), _value(f.__kwdefaults__))

@@ -1,0 +1,314 @@
+"""Compilation as one ordered list of passes over a ``Compilation``, run by ``compile_program``.
+
+``PASSES`` is the whole compiler, read in one place: each ``Pass`` names what it does, when it applies, and
+the invariant it leaves (``ensures``). The driver runs them in order, logs each (``AUTOPAR_DEBUG=1``: its
+name, node counts, time and detail) and, with ``AUTOPAR_CHECK_PASSES=1`` (the test suite sets it), checks
+every pass's invariant before the next one starts. docs/architecture.md shows the list.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Shard
+
+from autopar.capture import Captured, capture
+from autopar.capture_cache import EXPORTS
+from autopar.core.buckets import bucket_sizes
+from autopar.core.graph import StageGraph
+from autopar.core.mesh import Mesh
+from autopar.core.plan import Collective, Plan, memory
+from autopar.core.schedule import Schedule, add_communication
+from autopar.core.schedules import make_schedule
+from autopar.core.simulate import simulate
+from autopar.log import log_pass
+from autopar.options import Options
+from autopar.passes.loss_count import normalize_by_global_count
+from autopar.passes.stage_cuts import choose_split_points, split_stages
+from autopar.passes.tensor_parallel import tensor_parallel, with_graph
+from autopar.precision import apply_to_program, check_model, describe_reductions
+from autopar.program import (
+    Program, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported, initial_plan,
+    optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule,
+)
+from autopar.recompute_compile import apply_recompute
+from autopar.zero_compile import apply_zero
+
+CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
+
+
+@dataclass
+class Compilation:
+    """What the passes read and write: the inputs of one compile, then what each pass adds."""
+
+    model: torch.nn.Module
+    mesh: Mesh
+    options: Options
+    local: tuple[tuple, dict, Any]  # one local microbatch: (args, kwargs, target)
+    with_loss: bool
+    split_points: list[str] | None = None  # pinned pipeline cuts (module names), else chosen
+    pinned: dict[str, Placement] | None = None  # pinned tp placements of parameters
+    trainable: set[str] = field(default_factory=set)
+    captured: Captured | None = None
+    plan: Plan | None = None
+    lowered: list[Captured] = field(default_factory=list)  # by tp index (one when tp=1)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    layouts: dict[str, Any] = field(default_factory=dict)
+    schedule: Schedule | None = None
+    stage_sets: list[list[StageGraph]] = field(default_factory=list)  # by tp index
+    program: Program | None = None
+    detail: str = ""  # what the running pass reports in the log
+
+    @property
+    def n_stages(self) -> int:
+        return self.mesh.pp * self.options.virtual_stages
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step of compilation: ``run`` it where ``applies``; ``ensures`` raises if its invariant fails."""
+
+    name: str  # formatted with the compilation as ``c`` for the log
+    run: Callable[[Compilation], None]
+    ensures: Callable[[Compilation], None]
+    applies: Callable[[Compilation], bool] = lambda c: True
+    invariant: str = ""  # the invariant in words (docs/architecture.md)
+
+
+# the passes ---------------------------------------------------------------------------------
+
+
+def _capture(c: Compilation) -> None:
+    check_supported(c.mesh, c.options)
+    check_model(c.model, c.options.policy)
+    args, kwargs, target = c.local
+    hits = EXPORTS.hits
+    c.captured = capture(c.model, args, kwargs, with_loss=c.with_loss, loss_fn=c.options.loss_fn, target=target,
+                         compute_dtype=c.options.policy.compute if c.options.policy else None)
+    c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
+    c.lowered = [c.captured]
+    c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+
+
+def _loss_counts(c: Compilation) -> None:
+    counts = c.captured.counts = normalize_by_global_count(c.captured)
+    c.detail = f"{len(counts.sources) if counts else 0} terms: {', '.join(counts.sources) if counts else '-'}"
+    c.plan = initial_plan(c.model, c.mesh, c.options, c.captured, c.local[0])
+
+
+def _tensor_parallel(c: Compilation) -> None:
+    tp = tensor_parallel(c.captured, c.mesh.tp, c.trainable, fixed=c.pinned,
+                         sequence_parallel=c.options.sequence_parallel)
+    c.lowered, c.placements, c.layouts = [with_graph(c.captured, g) for g in tp.graphs], tp.placements, tp.layouts
+    add_tensor_parallel_to_plan(c.plan, c.mesh, tp)
+    c.detail = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
+
+
+def _pipeline_cuts(c: Compilation) -> None:
+    options, mesh = c.options, c.mesh
+    n_stages = mesh.pp * options.virtual_stages
+    c.schedule = make_schedule(options.schedule, mesh.pp, options.microbatches, options.virtual_stages)
+    simulate(add_communication(c.schedule))  # raises on a deadlock before anything runs
+    if c.split_points is None:
+        c.split_points = (list(options.split_points) if options.split_points
+                          else choose_split_points(c.lowered[0].gm, n_stages))
+    if len(c.split_points) != n_stages - 1:
+        raise ValueError(f"{len(c.split_points)} split points give {len(c.split_points) + 1} stages, but pp={mesh.pp} "
+                         f"x stages_per_rank={options.virtual_stages} needs {n_stages}; pass {n_stages - 1} split "
+                         f"points")
+    cut: dict[int, list[StageGraph]] = {}  # tp ranks share one lowered graph: cut it once
+    for lowered in c.lowered:
+        if id(lowered.gm) not in cut:
+            cut[id(lowered.gm)] = split_stages(lowered, c.split_points, c.trainable)
+        c.stage_sets.append(cut[id(lowered.gm)])
+    c.detail = "cuts before " + ", ".join(c.split_points)
+
+
+def _split_backward(c: Compilation) -> None:
+    c.stage_sets, count = split_backward(c.stage_sets, c.trainable)
+    c.detail = f"{count} weight matmuls defer their weight gradient"
+
+
+def _assemble(c: Compilation) -> None:
+    mesh = c.mesh
+    if c.stage_sets:
+        graphs = {r: c.stage_sets[mesh.coords(r)["tp"]][mesh.coords(r)["pp"]].gm for r in range(mesh.size)}
+        add_pipeline_to_plan(c.plan, c.stage_sets[0], c.schedule, c.split_points)
+    else:
+        graphs = {r: c.lowered[mesh.coords(r)["tp"]].gm for r in range(mesh.size)}
+    c.program = Program(captured=c.captured, graphs=graphs, plan=c.plan, stages=c.stage_sets[0] if c.stage_sets
+                        else None, schedule=c.schedule, split_points=c.split_points or [], stage_sets=c.stage_sets,
+                        placements=c.placements, layouts=c.layouts, trainable=c.trainable,
+                        device=capture_device(c.model))
+    placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
+    c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind == "param"}
+
+
+def _mixed_precision(c: Compilation) -> None:
+    apply_to_program(c.program, c.model, c.options.policy, with_loss=c.with_loss)
+    c.detail = "fp32 placeholders cast at their first use"
+
+
+def _step_schedule(c: Compilation) -> None:
+    c.program.step = step_schedule(c.program, c.mesh, c.options, training=c.with_loss)
+    simulate(c.program.step)  # raises on a broken or deadlocking step before anything runs
+
+
+def _memory_and_dp(c: Compilation) -> None:
+    """Per-rank memory and data-parallel traffic from the ranks' own graphs (local shapes, their stages)."""
+    program, options = c.program, c.options
+    per_rank = {r: rank_parameter_bytes(program, c.mesh, r) for r in range(c.mesh.size)}
+    factor = optimizer_state_factor(options)
+    if options.zero:  # ZeRO's layouts, estimate and dp collectives replace data parallelism's
+        collectives = apply_zero(program, c.model, c.mesh, options, factor=factor,
+                                 frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
+        program.plan.collectives = [x for x in program.plan.collectives if x.axis != "dp"] + collectives
+        c.detail = f"zero={options.zero}: {len(program.zero_layouts[0].groups)} flat groups on rank 0"
+        return
+    worst = max(per_rank, key=lambda r: per_rank[r][0])
+    params, grads = per_rank[worst]
+    program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
+    program.plan.collectives = [
+        Collective(x.axis, x.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, x.what) if x.axis == "dp"
+        else x for x in program.plan.collectives
+    ]
+
+
+def _reductions(c: Compilation) -> None:
+    describe_reductions(c.program, c.options.policy)
+
+
+def _recompute(c: Compilation) -> None:
+    c.program = apply_recompute(c.program, c.options)
+
+
+# the invariants -----------------------------------------------------------------------------
+
+
+def _graphs_lint(graphs: list[fx.GraphModule]) -> None:
+    for gm in {id(g): g for g in graphs}.values():
+        gm.graph.lint()
+
+
+def _ensure_captured(c: Compilation) -> None:
+    placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
+    if len(placeholders) != len(c.captured.slots):
+        raise AssertionError(f"capture: {len(placeholders)} placeholders but {len(c.captured.slots)} slots")
+    _graphs_lint([c.captured.gm])
+
+
+def _ensure_plan(c: Compilation) -> None:
+    if c.plan is None or {p.name for p in c.plan.params} != set(c.captured.param_names):
+        raise AssertionError("loss counts: the plan lists every captured parameter")
+
+
+def _ensure_tensor_parallel(c: Compilation) -> None:
+    if len(c.lowered) != c.mesh.tp:
+        raise AssertionError(f"tensor parallel: {len(c.lowered)} graphs for tp={c.mesh.tp}")
+    missing = set(c.captured.param_names) - set(c.placements)
+    if missing:
+        raise AssertionError(f"tensor parallel: no placement for {sorted(missing)[:3]}")
+    _graphs_lint([x.gm for x in c.lowered])
+
+
+def _ensure_cut(c: Compilation) -> None:
+    n = c.mesh.pp * c.options.virtual_stages
+    for stages in c.stage_sets:
+        if [st.index for st in stages] != list(range(n)):
+            raise AssertionError(f"pipeline cut: stages {[st.index for st in stages]}, expected 0..{n - 1}")
+        held = {name for st in stages for name in st.params}
+        if held != set(c.captured.param_names):
+            raise AssertionError(f"pipeline cut: parameters in no stage: {sorted(set(c.captured.param_names) - held)[:3]}")
+        _graphs_lint([st.gm for st in stages])
+
+
+def _ensure_program(c: Compilation) -> None:
+    if set(c.program.graphs) != set(range(c.mesh.size)):
+        raise AssertionError(f"assemble: graphs for ranks {sorted(c.program.graphs)}, mesh has {c.mesh.size}")
+
+
+def _ensure_step(c: Compilation) -> None:
+    if c.program.step is None or len(c.program.step.actions) != c.mesh.pp:
+        raise AssertionError("step schedule: one program of actions per pp rank")
+
+
+def _ensure_memory(c: Compilation) -> None:
+    if c.program.plan.memory is None:
+        raise AssertionError("memory: the plan has a per-rank memory estimate")
+    if c.options.zero and set(c.program.zero_layouts) != set(range(c.mesh.size)):
+        raise AssertionError("zero: a layout for every rank")
+
+
+def _ensure_graphs_lint(c: Compilation) -> None:
+    _graphs_lint([c.program.graphs[r] for r in range(c.mesh.size)])
+
+
+def _nothing(c: Compilation) -> None:
+    return None
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("capture (torch.export)", _capture, _ensure_captured,
+         invariant="one ATen graph; a slot (parameter, buffer, input, constant) per placeholder"),
+    Pass("loss counts (means over counted items divided by the whole batch's count)", _loss_counts, _ensure_plan,
+         invariant="each mean over a data-dependent count divides by a new input; the plan lists every parameter"),
+    Pass("tensor parallel (solve + lower, tp={c.mesh.tp})", _tensor_parallel, _ensure_tensor_parallel,
+         applies=lambda c: c.mesh.tp > 1,
+         invariant="one lowered graph per tp index, local shapes; every parameter has a placement"),
+    Pass("pipeline cut ({c.n_stages} stages)", _pipeline_cuts, _ensure_cut, applies=lambda c: c.mesh.pp > 1,
+         invariant="pp x stages-per-rank stage graphs per tp index; every parameter in a stage"),
+    Pass("split backward (B: input gradients, W: weight gradients)", _split_backward, _ensure_cut,
+         applies=lambda c: c.schedule is not None and c.schedule.splits_backward,
+         invariant="weight matmuls leave their weight gradients to the W actions; the same stages"),
+    Pass("assemble (each rank's graphs)", _assemble, _ensure_program,
+         invariant="a graph for every rank of the mesh"),
+    Pass("mixed precision", _mixed_precision, _ensure_graphs_lint, applies=lambda c: c.options.policy is not None,
+         invariant="placeholders take parameters and inputs as fed, cast at their first use; float32 loss"),
+    Pass("step schedule", _step_schedule, _ensure_step,
+         invariant="one program of actions per pp rank, simulated without deadlock"),
+    Pass("memory and data parallelism (zero={c.options.zero}, dp={c.mesh.dp})", _memory_and_dp, _ensure_memory,
+         invariant="per-rank memory estimate; dp collectives; zero > 0: a flat layout per rank"),
+    Pass("reductions (dtypes of the gradient reductions)", _reductions, _nothing,
+         invariant="the plan names the dtype each reduction runs in"),
+    Pass("recompute", _recompute, _ensure_graphs_lint, applies=lambda c: c.options.recompute != "none",
+         invariant="each recomputed layer's forward outlined into a region backward runs again"),
+)
+
+
+def compile_program(
+    model: torch.nn.Module, mesh: Mesh, options: Options, local: tuple[tuple, dict, Any], *, with_loss: bool,
+    split_points: list[str] | None = None, placements: dict[str, Any] | None = None,
+) -> Program:
+    """Captures ``model`` on one local microbatch ``(args, kwargs, target)`` and lowers it for every rank.
+
+    ``split_points`` (module names) fixes the pipeline cuts; by default they come
+    from ``options`` or are chosen by cost, and the program records them.
+    ``placements`` pins the tp placement of parameters (every graph of one model
+    must agree with how the runtime stores them).
+    """
+    c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements)
+    check = os.environ.get(CHECK, "") not in ("", "0")
+    for p in PASSES:
+        if not p.applies(c):
+            continue
+        c.detail = ""
+        with log_pass(p.name.format(c=c), _nodes(c)) as info:
+            p.run(c)
+            info["nodes"] = _nodes(c)
+            if c.detail:
+                info["detail"] = c.detail
+        if check:
+            p.ensures(c)
+    return c.program
+
+
+def _nodes(c: Compilation) -> Any:
+    """Nodes of the graphs a pass works on, for the log."""
+    if c.stage_sets:
+        return " + ".join(str(len(st.gm.graph.nodes)) for st in c.stage_sets[0])
+    if c.lowered:
+        return len(c.lowered[0].gm.graph.nodes)
+    return None

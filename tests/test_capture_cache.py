@@ -1,0 +1,60 @@
+"""A process remembers exports only under a key that holds everything the export reads (autopar/capture_cache.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import models
+from autopar.capture import capture
+from autopar.capture_cache import EXPORTS, export_key
+
+IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+def key(model: torch.nn.Module, ids: torch.Tensor = IDS, loss=models.lm_loss) -> object:
+    return export_key(model, ((ids,), {}, ids), loss, with_loss=True, output_dtype=None)
+
+
+def test_a_rebuilt_identical_model_reuses_the_export_and_gets_a_graph_of_its_own() -> None:
+    make = models.factory(models.gpt2, layers=1)
+    first = capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=IDS)
+    hits = EXPORTS.hits
+    for node in first.gm.graph.nodes:  # a pass rewriting the first graph must not reach the remembered one
+        node.meta["rewritten"] = True
+    second = capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=IDS)
+    assert EXPORTS.hits == hits + 1
+    assert second.gm.code == first.gm.code and second.slots == first.slots
+    assert second.gm is not first.gm and not any("rewritten" in n.meta for n in second.gm.graph.nodes)
+
+
+def test_the_key_changes_with_whatever_can_change_the_graph() -> None:
+    make = models.factory(models.bert, layers=1)
+    base = key(make())
+    assert base is not None and key(make()) == base  # parameter values are not read: fake during export
+    evaluated = make().eval()
+    other_config = make()
+    other_config.config.hidden_act = "relu"
+    frozen = make()
+    frozen.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    changed = [key(evaluated), key(other_config), key(frozen), key(make(), IDS[:, :4]),
+               key(make(), loss=lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten()))]
+    assert all(k != base for k in changed) and len(set(map(hash, changed))) == len(changed)
+
+
+def test_what_it_cannot_hold_exactly_is_not_remembered() -> None:
+    hooked = models.factory(models.gpt2, layers=1)()
+    hooked.register_forward_hook(lambda *args: None)
+    assert key(hooked) is None
+    odd = models.factory(models.gpt2, layers=1)()
+    odd.transformer.extra = __import__("threading").Lock()  # an attribute of a type the key cannot fingerprint
+    assert key(odd) is None
+
+
+def test_a_tensor_attribute_is_keyed_by_its_value() -> None:
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    b.load_state_dict(a.state_dict())
+    a.scale, b.scale = torch.tensor([1.0]), torch.tensor([2.0])  # plain tensors: constants of the graph
+    x = torch.ones(1, 2)
+    ka = export_key(a, ((x,), {}, None), None, with_loss=False, output_dtype=None)
+    kb = export_key(b, ((x,), {}, None), None, with_loss=False, output_dtype=None)
+    assert ka is not None and ka != kb
