@@ -1,7 +1,7 @@
 """Pipeline timelines as pictures: Chrome-trace JSON (opens in Perfetto) and a PNG Gantt chart.
 
 A timeline is, per rank, the ``(action, start, end)`` records of
-``runtime.pipeline.Executor.timeline`` (perf_counter seconds): the pipeline's
+``runtime.step_executor.Executor.timeline`` (perf_counter seconds): the pipeline's
 actions and the step's own (gradient reduction, optimizer, broadcasts). Ranks'
 clocks are the same machine's clock for local ranks; times are shown relative to
 the earliest start.

@@ -2,7 +2,7 @@
 
 ``Captured`` is one functional ATen graph (``autopar.capture`` makes it) with the
 signature of its placeholders (``Slot``) and outputs; ``StageGraph`` is one
-pipeline stage of it (``passes.pipeline`` cuts it) with the values that cross
+pipeline stage of it (``passes.stage_cuts`` cuts it) with the values that cross
 its cuts (``Boundary``). Parameter names are the user's model's state-dict
 keys; a parameter reachable under several names (tied embeddings) appears
 under one of them (``tied_aliases``).
