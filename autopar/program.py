@@ -19,6 +19,7 @@ from autopar.capture import Captured
 from autopar.core.buckets import bucket_sizes
 from autopar.core.graph import Slot, StageGraph
 from autopar.core.mesh import Mesh
+from autopar.core.optimizers import state_elements
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, numel, replicated
 from autopar.core.schedule import Schedule
 from autopar.core.simulate import simulate
@@ -200,14 +201,7 @@ def optimizer_state_factor(options: Options) -> int:
     more, each as many times the stored element's bytes as float32 has."""
     if options.optimizer is None:
         return 0
-    probe = torch.nn.Parameter(torch.zeros(1))
-    opt = options.optimizer([probe])
-    name = type(opt).__name__.lower()
-    states = 2
-    if "adam" in name:
-        states = 2
-    elif name == "sgd":
-        states = 1 if opt.defaults.get("momentum", 0) else 0
+    states = state_elements(options.optimizer([torch.nn.Parameter(torch.zeros(1))]))
     pol = options.policy
     if pol is not None and pol.separate_masters:
         return (states + 1) * pol.master.itemsize // pol.stored.itemsize

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autopar.core.graph import tied_aliases
+from autopar.core.optimizers import OPTIMIZERS
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
 from autopar.runtime.groups import Groups
@@ -30,19 +31,15 @@ from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
 from autopar.runtime.zero_trace import ZeroTrace
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adadelta,
-               torch.optim.ASGD)
-
-
 def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
     """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group."""
     if factory is None:
         return
     opt = factory(params)
     cls = type(opt)
-    if cls not in ELEMENTWISE and not getattr(cls, "elementwise", False):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+    elementwise = OPTIMIZERS[cls].elementwise if cls in OPTIMIZERS else bool(getattr(cls, "elementwise", False))
+    if not elementwise:
+        names = ", ".join(c.__name__ for c, kind in OPTIMIZERS.items() if kind.elementwise)
         raise ValueError(
             f"zero={stage} steps each rank's shard of the flattened parameters, so the optimizer must update every "
             f"element from that element alone; {cls.__name__} is not known to be elementwise (it would see "

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 import models
 from autopar import Mesh, parallelize
 from autopar.core.buckets import bucket_sizes
+from autopar.core.optimizers import state_elements
 from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
 from autopar.runtime.batch import split_batch
@@ -256,3 +257,21 @@ def test_forward_and_state_dict_before_any_step(launcher) -> None:
         torch.testing.assert_close(out, model(x).detach(), rtol=1e-12, atol=1e-12)
         model.load_state_dict(sd)  # strict: the original keys
         assert param_bytes == 8 * (56 // 2 + 28 // 2)  # float64 shards: layers of 56 and 27 (+1 pad) elements
+
+
+def test_an_optimizer_of_unknown_state_is_refused_with_the_fix() -> None:
+    """The optimizer's state comes from a registry by class (autopar/core/optimizers.py), not from its name."""
+    class Adam(torch.optim.Optimizer):  # named like a known one, but not one
+        def __init__(self, params: list) -> None:
+            super().__init__(params, {})
+
+    with pytest.raises(ValueError, match="does not know the state of optimizer Adam.*state_elements = 2"):
+        parallelize(models.mlp((4, 2)), Mesh(dp=2), loss_fn=models.mse, optimizer=Adam,
+                    example_inputs=(torch.zeros(4, 4),), example_target=torch.zeros(4, 2))
+
+    class Declared(Adam):
+        state_elements = 3
+
+    assert state_elements(Declared([torch.nn.Parameter(torch.zeros(1))])) == 3
+    assert state_elements(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)) == 1
+    assert state_elements(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], amsgrad=True)) == 3
