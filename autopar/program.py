@@ -104,6 +104,10 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if options.sequence_parallel and mesh.tp == 1:
         raise ValueError(f"sequence_parallel=True shards the values between tensor-parallel regions, but the mesh "
                          f"{mesh} has tp=1; give the mesh tp > 1 or drop sequence_parallel")
+    if mesh.hybrid and not options.zero:
+        raise ValueError(f"{mesh} asks for hybrid sharding (ZeRO over dp_shard={mesh.dp_shard} inside each of "
+                         f"dp_replicate={mesh.dp_replicate} replicas), but zero=0; pass zero=1, 2 or 3, or use "
+                         f"{Mesh(**dict(mesh.axes))} for plain data parallelism")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 
@@ -228,7 +232,7 @@ def _finish(program: Program, model: torch.nn.Module, mesh: Mesh, options: Optio
     factor = optimizer_state_factor(options)
     per_rank = {r: rank_parameter_bytes(program, mesh, r) for r in range(mesh.size)}
     if options.zero:  # ZeRO's layouts, estimate and dp collectives replace data parallelism's
-        with log_pass(f"zero={options.zero} (layouts over dp={mesh.dp})") as info:
+        with log_pass(f"zero={options.zero} (layouts over {mesh.zero_axis}={mesh[mesh.zero_axis]})") as info:
             collectives = apply_zero(program, model, mesh, options, factor=factor,
                                      frozen_bytes={r: p - t for r, (p, t) in per_rank.items()})
             info["detail"] = f"{len(program.zero_layouts[0].groups)} flat groups on rank 0"
