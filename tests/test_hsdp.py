@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import models
 from autopar import Mesh, parallelize
@@ -30,6 +32,26 @@ def test_the_rank_layout_splits_dp_into_replicas_of_shard_groups() -> None:
     assert Mesh(dp=8, tp=2).split_dp(4) == Mesh(dp=(2, 4), tp=2)
     torchtitan = SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard", "tp"), mesh=torch.empty(2, 4, 2))
     assert Mesh.from_device_mesh(torchtitan) == Mesh(dp=(2, 4), tp=2)
+
+
+@given(replicate=st.integers(1, 3), shard=st.integers(1, 3), others=st.sampled_from([{}, {"tp": 2}, {"pp": 2, "tp": 2}]),
+       dp_first=st.booleans())
+def test_shard_and_replicate_groups_cut_each_dp_group_into_a_grid(replicate: int, shard: int, others: dict,
+                                                                  dp_first: bool) -> None:
+    """Each dp group is replicate x shard ranks: a rank's shard group and replicate group meet only in it, and
+    the shard groups (and the replicate groups) partition the ranks."""
+    dp = {"dp": (replicate, shard)}
+    mesh = Mesh(**dp, **others) if dp_first else Mesh(**others, **dp)
+    for axis in ("dp_shard", "dp_replicate"):
+        groups = mesh.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(mesh.size))
+        assert all(len(g) == mesh[axis] for g in groups)
+    for rank in range(mesh.size):
+        shard_group, replicas = mesh.group_of(rank, "dp_shard"), mesh.group_of(rank, "dp_replicate")
+        assert set(shard_group) & set(replicas) == {rank}
+        assert set(shard_group) | set(replicas) <= set(mesh.group_of(rank, "dp"))
+        assert shard_group[mesh.coord(rank, "dp_shard")] == rank == replicas[mesh.coord(rank, "dp_replicate")]
+        assert mesh.coords(rank)["dp"] == mesh.coord(rank, "dp_replicate") * shard + mesh.coord(rank, "dp_shard")
 
 
 @pytest.mark.parametrize("make, message", [
