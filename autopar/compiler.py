@@ -269,7 +269,7 @@ PASSES: tuple[Pass, ...] = (
          invariant="placeholders take parameters and inputs as fed, cast at their first use; float32 loss"),
     Pass("step schedule", _step_schedule, _ensure_step,
          invariant="one program of actions per pp rank, simulated without deadlock"),
-    Pass("memory and data parallelism (zero={c.options.zero}, dp={c.mesh.dp})", _memory_and_dp, _ensure_memory,
+    Pass("memory and data parallelism (zero={c.options.zero}, over {c.mesh.zero_axis})", _memory_and_dp, _ensure_memory,
          invariant="per-rank memory estimate; dp collectives; zero > 0: a flat layout per rank"),
     Pass("reductions (dtypes of the gradient reductions)", _reductions, _nothing,
          invariant="the plan names the dtype each reduction runs in"),

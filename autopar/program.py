@@ -102,6 +102,10 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if options.sequence_parallel and mesh.tp == 1:
         raise ValueError(f"sequence_parallel=True shards the values between tensor-parallel regions, but the mesh "
                          f"{mesh} has tp=1; give the mesh tp > 1 or drop sequence_parallel")
+    if mesh.hybrid and not options.zero:
+        raise ValueError(f"{mesh} asks for hybrid sharding (ZeRO over dp_shard={mesh.dp_shard} inside each of "
+                         f"dp_replicate={mesh.dp_replicate} replicas), but zero=0; pass zero=1, 2 or 3, or use "
+                         f"{Mesh(**dict(mesh.axes))} for plain data parallelism")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
 

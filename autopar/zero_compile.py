@@ -10,6 +10,9 @@ gradients can be summed shard by shard.
 
 Invariant: ranks that differ only in their dp coordinate hold the same
 parameters and get the same layout; only the shard each one owns differs.
+ZeRO shards over ``mesh.zero_axis``: dp, or under hybrid sharding
+(``Mesh(dp=(replicate, shard))``) the ``dp_shard`` sub-axis, whose replicas own
+the same shards.
 """
 from __future__ import annotations
 
@@ -55,8 +58,9 @@ def shared_across_pp(program: Any) -> set[str]:
 
 def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
     """The ZeRO layout of the parameters ``rank`` holds (what its runtime computes from its tensors)."""
+    mesh = program.plan.mesh
     return zero_layout(rank_parameters(program, model, rank, options.policy), stage=options.zero,
-                       n=program.plan.mesh.dp, bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
+                       n=mesh[mesh.zero_axis], bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
 
 
 def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
@@ -69,27 +73,29 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
     ``factor``: optimizer-state elements per parameter element; ``frozen_bytes``: bytes of
     parameters without gradients each rank holds.
     """
-    plan, pol = program.plan, options.policy
-    firsts = {tuple(ranks): ranks[0] for ranks in mesh.groups("dp")}  # one representative per dp group
+    plan, pol, axis = program.plan, options.policy, mesh.zero_axis
+    n = mesh[axis]
+    firsts = {tuple(ranks): ranks[0] for ranks in mesh.groups(axis)}  # one representative per ZeRO group
     layouts = {rep: rank_layout(program, model, options, rep) for rep in firsts.values()}
-    program.zero_layouts = {r: layouts[firsts[tuple(ranks)]] for ranks in mesh.groups("dp") for r in ranks}
+    program.zero_layouts = {r: layouts[firsts[tuple(ranks)]] for ranks in mesh.groups(axis) for r in ranks}
     estimates = {}
     for rep, layout in layouts.items():
         trainable = sum(g.nbytes for g in layout.groups)
         estimates[rep] = memory_estimate(param_bytes=frozen_bytes.get(rep, 0) + trainable, trainable_bytes=trainable,
-                                         optimizer_factor=factor, stage=options.zero, n=mesh.dp,
+                                         optimizer_factor=factor, stage=options.zero, n=n,
                                          gathered=gathered_bytes(layout, options.zero_prefetch, pol)
                                          if options.zero == 3 else 0)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
     plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
     merged = {g.name: g for rep in layouts if mesh.coords(rep)["tp"] == 0 for g in layouts[rep].groups}
-    plan.params = zero_placements(plan.params, ZeroLayout(options.zero, mesh.dp, tuple(merged.values())))
+    plan.params = zero_placements(plan.params, ZeroLayout(options.zero, n, tuple(merged.values())), axis)
     if options.zero == 3:
         _gather_layers(program, mesh, options)
     return zero_collectives(layouts[worst], microbatches=options.microbatches,
                             gather_dtype=pol.compute if pol and options.zero == 3 else None,
                             reduce_dtype=pol.reduce if pol else None,
-                            split=program.schedule is not None and program.schedule.splits_backward)
+                            split=program.schedule is not None and program.schedule.splits_backward,
+                            axis=axis, replicas=mesh.dp_replicate)
 
 
 def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int:
@@ -102,7 +108,8 @@ def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int
 
 
 class PerDpGroup(dict):
-    """``rank -> value``, made on first access for the rank's whole dp group, which shares it.
+    """``rank -> value``, made on first access for the rank's whole ZeRO group (its dp group, or its
+    dp_shard group under hybrid sharding), which shares it.
 
     Each rank's runtime then rewrites only its own graphs; inspecting a rank rewrites that rank's group.
     """
@@ -114,19 +121,19 @@ class PerDpGroup(dict):
 
     def __missing__(self, rank: int) -> Any:
         self.mesh.coords(rank)  # a rank outside the mesh is refused by name
-        ranks = self.mesh.group_of(rank, "dp")
+        ranks = self.mesh.group_of(rank, self.mesh.zero_axis)
         value = self.make(ranks)
         self.update(dict.fromkeys(ranks, value))
         return value
 
 
 def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
-    """Each dp group's graphs (its pipeline stages) with all-gathers of its layers, named by its ranks."""
-    prefetch = options.zero_prefetch
+    """Each ZeRO group's graphs (its pipeline stages) with all-gathers of its layers, named by its ranks."""
+    prefetch, axis = options.zero_prefetch, mesh.zero_axis
     if program.stages is None:
         lowered = dict(program.graphs)
         program.graphs = PerDpGroup(mesh, lambda ranks: insert_gathers(
-            lowered[ranks[0]], program.captured.slots, program.zero_layouts[ranks[0]], axis="dp", ranks=ranks,
+            lowered[ranks[0]], program.captured.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks,
             prefetch=prefetch))
         return
 
@@ -136,7 +143,7 @@ def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
         mine, stages = program.schedule.stages_of(mesh.coords(ranks[0])["pp"]), list(lowered_stages[ranks[0]])
         for i, st in enumerate(stages):
             if st.index in mine:
-                gm = insert_gathers(st.gm, st.slots, program.zero_layouts[ranks[0]], axis="dp", ranks=ranks,
+                gm = insert_gathers(st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks,
                                     prefetch=prefetch)
                 stages[i] = dataclasses.replace(st, gm=gm)
         return stages

@@ -1,4 +1,5 @@
-"""ZeRO over the dp axis: the stage-3 gather pass, the plan's memory estimate and collectives.
+"""ZeRO over the dp axis (or its dp_shard sub-axis): the stage-3 gather pass, the plan's memory estimate and
+collectives.
 
 The flat layout these read (``ZeroLayout``) is ``autopar.core.zero_layout``.
 
@@ -181,15 +182,23 @@ def memory_estimate(*, param_bytes: int, trainable_bytes: int, optimizer_factor:
 
 
 def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: torch.dtype | None = None,
-                     reduce_dtype: torch.dtype | None = None, split: bool = False) -> list[Collective]:
+                     reduce_dtype: torch.dtype | None = None, split: bool = False, axis: str = "dp",
+                     replicas: int = 1) -> list[Collective]:
     """The kinds of collective a ZeRO step runs on one rank, with their counts and bytes.
 
     ``gather_dtype`` / ``reduce_dtype``: what stage 3 gathers and every stage reduces, when not the
     parameters' dtype (mixed precision); the collectives then show their dtypes. ``split``: backwards
-    run as B and W (stage 3 then reduce-scatters a layer's gradient when each finishes).
+    run as B and W (stage 3 then reduce-scatters a layer's gradient when each finishes). ``axis``: what
+    ZeRO shards over; ``replicas`` > 1 (hybrid sharding): each shard's gradient is then all-reduced over
+    ``dp_replicate``, once per flat group and step.
     """
+    across = [] if replicas == 1 else [Collective(
+        "dp_replicate", "all_reduce", len(layout.groups),
+        sum(g.shard * (reduce_dtype or g.dtype).itemsize for g in layout.groups),
+        f"each flat group's shard gradient among the {replicas} ranks holding that shard, after the last reduction",
+        dtypes=(reduce_dtype,) if reduce_dtype is not None else ())]
     if layout.n == 1:
-        return []
+        return across
     k, m = len(layout.groups), microbatches
     stored = tuple(dict.fromkeys(g.dtype for g in layout.groups))
     shown = gather_dtype is not None or reduce_dtype is not None
@@ -197,31 +206,32 @@ def zero_collectives(layout: ZeroLayout, *, microbatches: int, gather_dtype: tor
     def kind(op: str, count: int, dtype: torch.dtype | None, what: str, times: int = 1) -> Collective:
         nbytes = sum(g.padded * (dtype or g.dtype).itemsize for g in layout.groups)
         dtypes = ((dtype,) if dtype else stored) if shown else ()
-        return Collective("dp", op, count, times * nbytes, what, dtypes=dtypes)
+        return Collective(axis, op, count, times * nbytes, what, dtypes=dtypes)
 
     gather_after_step = kind("all_gather", k, None, "updated parameter shards after the optimizer step")
     if layout.stage == 1:
         return [kind("reduce_scatter", k, reduce_dtype, "gradient buckets after the last microbatch, in place"),
-                gather_after_step]
+                *across, gather_after_step]
     if layout.stage == 2:
         return [kind("reduce_scatter", k * m, reduce_dtype,
                      "gradient buckets during every microbatch's backward; full gradients freed", m),
-                gather_after_step]
+                *across, gather_after_step]
     return [kind("all_gather", 2 * k * m, gather_dtype, "each layer before its forward and again for its backward",
                  2 * m),
             kind("reduce_scatter", k * m * (1 + split), reduce_dtype,
                  "each layer's gradients when B and again when W finishes" if split else "each layer's gradients in backward",
-                 m * (1 + split))]
+                 m * (1 + split)), *across]
 
 
-def zero_placements(params: list[ParamPlan], layout: ZeroLayout) -> list[ParamPlan]:
-    """The plan's parameters, each told which flat group shards it over dp (zero=3: stored flat-sharded)."""
+def zero_placements(params: list[ParamPlan], layout: ZeroLayout, axis: str = "dp") -> list[ParamPlan]:
+    """The plan's parameters, each told which flat group shards it over ``axis`` (dp, or dp_shard under hybrid
+    sharding; zero=3: stored flat-sharded)."""
     group_of = {name: g.name for g in layout.groups for name in g.params}
     out = []
     for p in params:
         if p.name in group_of:
             if layout.stage == 3 and "dp" in p.axes:
                 p = p.with_placement("dp", FlatShard())
-            p = dataclasses.replace(p, zero=ZeroShard(layout.stage, group_of[p.name]))
+            p = dataclasses.replace(p, zero=ZeroShard(layout.stage, group_of[p.name], axis))
         out.append(p)
     return out

@@ -7,7 +7,9 @@ elements, each weighted by one over the number of ranks holding an identical
 copy of that element, and one all-reduce over all ranks adds the sums. Copies:
 
 - dp: without ZeRO every dp rank holds the same averaged gradient (weight
-  1/dp); under ZeRO each dp rank holds a disjoint slice (weight 1).
+  1/dp); under ZeRO each dp rank holds a disjoint slice (weight 1); under
+  hybrid sharding each slice is held by the dp_replicate ranks of its shard
+  (weight 1/dp_replicate).
 - tp: a tp-sharded parameter's slices are disjoint; a replicated one is the
   same on every tp rank (weight 1/tp).
 - pp: a parameter used by stages on k pp ranks (tied embeddings) holds the
@@ -57,8 +59,7 @@ def global_grad_norm(rt: RankRuntime, model: torch.nn.Module, placements: dict[s
     total = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
     for name, grad in _pieces(rt, model):
         copies = holders.get(name, 1)
-        if rt.zero is None:
-            copies *= mesh.dp
+        copies *= mesh.dp if rt.zero is None else mesh.dp_replicate
         if not isinstance(placements.get(name), Shard):
             copies *= mesh.tp
         total += grad.detach().double().square().sum() / copies

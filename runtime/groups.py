@@ -2,7 +2,8 @@
 
 ``join(mesh)`` joins (or starts, under torchrun's ``env://``) the default
 process group, checks the world size against the mesh, and creates one group
-per axis group. ``torch.distributed.new_group`` must be called by every rank
+per axis group (under hybrid sharding also per ``dp_replicate`` and ``dp_shard``
+group). ``torch.distributed.new_group`` must be called by every rank
 for every group in the same order, so all groups are created on all ranks and
 each rank keeps its own.
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.core.mesh import AXES, Mesh
+from autopar.core.mesh import AXES, DP_SUBAXES, Mesh
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
 DEVICE_ENV = "AUTOPAR_DEVICE"
@@ -33,7 +34,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class Groups:
-    """The process groups of one rank: ``groups[axis]`` (None for an axis of size 1)."""
+    """The process groups of one rank: ``groups[axis]`` (None for an axis or dp sub-axis of size 1)."""
 
     mesh: Mesh
     rank: int
@@ -45,7 +46,7 @@ class Groups:
         return self.by_axis[axis]
 
     def coord(self, axis: str) -> int:
-        return self.mesh.coords(self.rank)[axis]
+        return self.mesh.coord(self.rank, axis)
 
 
 def requested_device() -> str | None:
@@ -145,8 +146,8 @@ def join(mesh: Mesh) -> Groups:
     ensure_initialized()
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES)
-    for axis in mesh.names:
+    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES)
+    for axis in mesh.names + (DP_SUBAXES if mesh.hybrid else ()):
         if mesh[axis] == 1:
             continue
         for ranks in mesh.groups(axis):

@@ -1,5 +1,9 @@
 """ZeRO stages 1-3 over the dp axis on one rank: flat shards, gradient reduction, the sharded optimizer step.
 
+Under hybrid sharding (``Mesh(dp=(replicate, shard))``) the shards are over the
+rank's ``dp_shard`` group, and after the reductions each shard's gradient is
+all-reduced over its ``dp_replicate`` group (the ranks holding the same slice).
+
 ``ZeroRuntime`` acts only on the rank's own parameter tensors and its dp process
 group, so a pipeline rank (its stage's parameters) or a tensor-parallel rank
 (its parameter shards) uses it unchanged. It plugs into ``ParallelModel.step``
@@ -27,7 +31,7 @@ from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopa
 from autopar.runtime.groups import Groups
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue
+from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, average_over_replicas
 from autopar.runtime.zero_trace import ZeroTrace
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
@@ -63,13 +67,15 @@ class ZeroRuntime:
     def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter],
                  alone: set[str] | frozenset[str] = frozenset(),
                  values: dict[str, torch.Tensor] | None = None) -> None:
-        """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups["dp"]``.
+        """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
+        (dp, or dp_shard under hybrid sharding).
 
         Each parameter named in ``alone`` (held by several pipeline ranks) gets a flat group of its own.
         ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
         is cut for the optimizer to step (``runtime/master.py``).
         """
         mesh = groups.mesh
+        axis = mesh.zero_axis
         self.model = model
         self.groups = groups
         self.stage = options.zero
@@ -77,21 +83,21 @@ class ZeroRuntime:
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
-                                              n=mesh.dp, bucket_bytes=options.bucket_bytes, alone=alone)
+                                              n=mesh[axis], bucket_bytes=options.bucket_bytes, alone=alone)
         check_optimizer(options.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
         self.queue = ReduceQueue(trace=self.trace)
         by_name = dict(named)
-        ranks = mesh.group_of(groups.rank, "dp")
+        ranks = mesh.group_of(groups.rank, axis)
         policy = getattr(options, "policy", None)  # mixed precision: gradients reduced in its reduce dtype
         reduce_dtype = policy.reduce if policy is not None else None
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
-            fs = FlatShard(spec, index=groups.coord("dp"), group=groups["dp"], ranks=ranks, device=groups.device,
+            fs = FlatShard(spec, index=groups.coord(axis), group=groups[axis], ranks=ranks, device=groups.device,
                            stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype,
-                           trace=self.trace)
+                           trace=self.trace, axis=axis)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)
@@ -168,13 +174,15 @@ class ZeroRuntime:
         fs.reduce_gradient(flat, owned=True)
 
     def finish(self) -> None:
-        """Reduces what backward left, waits, and hands each shard its averaged gradient (None if it got none)."""
+        """Reduces what backward left, waits, averages over replicas (hybrid sharding), and hands each shard its
+        averaged gradient (None if it got none)."""
         for fs in self.shards:
             if self.stage == 1 and fs not in self._launched and self._hits[fs]:
                 self._launch(fs)
             elif self.stage == 2 and any(p.grad is not None for p in self.members[fs]):
                 self._launch(fs)
         self.queue.drain()
+        average_over_replicas(self.shards, self.groups["dp_replicate"], self.groups.mesh.dp_replicate)
         for fs in self.shards:
             fs.shard.grad = None if fs.fresh else fs.grad
         self._ready.clear()
@@ -219,7 +227,7 @@ class ZeroRuntime:
 
     # full state ----------------------------------------------------------------
     def full_parameters(self, *, masters: bool = False) -> dict[str, torch.Tensor]:
-        """Every sharded parameter at full size over dp (stage 3 all-gathers: every dp rank must call this);
+        """Every sharded parameter at full size (stage 3 all-gathers over the ZeRO group: every rank calls this);
         with ``masters``, the float32 masters where the optimizer keeps them (all-gathered at every stage)."""
         out = {}
         for fs in self.shards:

@@ -14,7 +14,9 @@ shards; the shard is cast straight into its own slice of the gathered buffer,
 which the all-gather reads in place), and ``GatheredBytes`` measures how many
 bytes of them are alive.
 Gradients are reduced in ``reduce_dtype`` (default the parameters') and
-accumulate into ``grad`` in the parameters' dtype.
+accumulate into ``grad`` in the parameters' dtype. Under hybrid sharding the
+group is the rank's ``dp_shard`` group, and ``average_over_replicas`` then
+averages each ``grad`` over the ``dp_replicate`` ranks holding the same slice.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.collectives import record
+from autopar.core.mesh import DP_SUBAXES
 from autopar.core.zero_layout import FlatGroup
 from autopar.runtime.zero_trace import Span, ZeroEvent, ZeroTrace
 
@@ -52,8 +55,9 @@ class _SliceAfter:
 
 
 def reduce_scatter_async(out: torch.Tensor | None, flat: torch.Tensor, index: int,
-                         group: dist.ProcessGroup | None = None) -> object:
-    """Starts reducing ``flat`` over ``group`` into ``out``, rank ``index``'s slice of the sum; returns the work.
+                         group: dist.ProcessGroup | None = None, axis: str = "dp") -> object:
+    """Starts reducing ``flat`` over ``group`` (the mesh axis ``axis``) into ``out``, rank ``index``'s slice of
+    the sum; returns the work.
 
     gloo has no reduce-scatter of its own: torch emulates it by copying
     through per-rank buffers, and it measures 1.5x an all-reduce of the same
@@ -63,7 +67,7 @@ def reduce_scatter_async(out: torch.Tensor | None, flat: torch.Tensor, index: in
     allocated and the work's ``result`` is a view of ``flat``. Other backends
     need ``out``.
     """
-    record("zero_reduce_scatter", "dp", flat)
+    record("zero_reduce_scatter", axis, flat)
     if dist.get_backend(group) != "gloo":
         if out is None:
             raise ValueError(f"reduce_scatter_async on {dist.get_backend(group)} needs an output tensor")
@@ -104,12 +108,14 @@ class _Prefetch:
 
 
 class FlatShard:
-    """The state of one ``FlatGroup`` on dp rank ``index`` of ``group`` (``None`` when dp has one rank)."""
+    """The state of one ``FlatGroup`` on rank ``index`` of ``group``, the ranks ``ranks`` of mesh axis ``axis``
+    (``dp``, or ``dp_shard`` under hybrid sharding; ``group`` is ``None`` when the axis has one rank)."""
 
     def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
                  device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue,
-                 reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None, axis: str = "dp") -> None:
         self.spec = spec
+        self.axis = axis
         self.trace = trace
         self.reduce_dtype = reduce_dtype or spec.dtype
         self.queue = queue
@@ -169,7 +175,7 @@ class FlatShard:
         """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""
         if self.group is None:
             return None
-        record("zero_all_gather", "dp", self.shard)
+        record("zero_all_gather", self.axis, self.shard)
         return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
 
     # stage 3 ------------------------------------------------------------------
@@ -184,7 +190,7 @@ class FlatShard:
         mine.copy_(self.shard.detach())
         if self.group is None:
             return _Prefetch(None, full, self.shard._version, span)
-        record("zero_all_gather", "dp", mine)
+        record("zero_all_gather", self.axis, mine)
         work = all_gather_flat(full, mine, group=self.group, async_op=True)
         return _Prefetch(work, full, self.shard._version, span)
 
@@ -245,6 +251,28 @@ class FlatShard:
         self.fresh = False
 
 
+def average_over_replicas(shards: list[FlatShard], group: dist.ProcessGroup | None, n: int) -> None:
+    """Hybrid sharding: all-reduces the gradient of every shard that got one this step over ``group`` (the
+    ``n`` ``dp_replicate`` ranks holding the same slices) in its ``reduce_dtype``, all in flight together, and
+    divides by ``n``; each slice was averaged over its shard group, so it ends averaged over all of dp."""
+    if group is None:
+        return
+    works = []
+    for fs in shards:
+        if fs.fresh or fs.grad is None:
+            continue
+        buf = fs.grad if fs.grad.dtype == fs.reduce_dtype else fs.grad.to(fs.reduce_dtype)
+        record("zero_all_reduce", DP_SUBAXES[0], buf)
+        works.append((fs, buf, dist.all_reduce(buf, group=group, async_op=True)))
+    with torch.no_grad():
+        for fs, buf, work in works:
+            work.wait()
+            if buf is fs.grad:
+                buf.div_(n)
+            else:
+                fs.grad.copy_(buf.div_(n))
+
+
 def _finish(gather: _Prefetch) -> None:
     if gather.work is not None:
         gather.work.wait()
@@ -295,7 +323,7 @@ class ReduceQueue:
         # gloo reduces in place and its slice is read when the work completes: no output buffer while in flight
         out = None if gloo else torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
         span = self._open(shard)
-        work = reduce_scatter_async(out, flat, shard.index, shard.group)
+        work = reduce_scatter_async(out, flat, shard.index, shard.group, shard.axis)
         self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned, span=span))
         if wait:
             self.limit()
@@ -310,7 +338,7 @@ class ReduceQueue:
             self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
             return
         span = self._open(shard)
-        work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group)
+        work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group, shard.axis)
         self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False, span=span))
         self.limit()
 

@@ -68,6 +68,19 @@ def test_dp_zero2_then_pp_then_tp(launcher, tmp_path) -> None:
                                     [(dict(dp=2), 2, 2), (dict(pp=2), 0, 1), (dict(tp=2), 0, 1)])
 
 
+def test_hybrid_sharding_moves_to_plain_zero_and_one_device(launcher, tmp_path) -> None:
+    """GPT-2: dp=(2, 2) zero=3 (2 replicas of 2 shards) -> dp=2 zero=1 -> one device."""
+    _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.gpt2),
+                                    [(dict(dp=(2, 2)), 3, 2), (dict(dp=2), 1, 1), (dict(dp=1), 0, 1)])
+
+
+@pytest.mark.slow
+def test_one_device_moves_to_hybrid_sharding(launcher, tmp_path) -> None:
+    """GPT-2: one device -> dp=(2, 2) zero=2 -> dp=(2, 2) zero=3 (a checkpoint of hybrid sharding read back)."""
+    _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.gpt2),
+                                    [(dict(dp=1), 0, 1), (dict(dp=(2, 2)), 2, 2), (dict(dp=(2, 2)), 3, 1)])
+
+
 def test_fused_projections_of_unequal_widths_move_between_meshes(launcher, tmp_path) -> None:
     """q|k|v cut by slices (GQA widths 32|16|16) stored interleaved per tp rank -> dp2 zero=1 -> tp2.
 

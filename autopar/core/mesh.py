@@ -3,6 +3,13 @@
 Axes are ordered outer -> inner in the order the user names them, so for
 ``Mesh(dp=2, pp=2, tp=2)`` the rank of coordinates ``(d, p, t)`` is
 ``(d * 2 + p) * 2 + t``: the innermost axis varies fastest.
+
+Hybrid sharding splits dp into two sub-axes, outer -> inner as well:
+``Mesh(dp=(R, S), ...)`` is a dp axis of ``R * S`` ranks whose index is
+``d = r * S + s`` (``r`` on ``dp_replicate``, ``s`` on ``dp_shard``), so the
+rank formula over the axes is unchanged. ZeRO shards over ``dp_shard`` (the
+``S`` dp ranks of one replica; with dp outermost, ``S * pp * tp`` consecutive
+ranks, e.g. a node) and the ``R`` replicas hold the same shards.
 """
 from __future__ import annotations
 
@@ -11,28 +18,40 @@ from dataclasses import dataclass
 from typing import Any
 
 AXES = ("dp", "pp", "tp")
+DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, shard)
 
 
 @dataclass(frozen=True, init=False)
 class Mesh:
     """A logical grid of ranks with named axes ``dp``, ``pp`` and ``tp``.
 
-    ``Mesh(dp=2, tp=4)`` has 8 ranks; an axis left out has size 1.
+    ``Mesh(dp=2, tp=4)`` has 8 ranks; an axis left out has size 1. ``Mesh(dp=(2, 4), tp=2)``: hybrid
+    sharding, dp of 8 ranks as 2 replicas of 4 ZeRO shards (sub-axes ``dp_replicate`` and ``dp_shard``).
     """
 
     axes: tuple[tuple[str, int], ...]
+    dp_split: tuple[int, int] | None  # hybrid sharding: (replicate, shard) sizes of dp; None: plain dp
 
-    def __init__(self, **sizes: int) -> None:
+    def __init__(self, **sizes: int | tuple[int, int]) -> None:
         if not sizes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh(dp=2)")
+        split = None
         for name, size in sizes.items():
             if name not in AXES:
                 raise ValueError(
                     f"unknown mesh axis {name!r}; the axes are {', '.join(AXES)} (e.g. Mesh(dp=2, tp=2))"
                 )
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"mesh axis {name}={size!r} must be an integer >= 1")
-        object.__setattr__(self, "axes", tuple(sizes.items()))
+            if name == "dp" and isinstance(size, tuple):
+                if len(size) != 2 or not all(_is_size(s) for s in size):
+                    raise ValueError(f"mesh axis dp={size!r}: hybrid sharding takes a pair (replicate, shard) of "
+                                     "integers >= 1, e.g. Mesh(dp=(2, 4)) for 2 replicas of 4 ZeRO shards")
+                split = (size[0], size[1])
+            elif not _is_size(size):
+                hint = " (only dp takes a pair, for hybrid sharding)" if isinstance(size, tuple) else ""
+                raise ValueError(f"mesh axis {name}={size!r} must be an integer >= 1{hint}")
+        object.__setattr__(self, "axes", tuple((n, math.prod(s) if isinstance(s, tuple) else s)
+                                               for n, s in sizes.items()))
+        object.__setattr__(self, "dp_split", split)
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> "Mesh":
@@ -42,7 +61,25 @@ class Mesh:
             raise ValueError(
                 "the DeviceMesh has no dim names; build it with mesh_dim_names=('dp', 'tp') or similar"
             )
-        return cls(**dict(zip(names, device_mesh.mesh.shape)))
+        sizes = dict(zip(names, device_mesh.mesh.shape))
+        if set(DP_SUBAXES) & set(sizes):
+            i = names.index(DP_SUBAXES[0]) if DP_SUBAXES[0] in names else -1
+            if names[i : i + 2] != DP_SUBAXES:
+                raise ValueError(f"the DeviceMesh has dims {names}: hybrid sharding needs 'dp_replicate' "
+                                 "immediately followed by 'dp_shard' (outer -> inner), as torchtitan names them")
+            sizes = {("dp" if n == DP_SUBAXES[0] else n): ((s, sizes[DP_SUBAXES[1]]) if n == DP_SUBAXES[0] else s)
+                     for n, s in sizes.items() if n != DP_SUBAXES[1]}
+        return cls(**sizes)
+
+    def split_dp(self, shard: int) -> "Mesh":
+        """This mesh with dp split into replicas of ``shard`` ZeRO shards: ``Mesh(dp=8, tp=2).split_dp(4)`` is
+        ``Mesh(dp=(2, 4), tp=2)``."""
+        dp = self.dp
+        if not _is_size(shard) or dp % shard:
+            fits = [k for k in range(1, dp + 1) if dp % k == 0]
+            raise ValueError(f"hybrid sharding with shard={shard!r} on dp={dp}: the shard size must divide dp "
+                             f"(dp = replicate x shard); use one of {fits}")
+        return Mesh(**{n: ((dp // shard, shard) if n == "dp" else s) for n, s in self.axes})
 
     # sizes and coordinates -------------------------------------------------
     @property
@@ -58,7 +95,9 @@ class Mesh:
         return math.prod(self.shape)
 
     def __getitem__(self, axis: str) -> int:
-        """The size of ``axis`` (1 for an axis the mesh does not name)."""
+        """The size of ``axis`` or dp sub-axis (1 for an axis the mesh does not name)."""
+        if axis in DP_SUBAXES:
+            return self.dp_replicate if axis == DP_SUBAXES[0] else self.dp_shard
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
         return dict(self.axes).get(axis, 1)
@@ -74,6 +113,34 @@ class Mesh:
     @property
     def tp(self) -> int:
         return self["tp"]
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether dp is split into replicas of ZeRO shards (``Mesh(dp=(replicate, shard))``)."""
+        return self.dp_split is not None
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the ZeRO shards (1 without hybrid sharding)."""
+        return self.dp_split[0] if self.dp_split is not None else 1
+
+    @property
+    def dp_shard(self) -> int:
+        """dp ranks ZeRO shards over: the shard size under hybrid sharding, else all of dp."""
+        return self.dp_split[1] if self.dp_split is not None else self.dp
+
+    @property
+    def zero_axis(self) -> str:
+        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, else ``dp``."""
+        return DP_SUBAXES[1] if self.hybrid else "dp"
+
+    def coord(self, rank: int, axis: str) -> int:
+        """``rank``'s index on ``axis`` or on a dp sub-axis."""
+        d = self.coords(rank)
+        if axis in DP_SUBAXES:
+            r, s = divmod(d["dp"], self.dp_shard)
+            return r if axis == DP_SUBAXES[0] else s
+        return d[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
         """``{axis: index}`` of ``rank``, every axis of ``AXES`` included (0 where absent)."""
@@ -95,7 +162,9 @@ class Mesh:
         return rank
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Every group of ranks that differ only along ``axis``, each ordered by index on it."""
+        """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
+        if axis in DP_SUBAXES:
+            return [list(g) for g in dict.fromkeys(tuple(self.group_of(r, axis)) for r in range(self.size))]
         size = self[axis]
         others = [(n, s) for n, s in self.axes if n != axis]
         groups = []
@@ -110,11 +179,16 @@ class Mesh:
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ranks of ``rank``'s group along ``axis``."""
         c = self.coords(rank)
+        if axis in DP_SUBAXES:
+            n = self.dp_shard
+            r, s = divmod(c["dp"], n)
+            dps = range(r * n, (r + 1) * n) if axis == DP_SUBAXES[1] else range(s, self.dp, n)
+            return [self.rank_of(**{**c, "dp": d}) for d in dps]
         return [self.rank_of(**{**c, axis: i}) for i in range(self[axis])]
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.size:
-            dims = " x ".join(f"{n}={s}" for n, s in self.axes)
+            dims = " x ".join(self._sizes())
             raise ValueError(
                 f"world size {world_size} does not equal the mesh size {self.size} ({dims}); "
                 f"launch {self.size} processes or change the mesh so its sizes multiply to {world_size}"
@@ -124,5 +198,12 @@ class Mesh:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks (0..{self.size - 1})")
 
+    def _sizes(self) -> list[str]:
+        return [f"{n}={self.dp_split if n == 'dp' and self.dp_split else s}" for n, s in self.axes]
+
     def __repr__(self) -> str:
-        return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self.axes) + ")"
+        return "Mesh(" + ", ".join(self._sizes()) + ")"
+
+
+def _is_size(size: object) -> bool:
+    return isinstance(size, int) and not isinstance(size, bool) and size >= 1

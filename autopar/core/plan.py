@@ -32,14 +32,16 @@ class FlatShard(Placement):
 
 @dataclass(frozen=True)
 class ZeroShard:
-    """How ZeRO treats a parameter: ``stage`` 1-3, in the flat group named ``group``."""
+    """How ZeRO treats a parameter: ``stage`` 1-3, in the flat group named ``group``, sharded over ``axis``."""
 
     stage: int
     group: str
+    axis: str = "dp"  # dp, or dp_shard under hybrid sharding
 
     def render(self) -> str:
-        what = {1: "optimizer state sharded over dp", 2: "gradients + optimizer state sharded over dp",
-                3: "stored sharded over dp, gathered per layer"}[self.stage]
+        what = {1: "optimizer state sharded", 2: "gradients + optimizer state sharded",
+                3: "stored sharded"}[self.stage] + f" over {self.axis}"
+        what += ", gathered per layer" if self.stage == 3 else ""
         return f"zero={self.stage}: {what} in {self.group!r}"
 
 
@@ -277,6 +279,8 @@ class Plan:
             f"{self.microbatches} microbatch(es) per step",
             f"  parameters: {len(self.params)} tensors, {n_params:,} elements",
         ]
+        if self.mesh.hybrid:
+            lines.append("  " + hybrid_text(self.mesh))
         if self.precision is not None:
             lines.insert(2, f"  precision: {self.precision}")
         if self.loss_counts:
@@ -309,6 +313,13 @@ class Plan:
         note = f", largest on rank {self.memory.largest_on}" if self.memory.largest_on is not None else ""
         lines.append(f"  memory per rank (estimate{note}): " + ", ".join(f"{k} {mib(v)}" for k, v in self.memory.items()))
         return "\n".join(lines)
+
+
+def hybrid_text(mesh: Mesh) -> str:
+    """How hybrid sharding lays dp out, with rank 0's groups."""
+    return (f"hybrid sharding: dp={mesh.dp} as {mesh.dp_replicate} replicas x {mesh.dp_shard} shards; ZeRO shards "
+            f"over dp_shard (rank 0's group {mesh.group_of(0, 'dp_shard')}), and each shard's gradient is all-reduced "
+            f"over dp_replicate, the ranks holding that shard (rank 0's group {mesh.group_of(0, 'dp_replicate')})")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
