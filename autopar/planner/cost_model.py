@@ -299,9 +299,9 @@ class CostModel:
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
         streams = tuple(self._stream(span) for span in (spans[2], spans[0]))
-        units = [[t for st in stages for t in self._unit_seconds(c, st, links[0])] for stages in ranks]
-        serial, dp = self.data_parallel.time(c, ranks, units, links[2], streams, max(trainable),
-                                             (c.recompute, c.full_layers, id(links[0])))
+        serial, dp = self.data_parallel.time(
+            c, ranks, lambda stages: [t for st in stages for t in self._unit_seconds(c, st, links[0])], links[2],
+            streams, max(trainable), (c.recompute, c.full_layers, id(links[0])))
         out = {
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
@@ -338,7 +338,8 @@ class CostModel:
 
     def dp_exposure(self, config: Config, rank: int = 0) -> Exposure:
         """What ``estimate`` charges pp rank ``rank`` for its dp collectives beyond those that never overlap."""
-        return self.data_parallel.exposure(config, *self._rank_inputs(config, rank),
+        stages, units, link, streams = self._rank_inputs(config, rank)
+        return self.data_parallel.exposure(config, stages, lambda _: units, link, streams,
                                            (config.recompute, config.full_layers, id(self.cluster.link(config.tp))))
 
     def _rank_inputs(self, config: Config, rank: int) -> tuple:

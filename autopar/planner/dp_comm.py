@@ -24,7 +24,7 @@ counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 
@@ -101,12 +101,12 @@ class DataParallel:
     # per rank layout (its stage lists are the cost model's, kept as long as it lives): groups, simulations
     cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def time(self, c: Any, ranks: list[list[list[SegmentValues]]], seconds: list[list[tuple]], link: Link,
-             streams: tuple[str, str], trainable: int, same: tuple = ()) -> tuple[Any, Exposure]:
+    def time(self, c: Any, ranks: list[list[list[SegmentValues]]], seconds: Callable[[Any], list[tuple]],
+             link: Link, streams: tuple[str, str], trainable: int, same: tuple = ()) -> tuple[Any, Exposure]:
         """(seconds of the dp collectives that never overlap compute, the simulated ``Exposure`` of the others)
-        of config ``c``: the slowest rank's. ``seconds``: per rank, each unit's (forward, backward, tp forward,
-        tp backward, ...) seconds per microbatch, alike for every configuration of the same ``same`` (a key) and rank
-        stages; ``streams``: the dp and the tp link's names (one name: one link);
+        of config ``c``: the slowest rank's. ``seconds(stages)``: each unit's (forward, backward, tp forward,
+        tp backward, ...) seconds per microbatch of a rank's stages, alike for every configuration of the same
+        ``same`` (a key); ``streams``: the dp and the tp link's names (one name: one link);
         ``trainable``: the most trainable elements a rank holds. With the microbatch size symbolic nothing is
         simulated: the exposure is 0 (a lower bound)."""
         if c.dp == 1:
@@ -116,14 +116,14 @@ class DataParallel:
         if c.zero in (1, 2):  # the updated shards gathered after the optimizer step
             serial += ring_gather(trainable * self.precision.param, c.dp, link,
                                   self._buckets(trainable * self.precision.grad).count)
-        if isinstance(seconds[0][0][0], sympy.Basic):  # (every unit is at one b)
+        if isinstance(ranks[0][0][0].flops, sympy.Basic):  # (every unit is at one b)
             return serial, Exposure()
-        worst = max((self.exposure(c, stages, times, link, streams, same) for stages, times in zip(ranks, seconds)),
+        worst = max((self.exposure(c, stages, seconds, link, streams, same) for stages in ranks),
                     key=lambda e: e.exposed + e.contention)
         return serial, worst
 
-    def exposure(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], link: Link,
-                 streams: tuple[str, str], same: tuple) -> Exposure:
+    def exposure(self, c: Any, stages: list[list[SegmentValues]], seconds: Callable[[Any], list[tuple]],
+                 link: Link, streams: tuple[str, str], same: tuple) -> Exposure:
         """One rank's simulated ``Exposure`` (see ``time``): up to two microbatches simulated whole; more, as one
         and two, the second's difference repeated (each microbatch after the first enters as the second did: one
         reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
@@ -131,15 +131,25 @@ class DataParallel:
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
         key = ("sim", id(stages), same, c.dp, c.zero, split, c.zero_prefetch, id(link), streams)
         if key not in self.cache:
-            self.cache[key] = ({}, self._units(c, stages, times, link, streams[0], split))
+            self.cache[key] = ({}, self._units(c, stages, seconds(stages), link, streams[0], split))
         sims, (units, plan) = self.cache[key]
 
         def run(m: int) -> tuple[float, float, float]:
+            """(exposed, contention, busy) of the first ``m`` microbatches; a simulation of two gives one too."""
             if m not in sims:
-                program = step_program(units, plan, m, tp_link=streams[1])
+                marks: list[int] = []
+                program = step_program(units, plan, m, tp_link=streams[1], marks=marks)
                 timeline = simulate(program, self.contention)
-                base = sum(e.seconds for e in program if e.kind in (Kind.COMPUTE, Kind.TP))
-                busy = sum(e.seconds for e in program if e.kind in DP_KINDS)
+                base = busy = 0.0
+                ends = {k: n + 1 for n, k in enumerate(marks[:-1])}  # microbatch n + 1 ends after event k - 1
+                for k, e in enumerate(program):
+                    if e.kind is Kind.COMPUTE or e.kind is Kind.TP:
+                        base += e.seconds
+                    elif e.kind in DP_KINDS:
+                        busy += e.seconds
+                    if k + 1 in ends:  # a shorter program's numbers, from this one's prefix
+                        span, lost = timeline.upto(k + 1)
+                        sims.setdefault(ends[k + 1], (span - base - lost, lost, busy))
                 sims[m] = (timeline.makespan - base - timeline.stretch, timeline.stretch, busy)
             return sims[m]
 
@@ -148,7 +158,7 @@ class DataParallel:
             return Exposure(*run(1))
         if m <= 2:
             return Exposure(*run(m))
-        one, two = run(1), run(2)  # each microbatch after the first repeats the second
+        two, one = run(2), run(1)  # each microbatch after the first repeats the second
         return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)))
 
     def _buckets(self, total: float, seconds: Any = None) -> Buckets:

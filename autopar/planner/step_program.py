@@ -119,9 +119,11 @@ class _Builder:
             self.emit(Kind.WAIT, name or f"wait {self.events[on[0]].name}", after=on)
 
 
-def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: int, tp_link: str = "tp") -> list[Event]:
+def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: int, tp_link: str = "tp",
+                 marks: list[int] | None = None) -> list[Event]:
     """The events of ``microbatches`` microbatches of a rank holding ``units`` (the module doc); events name
-    compute by unit index (``"backward 3"``) and collectives by group (``dp.names``, else the group's index)."""
+    compute by unit index (``"backward 3"``) and collectives by group (``dp.names``, else the group's index).
+    ``marks`` receives how many events each microbatch ends after."""
     b = _Builder(tp_link, dp.names if dp is not None else ())
     inflight: list[int | None] = [None]  # ZeRO's reduction in flight
     for k in range(microbatches):
@@ -133,6 +135,8 @@ def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: i
             for i, u in enumerate(units):
                 b.compute(f"forward {i}", u.forward, u.tp_forward)
             _backward_with_buckets(b, units, dp if reduces else None)
+        if marks is not None:
+            marks.append(len(b.events))
     b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "end of step")
     return b.events
 

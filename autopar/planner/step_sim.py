@@ -24,7 +24,7 @@ with compute saves nothing.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 COMPUTE_STREAM = "compute"
@@ -56,44 +56,55 @@ class Timeline:
     end: list[float]
     issued: list[float]  # where the host stood when it issued the event
     waited: list[float]  # compute's idle seconds before a COMPUTE or WAIT event (0 for collectives)
-    stretch: float  # seconds compute lost to contention
-    busy: dict[str, float] = field(default_factory=dict)  # stream -> seconds busy
+    lost: list[float]  # seconds a COMPUTE event lost to contention (0 for the others)
 
     @property
     def makespan(self) -> float:
         return max(self.end, default=0.0)
 
+    @property
+    def stretch(self) -> float:
+        """Seconds compute lost to contention."""
+        return sum(self.lost)
+
+    def upto(self, k: int) -> tuple[float, float]:
+        """(makespan, stretch) of the first ``k`` events: a program's prefix that ends where another would (a
+        shorter program whose final wait adds nothing the prefix's events do not)."""
+        return max(self.end[:k], default=0.0), sum(self.lost[:k])
+
 
 def simulate(program: list[Event], contention: float) -> Timeline:
     """Start and end of every event of ``program`` (the module doc)."""
     n = len(program)
-    start, end, issued, waited = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    start, end, issued, waited, lost = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     free: dict[str, float] = {}
-    busy: dict[str, float] = {}
     intervals: dict[str, list[tuple[float, float]]] = {}  # each link's collectives, in order of start
     seen: dict[str, int] = {}  # each link's first interval that may still overlap compute
     host = 0.0  # the compute stream and the host move together
-    stretch = 0.0
-    for i, e in enumerate(program):
-        after = e.after
+    latest = 0.0  # when the last collective issued so far ends
+    for i, (_, _, seconds, stream, after) in enumerate(program):
         ready = 0.0 if not after else end[after[0]] if len(after) == 1 else max(end[j] for j in after)
         issued[i] = host
-        if e.stream is COMPUTE_STREAM or e.stream == COMPUTE_STREAM:
-            s = max(host, ready)
+        if stream == COMPUTE_STREAM:
+            s = host if host >= ready else ready
             waited[i] = s - host
-            d = _finish(intervals, seen, s, e.seconds, contention) - s if e.seconds and contention else e.seconds
-            stretch += d - e.seconds
-            start[i], end[i] = s, s + d
-            host = s + d
-            busy[COMPUTE_STREAM] = busy.get(COMPUTE_STREAM, 0.0) + d
+            if seconds and contention and latest > s:
+                d = _finish(intervals, seen, s, seconds, contention) - s
+                lost[i] = d - seconds
+            else:
+                d = seconds
+            start[i] = s
+            host = end[i] = s + d
         else:
-            s = max(host, ready, free.get(e.stream, 0.0))
-            start[i], end[i] = s, s + e.seconds
-            free[e.stream] = s + e.seconds
-            busy[e.stream] = busy.get(e.stream, 0.0) + e.seconds
-            if e.seconds:
-                intervals.setdefault(e.stream, []).append((s, s + e.seconds))
-    return Timeline(start, end, issued, waited, stretch, busy)
+            s = max(host, ready, free.get(stream, 0.0))
+            start[i] = s
+            end[i] = t = s + seconds
+            free[stream] = t
+            if seconds:
+                if t > latest:
+                    latest = t
+                intervals.setdefault(stream, []).append((s, t))
+    return Timeline(start, end, issued, waited, lost)
 
 
 def _finish(intervals: dict[str, list[tuple[float, float]]], seen: dict[str, int], at: float, work: float,
