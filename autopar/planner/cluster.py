@@ -211,8 +211,8 @@ def _refuse_overlap(source: str, d: dict[str, Any]) -> None:
     if "overlap" in d:
         raise ValueError(f"{source}: overlap={d['overlap']!r} is no longer a cluster figure: nothing overlaps for "
                          "free; the planner simulates the step program and charges compute beside a collective "
-                         f"with contention (the share of compute a collective takes, default {CONTENTION}); remove overlap (no "
-                         "overlap at all is contention=1)")
+                         f"with contention (the share of compute a collective takes, default {CONTENTION}); remove "
+                         "overlap (no overlap at all is contention=1)")
 
 
 def _link(source: str, name: str, fields: dict[str, Any]) -> Link:
