@@ -84,10 +84,6 @@ class Exposure:
     contention: Any = 0.0
     busy: Any = 0.0
 
-    @property
-    def hidden(self) -> Any:
-        return self.busy - self.exposed
-
 
 @dataclass(frozen=True)
 class DataParallel:
