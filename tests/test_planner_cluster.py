@@ -20,7 +20,7 @@ A100 = Cluster.preset("dgx-a100")
     ({"devices_per_node": 2.5}, "devices_per_node=2.5 must be an integer >= 1"),
     ({"memory_bandwidth": math.nan}, "memory_bandwidth=nan must be a number > 0"),
     ({"efficiency": 1.5}, "efficiency=1.5 must be a number > 0 and <= 1"),
-    ({"overlap": -0.1}, "overlap=-0.1 must be a number >= 0 and <= 1"),
+    ({"contention": -0.1}, "contention=-0.1 must be a number >= 0 and <= 1"),
     ({"cores": -2}, "cores=-2 must be an integer >= 0"),
     ({"inter": "25e9"}, "inter='25e9' must be a Link(bandwidth=..., latency=...)"),
 ])

@@ -11,7 +11,6 @@ collectives in ``dp_comm.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -24,45 +23,14 @@ from autopar.planner import recompute_cost
 from autopar.planner.bubble import Bubbles
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
-from autopar.planner.dp_comm import DataParallel, reduce_scatters
+from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters
+from autopar.planner.estimate import AxisLinks, Estimate
 from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
 )
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 from autopar.planner.segment_values import SegmentValues, state_elements
-
-
-@dataclass
-class Estimate:
-    """Memory per device (worst rank, bytes) and step time (seconds) of a ``Config``; sympy when symbolic."""
-
-    config: Config
-    memory: dict[str, Any]  # parameters, gradients, optimizer, activations, buffers
-    time: dict[str, Any] | None  # compute, tensor_parallel, pipeline_p2p, bubble, shared_cores, data_parallel,
-    # optimizer; None when estimated without (``CostModel.estimate(timed=False)``)
-    worst_rank: int  # the pp index whose memory is largest
-    per_rank: list[dict[str, Any]]  # memory of every pp index (dp and tp ranks of one pp index are alike)
-    stages: list[list[str]]  # segment names of each pipeline stage
-    model_flops: float  # FLOPs of one step of the model itself (3 x forward), not counting recomputation
-    seq_len: int
-
-    @property
-    def total_memory(self) -> Any:
-        return sum(self.memory.values())
-
-    @property
-    def step_time(self) -> Any:
-        return sum(self.time.values())
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.config.global_batch * self.seq_len / self.step_time
-
-    @property
-    def flops_per_device(self) -> float:
-        """Model FLOP/s per device (what MFU compares with the peak)."""
-        return self.model_flops / self.step_time / self.config.devices
 
 
 class CostModel:
@@ -80,7 +48,7 @@ class CostModel:
         self.scatter_gather = scatter_gather  # pipeline hops send 1/tp per rank, then all-gather (Megatron-LM)
         self.recompute_collectives = recompute_collectives  # full recomputation re-runs tp all-reduces (Megatron-LM)
         # dp gradient reduction overlaps backward (DDP, autopar) or follows it (Megatron-LM in 2021)
-        self.data_parallel = DataParallel(precision, bucket_bytes, cluster.overlap if overlap_grad_sync else 0.0)
+        self.data_parallel = DataParallel(precision, bucket_bytes, overlap_grad_sync, cluster.contention)
         self.bubbles = Bubbles()
         self._values: dict[tuple, SegmentValues] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}
@@ -153,10 +121,10 @@ class CostModel:
         if self._sample_flops is None:  # the model's forward FLOPs per sample
             self._sample_flops = sum(float(self.profile.part(seg, 1).flops.xreplace({b_sym: 1, s_sym: self.seq_len}))
                                      for seg in self.profile.sequence())
-        return Estimate(config=config, memory=memories[worst], time=self._time(config, ranks) if timed else None,
-                        worst_rank=worst,
+        time, links = self._time(config, ranks) if timed else (None, {})
+        return Estimate(config=config, memory=memories[worst], time=time, worst_rank=worst,
                         per_rank=memories, stages=self._stage_names(config),
-                        model_flops=3 * self._sample_flops * config.global_batch, seq_len=self.seq_len)
+                        model_flops=3 * self._sample_flops * config.global_batch, seq_len=self.seq_len, links=links)
 
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
         """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b`` (shared: not
@@ -303,15 +271,17 @@ class CostModel:
         cores (there the simulated step can be shorter than its parts)."""
         if self.cluster.cores:
             return 0.0
-        return float(sum(self._time(config, self._rank_units(config, config.microbatch_size), bound=True).values()))
+        return float(sum(self._time(config, self._rank_units(config, config.microbatch_size), bound=True)[0].values()))
 
     def exact_bound(self, config: Config) -> bool:
         """Whether ``step_time_bound(config)`` is the step time itself (no zero-bubble schedule's bubble to
         simulate, no shared cores)."""
         return not self.cluster.cores and (config.pp == 1 or config.schedule not in ZERO_BUBBLE)
 
-    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]], bound: bool = False) -> dict[str, Any]:
-        """The step's parts; ``bound``: a simulated bubble's lower bound instead (``step_time_bound``)."""
+    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]],
+              bound: bool = False) -> tuple[dict[str, Any], dict[str, AxisLinks]]:
+        """The step's parts, and each axis's links (numeric only); ``bound``: a simulated bubble's lower bound
+        instead (``step_time_bound``)."""
         cl = self.cluster
         step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
         trainable = [self._state_elements(stages)[1] for stages in ranks]
@@ -322,18 +292,24 @@ class CostModel:
         accumulate = [3 * adds * t * self.precision.grad / cl.memory_bandwidth for t in trainable]
         numeric = not isinstance(ranks[0][0][0].flops, sympy.Basic)  # every segment is at one b
         shared = bool(cl.cores) and numeric
-        links = [cl.link(c.tp), cl.link(c.tp * c.pp), cl.link(c.devices)]
+        spans = (c.tp, c.tp * c.pp, c.devices)
+        links = [cl.link(span) for span in spans]
         per_rank = [self._rank_seconds(c, stages, *links[:2]) for stages in ranks]
         compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: number(t[0] + t[1] + t[2]))
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
+        streams = tuple(self._stream(span) for span in (spans[2], spans[0]))
+        serial, dp = self.data_parallel.time(
+            c, ranks, lambda stages: [t for st in stages for t in self._unit_seconds(c, st, links[0])], links[2],
+            streams, max(trainable), (c.recompute, c.full_layers, id(links[0])))
         out = {
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
             "pipeline_p2p": m * p2p_t + sync,
             "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo, bound),
             "shared_cores": 0,
-            "data_parallel": self.data_parallel.time(c, ranks, forward, backward, links[2], max(trainable)),
+            "data_parallel": serial + dp.exposed,
+            "contention": dp.contention,
             "optimizer": max(optimizer),
         }
         if shared and not bound:
@@ -343,7 +319,58 @@ class CostModel:
             work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
                 cl.cores * nodes)
             out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
-        return out
+        axes = {}
+        if numeric:
+            for axis, size, span, busy, exposed, extra in (
+                    ("dp", c.dp, spans[2], serial + dp.busy, out["data_parallel"], dp.contention),
+                    ("tp", c.tp, spans[0], out["tensor_parallel"], out["tensor_parallel"], 0.0),
+                    ("pp", c.pp, spans[1], out["pipeline_p2p"], out["pipeline_p2p"], 0.0)):
+                if size > 1:
+                    link = cl.link(span)
+                    axes[axis] = AxisLinks(self._stream(span), link.bandwidth, float(busy), float(exposed),
+                                           float(extra))
+        return out, axes
+
+    def step_program(self, config: Config, rank: int = 0, microbatches: int | None = None) -> list:
+        """The events pp rank ``rank`` issues in a step of ``config`` (``step_program.py``), every microbatch of
+        it (or ``microbatches``): what ``estimate`` simulates, for reading and tests."""
+        return self.data_parallel.program(config, *self._rank_inputs(config, rank), microbatches)
+
+    def dp_exposure(self, config: Config, rank: int = 0) -> Exposure:
+        """What ``estimate`` charges pp rank ``rank`` for its dp collectives beyond those that never overlap."""
+        stages, units, link, streams = self._rank_inputs(config, rank)
+        return self.data_parallel.exposure(config, stages, lambda _: units, link, streams,
+                                           (config.recompute, config.full_layers, id(self.cluster.link(config.tp))))
+
+    def _rank_inputs(self, config: Config, rank: int) -> tuple:
+        ranks = self._rank_units(config, config.microbatch_size)
+        tp_link = self.cluster.link(config.tp)
+        units = [t for st in ranks[rank] for t in self._unit_seconds(config, st, tp_link)]
+        return (ranks[rank], units, self.cluster.link(config.devices),
+                (self._stream(config.devices), self._stream(config.tp)))
+
+    def _stream(self, span: int) -> str:
+        """The link a group of ranks spread over ``span`` consecutive ranks runs on: inside a node, or between."""
+        return "intra" if span <= self.cluster.devices_per_node else "inter"
+
+    def _unit_seconds(self, c: Config, st: list[SegmentValues], tp_link: Any) -> list[tuple[Any, ...]]:
+        """Each unit of a stage: forward and backward compute (with what recomputation redoes), tp forward and
+        backward seconds, and the recomputed seconds, per microbatch (summed: ``_stage``'s)."""
+        key = ("units", id(st), c.recompute, c.full_layers, c.tp, c.sequence_parallel, id(tp_link))
+        if key not in self._per_stage:
+            cl = self.cluster
+            modes = c.layer_modes(st)
+            again = self.recompute_collectives and any(m != "none" for m in modes)
+            out = []
+            for mode, u in zip(modes, st):
+                matmul = u.flops / (cl.peak(self.precision.name) * cl.efficiency)
+                other = u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead
+                forward, backward = self._tp_seconds(u, c.tp, tp_link)
+                f = matmul + other
+                redo = recompute_cost.redo(mode, u, matmul, other)
+                out.append((f, 2 * f + redo, forward, backward + (forward if again else 0), redo))
+            self._per_stage[key] = out
+        return self._per_stage[key]
 
     def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
                 bound: bool = False) -> Any:
@@ -378,16 +405,9 @@ class CostModel:
         return self._per_stage[key]
 
     def _stage_seconds(self, c: Config, st: list[SegmentValues], tp_link: Any, pp_link: Any) -> tuple[Any, ...]:
-        cl = self.cluster
-        matmul = [u.flops / (cl.peak(self.precision.name) * cl.efficiency) for u in st]
-        other = [u.traffic / cl.memory_bandwidth + u.ops * cl.op_overhead for u in st]
-        f = sum(matmul) + sum(other)
-        modes = c.layer_modes(st)
-        redo = sum(recompute_cost.redo(mode, u, a, b) for mode, u, a, b in zip(modes, st, matmul, other))
-        forward, backward = (sum(x) for x in zip(*(self._tp_seconds(u, c.tp, tp_link) for u in st)))
-        again = forward if self.recompute_collectives and any(m != "none" for m in modes) else 0
+        f, b, tp_forward, tp_backward, redo = (sum(x) for x in zip(*self._unit_seconds(c, st, tp_link)))
         hops = 2 * self._hop(c, st, tp_link, pp_link.p2p()) if c.pp > 1 else 0
-        return (3 * f + redo, forward + backward + again, hops, f + forward, 2 * f + backward + redo + again, redo)
+        return (f + b, tp_forward + tp_backward, hops, f + tp_forward, b + tp_backward, redo)
 
     def _tp_seconds(self, u: SegmentValues, tp: int, link: Any) -> tuple[Any, Any]:
         """Seconds of segment ``u``'s tp collectives in forward and in backward (``u`` is made for one tp size)."""
@@ -427,7 +447,7 @@ class CostModel:
             forward.append(Phase(f, Comm(f_time - f, f_time - f)))
             backward.append(Phase(b, Comm(b_time - b - f * split, b_time - b - f * split)))
             weight.append(Phase(f))
-        after = out["data_parallel"] + sync
+        after = out["data_parallel"] + out["contention"] + sync
         tails = [[Phase(a, Comm(after, after)), Phase(o)] for a, o in zip(accumulate, optimizer)]
         schedule = make_schedule(c.schedule, c.pp, c.microbatches, c.stages_per_rank) if c.pp > 1 else None
         programs = step_programs(schedule, forward, backward, hops, hops[1:] + [Comm()], tails, c.microbatches,
@@ -435,7 +455,8 @@ class CostModel:
         nodes = math.ceil(c.devices / cl.devices_per_node)
         alone = makespan(programs, replicas=c.dp * c.tp)
         on_cores = makespan(programs, replicas=c.dp * c.tp, cores=cl.cores * nodes)
-        own = out["compute"] + out["tensor_parallel"] + out["data_parallel"] + out["optimizer"] + sync
+        own = out["compute"] + out["tensor_parallel"] + out["data_parallel"] + out["contention"] + out["optimizer"] \
+            + sync
         out["pipeline_p2p"] = min(out["pipeline_p2p"] - sync, max(alone - own, 0.0)) + sync
         out["bubble"] = max(alone - own - out["pipeline_p2p"] + sync, 0.0)  # rounding can leave -1e-18
         out["shared_cores"] = on_cores - alone

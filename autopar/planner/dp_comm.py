@@ -2,9 +2,12 @@
 
 Gradients travel in buckets (DDP and ZeRO stages 1-2: ``autopar.core.buckets``,
 a small first bucket, then ``bucket_bytes`` each) or per flat group (stage 3),
-each collective paying its latency. Up to ``cluster.overlap`` of it hides
-behind backward (stage 3's forward gathers behind forward); the last bucket,
-launched when backward ends, never hides.
+each collective paying its latency. What of it shows is simulated: the rank's
+step program (``step_program.py``: the runtime's order of gathers,
+reduce-scatters and buckets among each unit's compute) runs on a compute
+stream and the links (``step_sim.py``); a collective hides only behind the
+compute the program issues it ahead of, and that compute runs slower
+meanwhile (``Cluster.contention``). Nothing is hidden by a free fraction.
 
 ZeRO-3 keeps a rank's trainable parameters in flat groups, one per layer and
 one per other module (``autopar.core.zero_layout.layer_of``), each padded to
@@ -21,16 +24,21 @@ counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from autopar.core.buckets import bucket_sizes
+import sympy
+
+from autopar.core.buckets import first_cap
 from autopar.core.zero_layout import layer_of
 from autopar.planner.cluster import Link
 from autopar.planner.comm_time import ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.config import ZERO_BUBBLE
-from autopar.planner.expr import largest
 from autopar.planner.memory_formulas import Precision
-from autopar.planner.segment_values import SegmentValues, state_elements
+from autopar.planner.segment_values import SegmentValues
+from autopar.planner.step_program import Buckets, DataParallelPlan, Unit, step_program
+from autopar.planner.step_sim import Kind, simulate
+
+DP_KINDS = (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER, Kind.BUCKET)
 
 
 @dataclass(frozen=True)
@@ -68,58 +76,139 @@ def reduce_scatters(units: list[SegmentValues], dp: int, split: bool) -> tuple[i
 
 
 @dataclass(frozen=True)
+class Exposure:
+    """What the dp collectives of a step cost the slowest rank: seconds compute waited for them (or the step
+    waited after compute ended), seconds compute lost running beside them, and seconds the dp link was busy."""
+
+    exposed: Any = 0.0
+    contention: Any = 0.0
+    busy: Any = 0.0
+
+
+@dataclass(frozen=True)
 class DataParallel:
-    """How a cost model's dp collectives run: element sizes, bucket size, whether they overlap backward."""
+    """How a cost model's dp collectives run: element sizes, bucket size, whether buckets overlap backward, and
+    the share of compute a collective beside it takes."""
 
     precision: Precision
     bucket_bytes: int
-    hide: float  # the share of a collective that computation can hide (0: gradients reduced after backward)
-    # a rank's ZeRO-3 groups and reduce-scatters by (id of its stages, dp, split backward): the stage lists are the
-    # cost model's, kept as long as it lives
-    groups: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
+    overlap: bool  # buckets issued as backward produces them (DDP, autopar), or after backward (Megatron-LM 2021)
+    contention: float
+    # per rank layout (its stage lists are the cost model's, kept as long as it lives): groups, simulations
+    cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def time(self, c: Any, ranks: list[list[list[SegmentValues]]], forward: Any, backward: Any,
-             link: Link, trainable: int | None = None) -> Any:
-        """Exposed seconds of the dp collectives of config ``c`` per step (the module doc), the slowest rank's;
-        ``trainable``: the most trainable elements a rank holds, when the caller knows it."""
+    def time(self, c: Any, ranks: list[list[list[SegmentValues]]], seconds: Callable[[Any], list[tuple]],
+             link: Link, streams: tuple[str, str], trainable: int, same: tuple = ()) -> tuple[Any, Exposure]:
+        """(seconds of the dp collectives that never overlap compute, the simulated ``Exposure`` of the others)
+        of config ``c``: the slowest rank's. ``seconds(stages)``: each unit's (forward, backward, tp forward,
+        tp backward, ...) seconds per microbatch of a rank's stages, alike for every configuration of the same
+        ``same`` (a key); ``streams``: the dp and the tp link's names (one name: one link);
+        ``trainable``: the most trainable elements a rank holds. With the microbatch size symbolic nothing is
+        simulated: the exposure is 0 (a lower bound)."""
         if c.dp == 1:
-            return 0
+            return 0, Exposure()
         loss = ring_all_reduce(8, c.dp, link.p2p())  # the step's loss averaged over dp: one element, no payload
-        if c.zero == 3:
-            return loss + largest([self._stage3(c, stages, forward, backward, link) for stages in ranks])
-        held = [[u for st in stages for u in st] for stages in ranks] if trainable is None else []
-        p = self.precision
-        elements = max(state_elements(units)[1] for units in held) if trainable is None else trainable
-        grads, params = elements * p.grad, elements * p.param
-        sizes = bucket_sizes(grads, self.bucket_bytes)  # a small first bucket, as the runtime cuts them
-        buckets, last, n = len(sizes), sizes[-1], c.dp
-        if c.zero == 0:
-            return loss + self._exposed(ring_all_reduce(grads, n, link, buckets), backward,
-                                        ring_all_reduce(last, n, link))
-        reduce = self._exposed(ring_scatter(grads, n, link, buckets), backward, ring_scatter(last, n, link))
-        gather_params = ring_gather(params, n, link, buckets)  # updated shards after the optimizer step
-        return loss + (1 if c.zero == 1 else c.microbatches) * reduce + gather_params
+        serial = loss
+        if c.zero in (1, 2):  # the updated shards gathered after the optimizer step
+            serial += ring_gather(trainable * self.precision.param, c.dp, link,
+                                  self._buckets(trainable * self.precision.grad).count)
+        if isinstance(ranks[0][0][0].flops, sympy.Basic):  # (every unit is at one b)
+            return serial, Exposure()
+        worst = max((self.exposure(c, stages, seconds, link, streams, same) for stages in ranks),
+                    key=lambda e: e.exposed + e.contention)
+        return serial, worst
 
-    def _stage3(self, c: Any, stages: list[list[SegmentValues]], forward: Any, backward: Any, link: Link) -> Any:
-        """Per microbatch: each group gathered for forward and again for backward, its gradient reduce-scattered
-        (``reduce_scatters``); the first group's gather has nothing to hide behind."""
+    def exposure(self, c: Any, stages: list[list[SegmentValues]], seconds: Callable[[Any], list[tuple]],
+                 link: Link, streams: tuple[str, str], same: tuple) -> Exposure:
+        """One rank's simulated ``Exposure`` (see ``time``): up to two microbatches simulated whole; more, as one
+        and two, the second's difference repeated (each microbatch after the first enters as the second did: one
+        reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
+        compares both with the whole program)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
-        key = (id(stages), c.dp, split)  # a rank's stages as the cost model keeps them (one list per layout)
-        if key not in self.groups:  # (groups, their elements, reduce-scatter calls and elements)
-            units = [u for st in stages for u in st]
-            groups = zero3_groups(units, c.dp)
-            self.groups[key] = (len(groups), sum(g.elements for g in groups), *reduce_scatters(units, c.dp, split))
-        groups, gathered, calls, elements = self.groups[key]
-        if not groups:
-            return 0
-        p, n = self.precision, c.dp
-        gathered *= p.gather or p.param
-        gather = ring_gather(gathered, n, link, groups)
-        scatter = ring_scatter(elements * p.grad, n, link, calls)
-        first = ring_gather(gathered / groups, n, link)
-        return c.microbatches * (self._exposed(gather, forward, first) + self._exposed(gather + scatter, backward,
-                                                                                       first))
+        key = ("sim", id(stages), same, c.dp, c.zero, split, c.zero_prefetch, id(link), streams)
+        if key not in self.cache:
+            self.cache[key] = ({}, self._units(c, stages, seconds(stages), link, streams[0], split))
+        sims, (units, plan) = self.cache[key]
 
-    def _exposed(self, t: Any, window: Any, tail: Any) -> Any:
-        """What of ``t`` seconds of communication shows beside ``window`` seconds of compute; ``tail`` never hides."""
-        return largest([t - self.hide * window, tail, (1 - self.hide) * t])
+        def run(m: int) -> tuple[float, float, float]:
+            """(exposed, contention, busy) of the first ``m`` microbatches; a simulation of two gives one too."""
+            if m not in sims:
+                marks: list[int] = []
+                program = step_program(units, plan, m, tp_link=streams[1], marks=marks)
+                timeline = simulate(program, self.contention)
+                base = busy = 0.0
+                ends = {k: n + 1 for n, k in enumerate(marks[:-1])}  # microbatch n + 1 ends after event k - 1
+                for k, e in enumerate(program):
+                    if e.kind is Kind.COMPUTE or e.kind is Kind.TP:
+                        base += e.seconds
+                    elif e.kind in DP_KINDS:
+                        busy += e.seconds
+                    if k + 1 in ends:  # a shorter program's numbers, from this one's prefix
+                        span, lost = timeline.upto(k + 1)
+                        sims.setdefault(ends[k + 1], (span - base - lost, lost, busy))
+                sims[m] = (timeline.makespan - base - timeline.stretch, timeline.stretch, busy)
+            return sims[m]
+
+        m = c.microbatches
+        if c.zero < 2:  # reduced in the last microbatch only: the ones before add nothing to wait for
+            return Exposure(*run(1))
+        if m <= 2:
+            return Exposure(*run(m))
+        two, one = run(2), run(1)  # each microbatch after the first repeats the second
+        return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)))
+
+    def _buckets(self, total: float, seconds: Any = None) -> Buckets:
+        """The buckets ``total`` bytes of gradients make (``autopar.core.buckets.bucket_sizes``)."""
+        return Buckets(total, min(first_cap(self.bucket_bytes), total), self.bucket_bytes, seconds)
+
+    def program(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], link: Link,
+                streams: tuple[str, str], microbatches: int | None = None) -> list:
+        """The events of a rank's step (``step_program``), all ``microbatches`` of them (default: the config's)."""
+        split = c.schedule in ZERO_BUBBLE and c.pp > 1
+        units, plan = self._units(c, stages, times, link, streams[0], split)
+        return step_program(units, plan if c.dp > 1 else None, microbatches or c.microbatches, tp_link=streams[1])
+
+    def _units(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], link: Link, stream: str,
+               split: bool) -> tuple[list[Unit], DataParallelPlan]:
+        """The rank's units with their ZeRO-3 groups or gradient bytes, and what its dp axis runs."""
+        flat = [u for st in stages for u in st]
+        p, n = self.precision, c.dp
+        groups: dict[Any, list[int]] = {}  # key -> [elements, deferred matmuls]
+        uses: list[list[Any]] = []
+        grads: list[float] = [0.0] * len(flat)
+        first: dict[str, int] = {}
+        for i, u in enumerate(flat):
+            mine = []
+            if u.own_trainable:
+                groups[("own", i)] = [u.own_trainable, sum(x for k, x in u.deferred.items() if k not in u.common)]
+                mine.append(("own", i))
+            grads[i] += u.own_trainable * p.grad
+            for name, e in u.common.items():
+                if name not in u.trainable:
+                    continue
+                module = ("module", layer_of(name))
+                g = groups.setdefault(module, [0, 0])
+                if name not in first:
+                    first[name] = i
+                    g[0] += e
+                    grads[i] += e * p.grad
+                g[1] += u.deferred.get(name, 0)
+                if module not in mine:
+                    mine.append(module)
+            uses.append(mine)
+        index = {key: j for j, key in enumerate(groups)}
+        names = tuple(f"unit {key[1]}" if key[0] == "own" else key[1] for key in groups)
+        units = [Unit(*t[:4], groups=tuple(index[g] for g in mine), gradients=grad)
+                 for t, mine, grad in zip(times, uses, grads)]
+        if c.zero == 3:
+            padded = [-(-e // n) * n for e, _ in groups.values()]
+            again = [1 + (1 if split and d else 0) for _, d in groups.values()]
+            plan = DataParallelPlan(
+                zero=3, link=stream, prefetch=c.zero_prefetch, names=names,
+                gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
+                reduce=tuple(t * ring_scatter(e * p.grad, n, link) for e, t in zip(padded, again)))
+            return units, plan
+        op = ring_all_reduce if c.zero == 0 else ring_scatter
+        buckets = self._buckets(sum(grads), lambda nbytes, count: op(nbytes, n, link, count))
+        return units, DataParallelPlan(zero=c.zero, link=stream, buckets=buckets, overlap=self.overlap,
+                                       names=names)

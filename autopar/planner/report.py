@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
 from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
+from autopar.planner.megatron import HELD_OUT_ERROR
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
 
-TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "optimizer")
+TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "contention",
+             "optimizer")
+AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline"}
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +109,7 @@ def explain(result: PlanResult) -> list[str]:
     total = best.step_time
     parts = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)} ({v / total:.0%})" for k, v in t.items() if v > 0)
     out.append(f"step time {_seconds(total)}: {parts}")
+    out += _links(best) + _margin(result)
     if c.pp > 1 and c.schedule in ZERO_BUBBLE:
         share = float(e.time["bubble"]) / float(e.time["compute"])
         out.append(f"pipeline bubble {share:.1%} of the compute time: {c.schedule} splits each backward into input "
@@ -125,6 +129,38 @@ def explain(result: PlanResult) -> list[str]:
                  else "none fits" if any(x.runnable for x in cands) else "none of these")
         out.append(f"the best is not run by autopar today ({best.not_runnable}); the best it runs: {other}")
     return out
+
+
+def _links(best: Candidate) -> list[str]:
+    """Per mesh axis of the best: its link, how busy the step keeps it, and what of it compute hid (simulated)."""
+    e = best.estimate
+    parts = []
+    for axis, x in e.links.items():
+        where = "inside a node" if x.link == "intra" else "between nodes"
+        said = (f"{axis} ({AXIS_WORDS[axis]}, {where} at {gb(x.bandwidth)}/s): busy {_seconds(x.busy)}, "
+                f"{x.busy / e.step_time:.0%} of the step")
+        if x.hidden > 0:
+            said += (f"; {_seconds(x.hidden)} hidden behind compute, {_seconds(x.exposed)} exposed, and compute "
+                     f"{_seconds(x.contention)} slower beside it")
+        else:
+            said += ", all exposed (compute waits for it)"
+        parts.append(said)
+    if not parts:
+        return []
+    return ["communication per axis, from the simulated step program (docs/planner.md): " + "; ".join(parts)]
+
+
+def _margin(result: PlanResult) -> list[str]:
+    """Whether the best's lead over the next candidate is within the calibration's held-out error."""
+    best, following = result.candidates[0], result.candidates[1:2]
+    if not following or not following[0].fits:
+        return []
+    lead = following[0].step_time / best.step_time - 1
+    if lead >= HELD_OUT_ERROR:
+        return []
+    return [f"the best leads the next ({following[0].config.describe()}) by {lead:.1%}, within the calibration's "
+            f"held-out error of {HELD_OUT_ERROR:.0%} (docs/planner.md): the model does not tell them apart; "
+            f"measure both"]
 
 
 def _largest_layer(result: PlanResult) -> str:

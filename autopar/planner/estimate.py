@@ -1,0 +1,60 @@
+"""What the cost model says of one configuration: memory per device, the step's parts, each axis's links.
+
+Invariant: ``Estimate.step_time`` is the sum of ``Estimate.time``'s parts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.planner.config import Config
+
+
+@dataclass(frozen=True)
+class AxisLinks:
+    """One mesh axis's communication in a step: its link, seconds the link was busy, seconds of it that showed
+    (compute waited for it), and the seconds compute lost running beside it."""
+
+    link: str  # "intra" (inside a node) or "inter"
+    bandwidth: float
+    busy: float
+    exposed: float
+    contention: float = 0.0
+
+    @property
+    def hidden(self) -> float:
+        return max(self.busy - self.exposed, 0.0)
+
+
+@dataclass
+class Estimate:
+    """Memory per device (worst rank, bytes) and step time (seconds) of a ``Config``; sympy when symbolic."""
+
+    config: Config
+    memory: dict[str, Any]  # parameters, gradients, optimizer, activations, buffers
+    time: dict[str, Any] | None  # compute, tensor_parallel, pipeline_p2p, bubble, shared_cores, data_parallel,
+    # contention, optimizer; None when estimated without (``CostModel.estimate(timed=False)``)
+    worst_rank: int  # the pp index whose memory is largest
+    per_rank: list[dict[str, Any]]  # memory of every pp index (dp and tp ranks of one pp index are alike)
+    stages: list[list[str]]  # segment names of each pipeline stage
+    model_flops: float  # FLOPs of one step of the model itself (3 x forward), not counting recomputation
+    seq_len: int
+    links: dict[str, AxisLinks] = dataclasses.field(default_factory=dict)  # per mesh axis, when timed
+
+    @property
+    def total_memory(self) -> Any:
+        return sum(self.memory.values())
+
+    @property
+    def step_time(self) -> Any:
+        return sum(self.time.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.config.global_batch * self.seq_len / self.step_time
+
+    @property
+    def flops_per_device(self) -> float:
+        """Model FLOP/s per device (what MFU compares with the peak)."""
+        return self.model_flops / self.step_time / self.config.devices

@@ -1,0 +1,229 @@
+"""The events one rank issues in a step, in the order the runtime issues them (simulated by ``step_sim.py``).
+
+Per microbatch, the rank's units (its stages' segments, in pipeline order) run
+forward, then backward in reverse; each unit computes, then runs its tp
+collectives on the tp link (the next unit waits for them). Data parallelism
+adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
+
+- **ZeRO-3**, per flat group (a layer's own parameters, or one module's that
+  several units use, such as a tied embedding). Forward: a unit waits for the
+  gathers of the groups it is first to use (issued there unless prefetched),
+  and once a gather has arrived the gathers of the next ``prefetch`` groups in
+  forward order are issued. Backward: as a unit's backward begins, the
+  re-gathers of its groups not yet issued are issued, then those of the next
+  ``prefetch`` groups in backward order, then it waits for its own. When a
+  group's last backward use ends, the reduce-scatter still in flight is waited
+  for and the group's is issued (one in flight at a time, across microbatches);
+  the last is waited for at the end of the step.
+- **ZeRO 0-2**, gradient buckets (``autopar.core.buckets``): each bucket's
+  collective is issued once backward has produced its bytes (with
+  ``overlap``; else all after the last backward, as Megatron-LM's 2021 runs
+  did). ZeRO-2 reduces in every microbatch, ZeRO 0 and 1 in the last only;
+  ZeRO 1-2's reductions share ZeRO's queue (one in flight), DDP's all-reduces
+  do not wait for each other. All are waited for at the end of the step.
+
+Invariant: every ZeRO-3 group is gathered once per forward and once per
+backward and reduce-scattered once per microbatch; every bucket is reduced
+once per reducing microbatch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from autopar.planner.step_sim import Event, Kind
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit's seconds per microbatch and what data parallelism reads of it."""
+
+    forward: float  # compute
+    backward: float  # compute, with what recomputation redoes
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
+    groups: tuple[int, ...] = ()  # ZeRO-3 groups it uses, in the order it uses them
+    gradients: float = 0.0  # bytes of gradients complete when its backward ends (buckets)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Gradient buckets as ``autopar.core.buckets.bucket_sizes`` cuts ``total`` bytes: ``first``, then ``size``
+    each, the last what is left; ``seconds(nbytes, count)``: of ``count`` of them moving ``nbytes`` in all."""
+
+    total: float
+    first: float
+    size: float
+    seconds: Callable[[float, int], float] | None = None
+
+    @property
+    def count(self) -> int:
+        rest = self.total - self.first
+        return 1 + (math.ceil(rest / self.size) if rest > 0 else 0)
+
+    def end(self, k: int) -> float:
+        """Bytes produced when bucket ``k`` (from 0) is complete."""
+        return 0.0 if k < 0 else min(self.first + k * self.size, self.total)
+
+    def complete(self, produced: float) -> int:
+        """How many buckets ``produced`` bytes complete."""
+        if produced >= self.total * (1 - 1e-12):
+            return self.count
+        return 0 if produced < self.first else min(1 + int((produced - self.first) // self.size), self.count - 1)
+
+
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """What the dp axis runs: ZeRO-3 groups' seconds, or buckets' (end offset in bytes, seconds)."""
+
+    zero: int
+    link: str  # the stream of the dp collectives
+    prefetch: int = 1
+    gather: tuple[float, ...] = ()  # seconds of each ZeRO-3 group's all-gather
+    reduce: tuple[float, ...] = ()  # ... and of its gradient's reduce-scatter(s)
+    buckets: Buckets | None = None  # ZeRO 0-2
+    overlap: bool = True  # buckets issued as backward produces them
+    names: tuple[str, ...] = ()  # each group's name ("unit 3": a unit's own parameters; a module's name)
+
+
+class _Builder:
+    def __init__(self, tp_link: str, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.events: list[Event] = []
+        self.tp_link = tp_link
+        self.pending: list[int] = []  # collectives not waited for yet
+        self.last_tp: int | None = None  # the tp collective the next compute waits for
+
+    def emit(self, kind: Kind, name: str, seconds: float = 0.0, stream: str = "compute",
+             after: tuple[int, ...] = ()) -> int:
+        self.events.append(Event(kind, name, seconds, stream, after))
+        return len(self.events) - 1
+
+    def group(self, g: int) -> str:
+        return self.names[g] if self.names else str(g)
+
+    def collective(self, kind: Kind, name: str, seconds: float, link: str) -> int:
+        i = self.emit(kind, name, seconds, link)
+        self.pending.append(i)
+        return i
+
+    def compute(self, name: str, seconds: float, tp: float, waits: tuple[int, ...] = ()) -> None:
+        after = waits + ((self.last_tp,) if self.last_tp is not None else ())
+        self.emit(Kind.COMPUTE, name, seconds, after=after)
+        self.last_tp = self.emit(Kind.TP, name, tp, self.tp_link) if tp else None
+
+    def wait(self, on: tuple[int, ...], name: str = "") -> None:
+        """The host waits for ``on`` (named after the first, unless ``name``)."""
+        if on:
+            self.emit(Kind.WAIT, name or f"wait {self.events[on[0]].name}", after=on)
+
+
+def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: int, tp_link: str = "tp",
+                 marks: list[int] | None = None) -> list[Event]:
+    """The events of ``microbatches`` microbatches of a rank holding ``units`` (the module doc); events name
+    compute by unit index (``"backward 3"``) and collectives by group (``dp.names``, else the group's index).
+    ``marks`` receives how many events each microbatch ends after."""
+    b = _Builder(tp_link, dp.names if dp is not None else ())
+    inflight: list[int | None] = [None]  # ZeRO's reduction in flight
+    for k in range(microbatches):
+        reduces = dp is not None and (dp.zero >= 2 or k == microbatches - 1)
+        if dp is not None and dp.zero == 3:
+            _zero3_forward(b, units, dp)
+            _zero3_backward(b, units, dp, inflight)
+        else:
+            for i, u in enumerate(units):
+                b.compute(f"forward {i}", u.forward, u.tp_forward)
+            _backward_with_buckets(b, units, dp if reduces else None)
+        if marks is not None:
+            marks.append(len(b.events))
+    b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "end of step")
+    return b.events
+
+
+def _zero3_forward(b: _Builder, units: list[Unit], dp: DataParallelPlan) -> None:
+    order = _first_uses(units)
+    at = {g: n for n, g in enumerate(order)}
+    issued: dict[int, int] = {}
+    ready: set[int] = set()  # gathered in this pass (kept until the group's last forward use)
+    for i, u in enumerate(units):
+        for g in [g for g in u.groups if g not in ready]:
+            if g not in issued:
+                issued[g] = b.collective(Kind.GATHER, f"gather {b.group(g)}", dp.gather[g], dp.link)
+            b.wait((issued[g],))
+            ready.add(g)
+            for nxt in order[at[g] + 1: at[g] + 1 + dp.prefetch]:
+                if nxt not in issued:
+                    issued[nxt] = b.collective(Kind.GATHER, f"gather {b.group(nxt)}", dp.gather[nxt], dp.link)
+        b.compute(f"forward {i}", u.forward, u.tp_forward)
+
+
+def _zero3_backward(b: _Builder, units: list[Unit], dp: DataParallelPlan, inflight: list[int | None]) -> None:
+    backward = list(reversed(units))
+    order = _first_uses(backward)
+    at = {g: n for n, g in enumerate(order)}
+    last = {g: i for i, u in enumerate(backward) for g in u.groups}  # where each group's gradient completes
+    issued: dict[int, int] = {}
+    done: set[int] = set()
+    for i, u in enumerate(backward):
+        mine = [g for g in u.groups if g not in done]
+        for g in mine:
+            if g not in issued:
+                issued[g] = b.collective(Kind.REGATHER, f"regather {b.group(g)}", dp.gather[g], dp.link)
+        if mine:  # then the next ``prefetch`` groups, before waiting for its own
+            for nxt in order[at[mine[-1]] + 1: at[mine[-1]] + 1 + dp.prefetch]:
+                if nxt not in issued:
+                    issued[nxt] = b.collective(Kind.REGATHER, f"regather {b.group(nxt)}", dp.gather[nxt], dp.link)
+        done.update(mine)
+        b.compute(f"backward {len(units) - 1 - i}", u.backward, u.tp_backward, tuple(issued[g] for g in mine))
+        for g in [g for g in u.groups if last[g] == i]:
+            if inflight[0] is not None:
+                b.wait((inflight[0],))
+            inflight[0] = b.collective(Kind.REDUCE_SCATTER, f"reduce_scatter {b.group(g)}", dp.reduce[g], dp.link)
+
+
+def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan | None) -> None:
+    """Backward of one microbatch; with ``dp``, its gradient buckets issued as their bytes are produced (the
+    buckets completed at one point issued as one collective: DDP's go out together, and ZeRO's queue waits for
+    each before the next, so nothing runs between them either way)."""
+    produced, issued, previous = 0.0, 0, None
+    buckets = dp.buckets if dp is not None else None
+
+    def issue(done: int) -> None:
+        nonlocal issued, previous
+        if done <= issued:
+            return
+        if dp.zero > 0:  # ZeRO's queue: one reduction in flight
+            if previous is not None:
+                b.wait((previous,))
+            if done - issued > 1:
+                b.wait((_buckets(b, dp, issued, done - 1),))
+                issued = done - 1
+        previous = _buckets(b, dp, issued, done)
+        issued = done
+
+    for i in reversed(range(len(units))):
+        u = units[i]
+        b.compute(f"backward {i}", u.backward, u.tp_backward)
+        produced += u.gradients
+        if buckets is not None and dp.overlap:
+            issue(buckets.complete(produced))
+    if buckets is not None:
+        b.wait((b.last_tp,) if b.last_tp is not None else ())
+        issue(buckets.count)
+
+
+def _buckets(b: _Builder, dp: DataParallelPlan, start: int, stop: int) -> int:
+    """One collective standing for buckets ``start`` .. ``stop - 1``."""
+    x = dp.buckets
+    nbytes = x.end(stop - 1) - x.end(start - 1)
+    name = f"bucket {start}" if stop - start == 1 else f"buckets {start}-{stop - 1}"
+    return b.collective(Kind.BUCKET, name, x.seconds(nbytes, stop - start), dp.link)
+
+
+def _first_uses(units: list[Unit]) -> list[int]:
+    """The groups in the order ``units`` first use them."""
+    out: dict[int, None] = {}
+    for u in units:
+        out.update(dict.fromkeys(u.groups))
+    return list(out)
