@@ -120,8 +120,9 @@ def _erase_checks(graph: fx.Graph, size: fx.Node) -> None:
 
 def _check_mask(mask: object, where: str) -> None:
     if not isinstance(mask, fx.Node) or mask.target not in MASKS:
-        raise _refused(where, f"rows are selected by {getattr(mask, 'target', mask)}, not by comparing routed "
-                              f"expert indices with an expert number")
+        shape = tuple(mask.meta["val"].shape) if isinstance(mask, fx.Node) else ()
+        raise _refused(where, f"rows are selected by {getattr(mask, 'target', mask)} on a {shape} tensor, not by "
+                              f"comparing routed expert indices with an expert number")
     indices, expert = mask.args
     if not (isinstance(expert, int) or isinstance(expert, fx.Node) and expert.meta["val"].dim() == 0):
         raise _refused(where, f"the mask {mask.name} compares with {expert}, not with one expert number")
@@ -137,11 +138,15 @@ def _check_mask(mask: object, where: str) -> None:
 
 def _module(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else "<top level>"
+    if not stack:
+        return "<top level>"
+    path, cls = list(stack.values())[-1]
+    path = path.removeprefix("model").removeprefix(".") or "<the model>"  # capture wraps the model as `model`
+    return f"{path} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})"
 
 
 def _refused(where: str, why: str) -> CaptureError:
-    return CaptureError(f"the expert dispatch in module {where!r} cannot be made dropless and static: {why}",
+    return CaptureError(f"the expert dispatch in module {where} cannot be made dropless and static: {why}",
                         hint=HINT)
 
 

@@ -290,22 +290,23 @@ def qwen3_moe(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, v
     return _experts_as(Qwen3MoeForCausalLM(cfg).to(dtype).train(), experts_implementation)
 
 
-def _experts_as(model: nn.Module, implementation: str | None) -> nn.Module:
-    """``"eager"``: Hugging Face's loop over the experts that received tokens (the form with float64 kernels)."""
+def _experts_as(model: nn.Module, implementation: str | None, aux: bool = False) -> nn.Module:
+    """``"eager"``: Hugging Face's loop over the experts that received tokens (the form with float64 kernels);
+    ``aux``: the load-balancing loss is part of the output (``aux_loss``)."""
     if implementation is not None:
         model.config._experts_implementation = implementation
-        model.config.output_router_logits = True  # the load-balancing loss is part of the output
+    model.config.output_router_logits = aux
     return model
 
 
-def mixtral_eager(**kw: object) -> nn.Module:
+def mixtral_eager(aux: bool = True, **kw: object) -> nn.Module:
     """``mixtral`` in float64 with the eager expert loop."""
-    return mixtral(dtype=torch.float64, experts_implementation="eager", **kw)
+    return _experts_as(mixtral(dtype=torch.float64, **kw), "eager", aux)
 
 
-def qwen3_moe_eager(**kw: object) -> nn.Module:
+def qwen3_moe_eager(aux: bool = True, **kw: object) -> nn.Module:
     """``qwen3_moe`` in float64 with the eager expert loop."""
-    return qwen3_moe(dtype=torch.float64, experts_implementation="eager", **kw)
+    return _experts_as(qwen3_moe(dtype=torch.float64, **kw), "eager", aux)
 
 
 class FeedForward(nn.Module):
@@ -352,27 +353,32 @@ class LoopMoE(nn.Module):
 
 
 class LoopMoELM(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, experts: int, top_k: int, score: str, shared: bool) -> None:
+    def __init__(self, vocab: int, d: int, layers: int, experts: int, top_k: int, score: str, shared: bool,
+                 aux: bool) -> None:
         super().__init__()
+        self.aux = aux
         self.embed = nn.Embedding(vocab, d)
         self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
         self.moes = nn.ModuleList(LoopMoE(d, 2 * d, experts, top_k, score, shared) for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | torch.Tensor:
         x = self.embed(ids)
         aux = x.new_zeros(())
         for norm, moe in zip(self.norms, self.moes):
             y, a = moe(norm(x))
             x, aux = x + y, aux + a
-        return {"logits": self.head(x), "aux_loss": aux}  # logits (B, S, vocab)
+        logits = self.head(x)  # (B, S, vocab)
+        return {"logits": logits, "aux_loss": aux} if self.aux else logits
 
 
 def loop_moe(vocab: int = 96, d: int = 16, layers: int = 2, experts: int = 4, top_k: int = 2,
-             score: str = "softmax", shared: bool = True, dtype: torch.dtype = torch.float64,
+             score: str = "softmax", shared: bool = True, aux: bool = True, dtype: torch.dtype = torch.float64,
              seed: int = 0) -> nn.Module:
+    """``aux``: the output is a dict with the load-balancing loss (a statistic of the whole batch, so a run that
+    splits the batch computes another one, as every data-parallel MoE does), else the logits alone."""
     torch.manual_seed(seed)
-    return LoopMoELM(vocab, d, layers, experts, top_k, score, shared).to(dtype)
+    return LoopMoELM(vocab, d, layers, experts, top_k, score, shared, aux).to(dtype)
 
 
 def moe_loss(out: dict, target: torch.Tensor) -> torch.Tensor:
