@@ -386,3 +386,19 @@ def moe_loss(out: dict, target: torch.Tensor) -> torch.Tensor:
     aux = out.get("aux_loss")
     loss = lm_loss(out["logits"], target)
     return loss if aux is None else loss + 0.01 * aux
+
+
+def deepseek_v3(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, experts: int = 8,
+                dtype: torch.dtype = torch.float64, seed: int = 0, aux: bool = False) -> nn.Module:
+    """Shared experts, a sigmoid router with a correction bias and grouped top-k (4 groups, 2 kept), eager
+    experts; the first layer dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=d, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                           max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=0,
+                           eos_token_id=0, n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=2,
+                           n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                           qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    return _experts_as(DeepseekV3ForCausalLM(cfg).to(dtype).train(), "eager", aux)
