@@ -101,3 +101,36 @@ def test_a_routing_it_cannot_prove_is_refused_naming_the_module() -> None:
     with pytest.raises(CaptureError, match=r"module <the model> \(_CapacityMoE\) cannot be made "
                        r"dropless and static: rows are selected by aten\.gt\.Scalar on a \(6,\) tensor"):
         capture(_CapacityMoE(), (torch.randn(6, 8, dtype=torch.float64),), {})
+
+
+class _SortRouted(torch.nn.Module):
+    """Experts picked from an argsort: the indices are a permutation's head, but not a topk the rewrite knows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4, bias=False, dtype=torch.float64)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = F.softmax(self.router(x), dim=-1)
+        chosen = torch.argsort(scores, dim=-1, descending=True)[:, :2]  # (T, 2)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(x[token]) * scores[token, e, None])
+        return out
+
+
+def test_a_router_it_does_not_recognise_is_refused() -> None:
+    with pytest.raises(CaptureError, match=r"module <the model> \(_SortRouted\) .* the expert indices compared by "
+                                           r"eq.* are not the indices of a torch\.topk"):
+        capture(_SortRouted(), (torch.randn(6, 8, dtype=torch.float64),), {})
+
+
+def test_a_second_capture_of_the_same_model_is_remembered_and_static() -> None:
+    from autopar.capture_cache import EXPORTS
+
+    make = models.factory(models.qwen3_moe_eager, layers=1, aux=False)
+    capture(make(), (IDS,), {})
+    hits = EXPORTS.hits
+    assert _static(capture(make(), (IDS,), {}).gm) and EXPORTS.hits == hits + 1
