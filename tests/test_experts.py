@@ -80,13 +80,17 @@ def test_expert_loops_train_exactly_on_two_data_parallel_ranks(launcher, make, c
                       rtol=bound, atol=bound / 10, launcher=launcher)
 
 
-class _CapacityMoE(torch.nn.Module):
-    """Experts picked by a threshold on the scores: a token may pick none or all, so no top-k proves it."""
+class _LinearExperts(torch.nn.Module):
+    """A router and four linear experts; subclasses route."""
 
     def __init__(self) -> None:
         super().__init__()
         self.router = torch.nn.Linear(8, 4, bias=False, dtype=torch.float64)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(4))
+
+
+class _CapacityMoE(_LinearExperts):
+    """Experts picked by a threshold on the scores: a token may pick none or all, so no top-k proves it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = F.softmax(self.router(x), dim=-1)
@@ -103,13 +107,8 @@ def test_a_routing_it_cannot_prove_is_refused_naming_the_module() -> None:
         capture(_CapacityMoE(), (torch.randn(6, 8, dtype=torch.float64),), {})
 
 
-class _SortRouted(torch.nn.Module):
+class _SortRouted(_LinearExperts):
     """Experts picked from an argsort: the indices are a permutation's head, but not a topk the rewrite knows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = torch.nn.Linear(8, 4, bias=False, dtype=torch.float64)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = F.softmax(self.router(x), dim=-1)
