@@ -75,9 +75,10 @@ def _replace(graph: fx.Graph, use: fx.Node, pos: fx.Node, dim: int, positions: d
         _erase_checks(graph, use)
         return
     with graph.inserting_before(use):
-        if use.target is aten.index.Tensor and _indices(use) == [pos] and dim == 0:
+        lead = tuple(use.args[0].meta["val"].shape[:2]) if use.target is aten.index.Tensor else None
+        if use.target is aten.index.Tensor and _indices(use) == [pos] and dim == 0 and lead[0] == tk[0]:
             use.replace_all_uses_with(use.args[0])  # x[tok] -> x: every token's row
-        elif use.target is aten.index.Tensor and [positions.get(i) for i in _indices(use)] == [0, 1]:
+        elif use.target is aten.index.Tensor and [positions.get(i) for i in _indices(use)] == [0, 1] and lead == tk:
             src = use.args[0]
             extra = src.meta["val"].dim() - 2
             m = mask
@@ -93,8 +94,6 @@ def _replace(graph: fx.Graph, use: fx.Node, pos: fx.Node, dim: int, positions: d
                 r = graph.call_function(aten.unsqueeze.default, (r, -1))
             kept = graph.call_function(aten.where.ScalarOther, (r, src, 0.0))
             use.replace_all_uses_with(graph.call_function(aten.add.Tensor, (acc, kept)))
-        elif all(u in positions for u in _indices(use)) and use.target is aten.index.Tensor:
-            return  # the other half of a (tok, slot) pair: replaced through its first index
         else:
             t, k = tk
             raise _refused(where, f"{use.format_node()} uses the rows selected for one expert in a way the "
