@@ -20,8 +20,10 @@ from torch.utils import _pytree as pytree
 from autopar.capture_cache import EXPORTS, Export, export_key
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
+from autopar.experts import loop_over_all_experts
 from autopar.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
+from autopar.passes.expert_loops import densify_expert_loops
 from autopar.precision import in_compute_dtype, widened
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -95,6 +97,9 @@ def capture(
                                                           target=target, output_dtype=output_dtype)))
     captured = _dedupe_tied(_from_exported(exported), model)
     captured.input_dtypes = fed
+    with log_pass("expert loops -> dense dispatch", len(captured.gm.graph.nodes)) as info:
+        info["detail"] = f"{densify_expert_loops(captured.gm)} expert selections made static"
+        info["nodes"] = len(captured.gm.graph.nodes)
     with log_pass("constant attention masks -> is_causal", len(captured.gm.graph.nodes)) as info:
         info["detail"] = f"{fold_constant_masks(captured.gm)} attention calls rewritten"
         info["nodes"] = len(captured.gm.graph.nodes)
@@ -109,7 +114,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, with_loss: boo
     else:
         wrapper, export_args = _Forward(model), (args, kwargs)
     try:
-        return torch.export.export(wrapper, export_args, strict=False)
+        with loop_over_all_experts(model):
+            return torch.export.export(wrapper, export_args, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError with a hint

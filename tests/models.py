@@ -264,7 +264,7 @@ def fused_slice(vocab: int = 96, d: int = 32, heads: int = 4, kv_heads: int = 2,
 
 
 def mixtral(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96, experts: int = 4,
-            dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+            dtype: torch.dtype = torch.float32, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
     """Mixture of experts (top-2 of 4). Float32: Hugging Face's grouped expert matmul has no float64 kernel."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -273,11 +273,11 @@ def mixtral(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, voc
                         num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
                         pad_token_id=0, bos_token_id=0, eos_token_id=0, num_local_experts=experts,
                         num_experts_per_tok=2)
-    return MixtralForCausalLM(cfg).to(dtype).train()
+    return _experts_as(MixtralForCausalLM(cfg).to(dtype).train(), experts_implementation)
 
 
 def qwen3_moe(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96, experts: int = 4,
-              dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+              dtype: torch.dtype = torch.float32, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
     """Mixture of experts with q/k norms; float32 for the same reason as ``mixtral``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -287,4 +287,118 @@ def qwen3_moe(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, v
                          vocab_size=vocab, max_position_embeddings=64, use_cache=False, pad_token_id=0,
                          bos_token_id=0, eos_token_id=0, num_experts=experts, num_experts_per_tok=2,
                          decoder_sparse_step=1, mlp_only_layers=[])
-    return Qwen3MoeForCausalLM(cfg).to(dtype).train()
+    return _experts_as(Qwen3MoeForCausalLM(cfg).to(dtype).train(), experts_implementation)
+
+
+def _experts_as(model: nn.Module, implementation: str | None, aux: bool = False) -> nn.Module:
+    """``"eager"``: Hugging Face's loop over the experts that received tokens (the form with float64 kernels);
+    ``aux``: the load-balancing loss is part of the output (``aux_loss``)."""
+    if implementation is not None:
+        model.config._experts_implementation = implementation
+    model.config.output_router_logits = aux
+    return model
+
+
+def mixtral_eager(aux: bool = True, **kw: object) -> nn.Module:
+    """``mixtral`` in float64 with the eager expert loop."""
+    return _experts_as(mixtral(dtype=torch.float64, **kw), "eager", aux)
+
+
+def qwen3_moe_eager(aux: bool = True, **kw: object) -> nn.Module:
+    """``qwen3_moe`` in float64 with the eager expert loop."""
+    return _experts_as(qwen3_moe(dtype=torch.float64, **kw), "eager", aux)
+
+
+class FeedForward(nn.Module):
+    """A SwiGLU feed-forward: one expert, or the shared expert."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopMoE(nn.Module):
+    """Routed experts in plain PyTorch: router, scores, top-k, a loop over the experts, a weighted combine."""
+
+    def __init__(self, d: int, hidden: int, experts: int, top_k: int, score: str, shared: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(d, hidden) for _ in range(experts))
+        self.shared = FeedForward(d, hidden) if shared else None
+        self.top_k, self.score = top_k, score
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, d = x.shape
+        x = x.reshape(b * s, d)  # (T, d)
+        logits = self.router(x)  # (T, E)
+        scores = torch.sigmoid(logits) if self.score == "sigmoid" else F.softmax(logits, dim=-1)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)  # (T, k)
+        if self.score == "sigmoid":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(x)
+        # load balance (Switch): experts' share of routed slots times their mean score
+        share = F.one_hot(chosen, len(self.experts)).sum(dim=(0, 1)).to(x.dtype) / chosen.numel()
+        aux = len(self.experts) * (share * scores.mean(dim=0)).sum()
+        return out.reshape(b, s, d), aux
+
+
+class LoopMoELM(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, experts: int, top_k: int, score: str, shared: bool,
+                 aux: bool) -> None:
+        super().__init__()
+        self.aux = aux
+        self.embed = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.moes = nn.ModuleList(LoopMoE(d, 2 * d, experts, top_k, score, shared) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | torch.Tensor:
+        x = self.embed(ids)
+        aux = x.new_zeros(())
+        for norm, moe in zip(self.norms, self.moes):
+            y, a = moe(norm(x))
+            x, aux = x + y, aux + a
+        logits = self.head(x)  # (B, S, vocab)
+        return {"logits": logits, "aux_loss": aux} if self.aux else logits
+
+
+def loop_moe(vocab: int = 96, d: int = 16, layers: int = 2, experts: int = 4, top_k: int = 2,
+             score: str = "softmax", shared: bool = True, aux: bool = True, dtype: torch.dtype = torch.float64,
+             seed: int = 0) -> nn.Module:
+    """``aux``: the output is a dict with the load-balancing loss (a statistic of the whole batch, so a run that
+    splits the batch computes another one, as every data-parallel MoE does), else the logits alone."""
+    torch.manual_seed(seed)
+    return LoopMoELM(vocab, d, layers, experts, top_k, score, shared, aux).to(dtype)
+
+
+def moe_loss(out: dict, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy plus the load-balancing auxiliary loss (Hugging Face: ``aux_loss``, ``router_logits``)."""
+    aux = out.get("aux_loss")
+    loss = lm_loss(out["logits"], target)
+    return loss if aux is None else loss + 0.01 * aux
+
+
+def deepseek_v3(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, experts: int = 8,
+                dtype: torch.dtype = torch.float64, seed: int = 0, aux: bool = False) -> nn.Module:
+    """Shared experts, a sigmoid router with a correction bias and grouped top-k (4 groups, 2 kept), eager
+    experts; the first layer dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(hidden_size=d, intermediate_size=2 * d, moe_intermediate_size=d, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                           max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=0,
+                           eos_token_id=0, n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=2,
+                           n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                           qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    return _experts_as(DeepseekV3ForCausalLM(cfg).to(dtype).train(), "eager", aux)
