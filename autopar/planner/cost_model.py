@@ -513,6 +513,6 @@ class CostModel:
 
 def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]]:
     """The indices of each of ``n`` stages, cut at positions in ``starts`` balancing ``weights`` (FLOPs):
-    ``passes.pipeline``'s policy, on segments."""
+    ``passes.stage_cuts``'s policy, on segments."""
     bounds = [0, *balanced_cuts(weights, starts, n), len(weights)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
