@@ -26,7 +26,10 @@ def test_dp2_pp2_tp2(launcher, name: str, zero: int) -> None:
                       zero=zero, bucket_mb=1e-3)
 
 
+@pytest.mark.slow
 def test_axis_order_is_free(launcher) -> None:
+    """Axes in another order than dp, pp, tp on 8 ranks (the rank layout of each order is unit-tested in
+    test_mesh.py; the drawn meshes under -m slow permute the axes too)."""
     assert_equivalent(models.factory(models.llama, layers=4), Mesh(tp=2, pp=2, dp=2), (IDS,), TARGET,
                       models.lm_loss, models.adamw, steps=2, rtol=1e-8, atol=1e-9, launcher=launcher, microbatches=2)
 

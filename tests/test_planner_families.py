@@ -38,7 +38,7 @@ TESTS = str(Path(__file__).parent)
 T = transformers
 # T5 captures an encoder and a decoder at four tp sizes: about 15 s each on 2 cores; Mistral, Qwen2, Gemma and
 # LLaMA-2 7B are decoders like LLaMA-2 70B, which the default run keeps
-SLOW = {"t5-11b", "llama2-7b", "mistral-7b", "qwen2-7b", "gemma-7b"}
+SLOW = {"t5-3b", "t5-11b", "llama2-7b", "mistral-7b", "qwen2-7b", "gemma-7b"}
 
 
 def _active_params(layer: torch.nn.Module) -> int:
