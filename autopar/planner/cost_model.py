@@ -18,13 +18,13 @@ import sympy
 from autopar.core.schedules import make_schedule
 from autopar.core.zero_bubble import v_placement
 from autopar.passes.stage_cuts import balanced_cuts
-from autopar.planner.comm_time import collective, p2p, ring_all_reduce, ring_gather
+from autopar.planner.comm_time import collective, p2p, ring_gather
 from autopar.planner import recompute_cost
 from autopar.planner.bubble import Bubbles
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
-from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters
-from autopar.planner.estimate import AxisLinks, Estimate
+from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
+from autopar.planner.estimate import AxisLinks, Estimate, largest_fitting
 from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
@@ -472,43 +472,12 @@ class CostModel:
             return 0
         key = ("sync", id(ranks), id(link))
         if key not in self._per_rank:
-            self._per_rank[key] = self._shared_all_reduce(ranks, link)
+            self._per_rank[key] = shared_all_reduce(ranks, link, self.precision.grad)
         return (c.pp - 1) * link.p2p().latency + self._per_rank[key]
 
-    def _shared_all_reduce(self, ranks: list[list[list[SegmentValues]]], link: Any) -> Any:
-        """Seconds of the all-reduces of the parameters that stages on several ranks use, among their holders."""
-        holders: dict[str, set[int]] = {}
-        sizes: dict[str, int] = {}
-        for r, stages in enumerate(ranks):
-            for u in (u for st in stages for u in st):
-                for name, numel in u.shared().items():
-                    if name in u.trainable:
-                        holders.setdefault(name, set()).add(r)
-                        sizes[name] = numel
-        return sum(ring_all_reduce(sizes[k] * self.precision.grad, len(h), link) for k, h in holders.items()
-                   if len(h) > 1)
-
     def max_microbatch_size(self, config: Config, memory: float) -> int:
-        """The largest microbatch size whose estimate fits ``memory`` bytes per device (0 when none does).
-
-        Memory is linear in ``b`` unless a term saturates (a bucket, a max over
-        layers): then it is solved exactly, else searched on the expression.
-        """
-        total = self.estimate(config, symbolic=True).total_memory
-        try:
-            poly = sympy.Poly(total, b_sym)
-        except sympy.PolynomialError:
-            poly = None
-        if poly is not None and poly.degree() == 1:
-            slope, const = (float(x) for x in poly.all_coeffs())
-            return max(0, math.floor((memory - const) / slope)) if slope > 0 else 0
-        lo, hi = 0, 1
-        while number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
-        return lo
+        """The largest microbatch size whose estimate fits ``memory`` bytes per device (0 when none does)."""
+        return largest_fitting(self.estimate(config, symbolic=True).total_memory, memory)
 
 
 def _balanced(weights: list[float], starts: list[int], n: int) -> list[list[int]]:

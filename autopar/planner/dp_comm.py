@@ -212,3 +212,17 @@ class DataParallel:
         buckets = self._buckets(sum(grads), lambda nbytes, count: op(nbytes, n, link, count))
         return units, DataParallelPlan(zero=c.zero, link=stream, buckets=buckets, overlap=self.overlap,
                                        names=names)
+
+
+def shared_all_reduce(ranks: list[list[list[SegmentValues]]], link: Link, grad_bytes: int) -> Any:
+    """Seconds of the all-reduces of the parameters that stages on several ranks use (tied embeddings), among
+    their holders."""
+    holders: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for r, stages in enumerate(ranks):
+        for u in (u for st in stages for u in st):
+            for name, numel in u.shared().items():
+                if name in u.trainable:
+                    holders.setdefault(name, set()).add(r)
+                    sizes[name] = numel
+    return sum(ring_all_reduce(sizes[k] * grad_bytes, len(h), link) for k, h in holders.items() if len(h) > 1)

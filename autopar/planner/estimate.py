@@ -5,10 +5,15 @@ Invariant: ``Estimate.step_time`` is the sum of ``Estimate.time``'s parts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
+
 from autopar.planner.config import Config
+from autopar.planner.expr import number
+from autopar.planner.model_profile import b_sym
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,25 @@ class Estimate:
     def flops_per_device(self) -> float:
         """Model FLOP/s per device (what MFU compares with the peak)."""
         return self.model_flops / self.step_time / self.config.devices
+
+
+def largest_fitting(total: Any, memory: float) -> int:
+    """The largest microbatch size ``b`` at which the memory expression ``total`` fits ``memory`` (0 when none).
+
+    Memory is linear in ``b`` unless a term saturates (a bucket, a max over layers): then it is solved
+    exactly, else searched on the expression.
+    """
+    try:
+        poly = sympy.Poly(total, b_sym)
+    except sympy.PolynomialError:
+        poly = None
+    if poly is not None and poly.degree() == 1:
+        slope, const = (float(x) for x in poly.all_coeffs())
+        return max(0, math.floor((memory - const) / slope)) if slope > 0 else 0
+    lo, hi = 0, 1
+    while number(total.xreplace({b_sym: hi})) <= memory and hi < 2**20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if number(total.xreplace({b_sym: mid})) <= memory else (lo, mid)
+    return lo
