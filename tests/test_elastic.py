@@ -1,7 +1,7 @@
 """Elastic training under torchrun: a killed rank or node brings the job back from the last committed checkpoint,
 on the same world size or a smaller one, and the losses equal an uninterrupted single-device run step for step.
 
-Each job is two torchrun "nodes" of two ranks on loopback, running examples/train_lm.py (float64, a tiny model)
+Each job is two torchrun "nodes" of one or two ranks on loopback, running examples/train_lm.py (float64, a tiny model)
 through tests/elastic_job.py, which injects the failure on the first attempt. The nodes meet through torchrun's
 c10d rendezvous (the one ``--max-restarts`` and ``--nnodes=MIN:MAX`` need) on a store this test serves, as an
 etcd or a dedicated store host would in a cluster: no node hosts it, so either can die, and the two agents on
@@ -33,13 +33,13 @@ def _script():
 
 
 def _run_nodes(tmp_path: Path, nnodes: str, job: list[str], failure: dict[str, str],
-               timeout_s: float) -> tuple[list[int | None], str]:
-    """Two torchrun nodes of two ranks on the job (``--nnodes=nnodes``); their exit codes and logs."""
+               timeout_s: float, per_node: int = 2) -> tuple[list[int | None], str]:
+    """Two torchrun nodes of ``per_node`` ranks on the job (``--nnodes=nnodes``); their exit codes and logs."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the rendezvous' store
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPAR_TIMEOUT_S": "60", "AUTOPAR_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **failure}  # (docs/user_guide.md, "Elastic training")
-    node = [f"--nnodes={nnodes}", "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.5",
+    node = [f"--nnodes={nnodes}", f"--nproc-per-node={per_node}", "--max-restarts=2", "--monitor-interval=0.5",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=elastic",
             "--rdzv-conf=is_host=0,join_timeout=300,last_call_timeout=5", "--local-addr=127.0.0.1",
             str(ROOT / "tests" / "elastic_job.py"), *job]
@@ -68,19 +68,25 @@ def _attempts(out: Path) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in line.split()) for line in (out / "attempts.txt").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("failure", [
-    {"AUTOPAR_TEST_KILL_AT_STEP": "4", "AUTOPAR_TEST_KILL_RANK": "0", "AUTOPAR_TEST_KILL_IN_SAVE": "1"},
-    pytest.param({"AUTOPAR_TEST_KILL_AT_STEP": "3", "AUTOPAR_TEST_KILL_RANK": "3"}, marks=pytest.mark.slow),
-], ids=["rank0-in-save-4", "rank3-after-step-3"])
-def test_a_killed_rank_resumes_from_the_last_committed_checkpoint(tmp_path: Path, failure: dict) -> None:
+@pytest.mark.parametrize("failure,per_node,mesh", [
+    ({"AUTOPAR_TEST_KILL_AT_STEP": "4", "AUTOPAR_TEST_KILL_RANK": "0", "AUTOPAR_TEST_KILL_IN_SAVE": "1"}, 1, "dp=2"),
+    pytest.param({"AUTOPAR_TEST_KILL_AT_STEP": "4", "AUTOPAR_TEST_KILL_RANK": "0", "AUTOPAR_TEST_KILL_IN_SAVE": "1"},
+                 2, "dp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param({"AUTOPAR_TEST_KILL_AT_STEP": "3", "AUTOPAR_TEST_KILL_RANK": "3"}, 2, "dp=2,tp=2",
+                 marks=pytest.mark.slow),
+], ids=["rank0-in-save-4-dp2", "rank0-in-save-4-dp2-tp2", "rank3-after-step-3"])
+def test_a_killed_rank_resumes_from_the_last_committed_checkpoint(tmp_path: Path, failure: dict, per_node: int,
+                                                                 mesh: str) -> None:
     """Rank 0 dies inside the save after step 4 (every rank's shards written, the save not committed), or
     rank 3 after step 3: both nodes start again, the job resumes from step 2's checkpoint (not the half-written
-    one) on the same mesh, and its losses are one device's."""
+    one) on the same mesh, and its losses are one device's. The default run has one rank per node (dp=2); the
+    same with two per node (dp=2 x tp=2) is under ``-m slow``."""
     steps, out = 6, tmp_path / "run"
-    job = [*SMALL, "--steps", str(steps), "--ckpt-every", "2", "--mesh", "dp=2,tp=2", "--resume", "--out", str(out)]
-    codes, logs = _run_nodes(tmp_path, "2", job, failure, timeout_s=480)
+    job = [*SMALL, "--steps", str(steps), "--ckpt-every", "2", "--mesh", mesh, "--resume", "--out", str(out)]
+    codes, logs = _run_nodes(tmp_path, "2", job, failure, timeout_s=480, per_node=per_node)
     assert codes == [0, 0], logs
-    assert [(world, first) for _, world, first in _attempts(out)] == [(4, 1), (4, 3)], logs
+    world = 2 * per_node
+    assert [(w, first) for _, w, first in _attempts(out)] == [(world, 1), (world, 3)], logs
     _check_losses(out, steps, _one_device(tmp_path, steps))
 
 
