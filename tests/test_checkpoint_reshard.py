@@ -51,6 +51,7 @@ def _assert_chain_equals_one_device(launcher: Callable, path: str, make: Callabl
         torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.slow  # 8 ranks: test_zero_checkpoint.py moves ZeRO-3 to other dp sizes and stages in the default run
 def test_3d_zero3_resumes_on_dp4_tp2_zero1(launcher, tmp_path) -> None:
     """GPT-2 (fused q|k|v under tp, tied embeddings across the pipeline): dp2 x pp2 x tp2 zero=3 -> dp4 x tp2."""
     _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.gpt2),

@@ -34,8 +34,9 @@ def _train_on_shards(mesh: Mesh, options: dict, steps: int) -> dict:
 
 @pytest.mark.parametrize("mesh, options", [
     (Mesh(dp=2), {"microbatches": 2}),
-    (Mesh(dp=2, pp=2, tp=2), {"microbatches": 2, "zero": 1}),
-], ids=["dp2", "dp2-pp2-tp2"])
+    (Mesh(dp=2, pp=2), {"microbatches": 2, "zero": 1}),
+    pytest.param(Mesh(dp=2, pp=2, tp=2), {"microbatches": 2, "zero": 1}, marks=pytest.mark.slow),
+], ids=["dp2", "dp2-pp2", "dp2-pp2-tp2"])
 def test_local_shards_train_as_the_concatenated_batch(launcher, mesh: Mesh, options: dict) -> None:
     ref = reference_run(gpt2, (IDS,), TARGET, models.lm_loss, models.adamw, steps=3)
     results = launcher(_train_on_shards, mesh.size, mesh, options, 3)

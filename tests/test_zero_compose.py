@@ -40,9 +40,10 @@ def test_hf_models_equal_single_device(launcher, name: str, zero: int, dp: int, 
                           launcher=launcher, zero=zero, bucket_mb=0.02, **extra)
 
 
-@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_dp4_with_pp_and_with_tp_on_gpt2(launcher, zero: int) -> None:
-    """The dp=4 cases of the matrix above that the default run keeps (AdamW): stage 3; 1 and 2 under -m slow."""
+    """The dp=4 cases of the matrix above, on 8 ranks (test_zero.py keeps dp=4 alone in the default run)."""
     make = models.factory(models.gpt2)
     for mesh in (Mesh(dp=4, pp=2), Mesh(dp=4, tp=2)):
         assert_equivalent(make, mesh, (IDS,), TARGET, models.lm_loss, models.adamw, steps=3, rtol=1e-9, atol=1e-10,
@@ -80,9 +81,12 @@ def _partly_frozen_gpt2() -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_frozen_parameters_stay_whole_on_a_3d_mesh(launcher, zero: int) -> None:
-    assert_equivalent(_partly_frozen_gpt2, Mesh(dp=2, pp=2, tp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
+@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, tp=2), 3),
+                                        pytest.param(dict(dp=2, pp=2, tp=2), 1, marks=pytest.mark.slow),
+                                        pytest.param(dict(dp=2, pp=2, tp=2), 3, marks=pytest.mark.slow)])
+def test_frozen_parameters_stay_whole_on_a_3d_mesh(launcher, sizes: dict, zero: int) -> None:
+    """Frozen parameters stay whole under ZeRO with tp (default run) and on the 3-D mesh (-m slow)."""
+    assert_equivalent(_partly_frozen_gpt2, Mesh(**sizes), (IDS,), TARGET, models.lm_loss, models.adamw,
                       steps=3, rtol=1e-9, atol=1e-10, launcher=launcher, zero=zero, bucket_mb=1e-3, microbatches=2)
 
 
@@ -150,17 +154,20 @@ def test_a_full_state_moves_between_composed_meshes_and_the_single_device_model(
                 torch.testing.assert_close(run["state"][k], v, rtol=1e-10, atol=1e-12)
 
 
-def _forward_then_state(zero: int) -> list:
-    pm = parallelize(models.gpt2(layers=4), Mesh(dp=2, pp=2, tp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+def _forward_then_state(zero: int, sizes: dict) -> list:
+    pm = parallelize(models.gpt2(layers=4), Mesh(**sizes), loss_fn=models.lm_loss, optimizer=models.adamw,
                      zero=zero, microbatches=2)
     return [pm(IDS).logits, pm.state_dict()]
 
 
-@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 3])
-def test_forward_and_state_dict_before_any_step_on_a_3d_mesh(launcher, zero: int) -> None:
+@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, pp=2), 3),
+                                        pytest.param(dict(dp=2, pp=2, tp=2), 0, marks=pytest.mark.slow),
+                                        pytest.param(dict(dp=2, pp=2, tp=2), 3, marks=pytest.mark.slow)])
+def test_forward_and_state_dict_before_any_step_on_a_3d_mesh(launcher, sizes: dict, zero: int) -> None:
+    """On dp=2 x pp=2 (default run) and the 3-D mesh (-m slow)."""
     model = models.gpt2(layers=4)
     want = model(IDS).logits.detach()
-    for logits, state in launcher(_forward_then_state, 8, zero):
+    for logits, state in launcher(_forward_then_state, Mesh(**sizes).size, zero, sizes):
         torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-12)
         for key, value in model.state_dict().items():
             assert torch.equal(state[key], value), key
