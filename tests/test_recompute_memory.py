@@ -63,8 +63,9 @@ def predicted_bytes(model: torch.nn.Module) -> dict[str, float]:
     return {mode: float(recompute_cost.kept(mode, units)) for mode in ("none", "selective", "full")}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n != "llama" else []) for n in sorted(MODELS)])
 def test_activation_bytes_match_the_planners_prediction(name: str) -> None:
+    """LLaMA in the default run (rotary, grouped-query attention); the other models under -m slow."""
     model = getattr(models, name)(**MODELS[name])
     predicted = predicted_bytes(model)
     measured = activation_bytes(model)
