@@ -17,7 +17,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.capture_cache import EXPORTS, Export, export_key
+from autopar.capture_cache import EXPORTS, Export, export_key, split_outputs
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
 from autopar.experts import loop_over_all_experts
@@ -39,17 +39,19 @@ class _Forward(torch.nn.Module):
 
 
 class _ForwardLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None, output_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None, output_dtype: torch.dtype | None,
+                 with_outputs: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.output_dtype = output_dtype
+        self.with_outputs = with_outputs  # return (loss, the model's outputs): both graphs in one export
 
-    def forward(self, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
+    def forward(self, args: tuple, kwargs: dict, target: Any) -> Any:
         out = self.model(*args, **kwargs)
-        if self.output_dtype is not None:  # mixed precision: the loss is computed in float32
-            out = widened(out, self.output_dtype)
-        return self.loss_fn(out, target) if self.loss_fn is not None else model_loss(out)
+        wide = widened(out, self.output_dtype) if self.output_dtype is not None else out  # mixed: a float32 loss
+        loss = self.loss_fn(wide, target) if self.loss_fn is not None else model_loss(wide)
+        return (loss, out) if self.with_outputs else loss
 
 
 def model_loss(out: Any) -> torch.Tensor:
@@ -92,7 +94,18 @@ def capture(
         key = export_key(model, (args, kwargs, target if with_loss else None), loss_fn if with_loss else None,
                          with_loss=with_loss, output_dtype=output_dtype)
         exported = EXPORTS.get(key)
-        if exported is None:
+        if exported is None and with_loss and key is not None:  # the forward-only graph comes with it
+            targets, inputs = pytree.tree_leaves(target), pytree.tree_leaves((args, kwargs))
+            same = {t: next(i for i, x in enumerate(inputs) if x is y) for t, y in enumerate(targets)
+                    if any(x is y for x in inputs)}  # (one tensor passed as input and target)
+            joint = Export.of(_export(model, args, kwargs, with_loss=True, loss_fn=loss_fn, target=target,
+                                      output_dtype=output_dtype, with_outputs=True))
+            tensors = all(isinstance(x, torch.Tensor) for x in [*targets, *inputs])
+            train, forward = split_outputs(joint, len(targets) if tensors else 0, same)
+            EXPORTS.remember(export_key(model, (args, kwargs, None), None, with_loss=False,
+                                        output_dtype=output_dtype) if forward is not None else None, forward)
+            exported = EXPORTS.put(key, train)
+        elif exported is None:
             exported = EXPORTS.put(key, Export.of(_export(model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn,
                                                           target=target, output_dtype=output_dtype)))
     captured = _dedupe_tied(_from_exported(exported), model)
@@ -107,10 +120,10 @@ def capture(
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, with_loss: bool, loss_fn: LossFn | None,
-            target: Any, output_dtype: torch.dtype | None) -> torch.export.ExportedProgram:
+            target: Any, output_dtype: torch.dtype | None, with_outputs: bool = False) -> torch.export.ExportedProgram:
     wrapper: torch.nn.Module
     if with_loss:
-        wrapper, export_args = _ForwardLoss(model, loss_fn, output_dtype), (args, kwargs, target)
+        wrapper, export_args = _ForwardLoss(model, loss_fn, output_dtype, with_outputs), (args, kwargs, target)
     else:
         wrapper, export_args = _Forward(model), (args, kwargs)
     try:

@@ -58,3 +58,21 @@ def test_a_tensor_attribute_is_keyed_by_its_value() -> None:
     ka = export_key(a, ((x,), {}, None), None, with_loss=False, output_dtype=None)
     kb = export_key(b, ((x,), {}, None), None, with_loss=False, output_dtype=None)
     assert ka is not None and ka != kb
+
+
+def test_a_training_export_answers_the_forward_only_one() -> None:
+    """``pm(...)`` after ``pm.step`` exports nothing: the training export also gave the forward-only graph,
+    equal to the one a forward-only export makes (here with BatchNorm's running statistics mutated)."""
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    target = torch.randint(0, 10, (4,))
+    for make in (models.factory(models.gpt2, layers=1), models.cnn):
+        inputs, loss, tgt = ((IDS,), models.lm_loss, IDS) if make is not models.cnn else ((x,), F.cross_entropy, target)
+        EXPORTS.kept.clear()
+        direct = capture(make(), inputs)
+        EXPORTS.kept.clear()
+        capture(make(), inputs, with_loss=True, loss_fn=loss, target=tgt)
+        hits = EXPORTS.hits
+        derived = capture(make(), inputs)
+        assert EXPORTS.hits == hits + 1
+        assert derived.gm.code == direct.gm.code and derived.slots == direct.slots
+        assert derived.mutated_buffers == direct.mutated_buffers and derived.out_spec == direct.out_spec
