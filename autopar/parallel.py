@@ -110,7 +110,8 @@ class ParallelModel:
         if self.options.optimizer is None:
             raise ValueError("step() needs an optimizer: parallelize(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
         program, rt, flats = self._prepare((args, kwargs, target), with_loss=True)
-        loss, norm = train_step(self.model, self.mesh, program, rt, flats, self.options.max_grad_norm)
+        with rt.progress.call("step"):
+            loss, norm = train_step(self.model, self.mesh, program, rt, flats, self.options.max_grad_norm)
         if norm is not None:
             self.grad_norm = norm
         return loss
@@ -118,7 +119,8 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
-        return forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
+        with rt.progress.call("forward"):
+            return forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
 
     def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds).
@@ -193,7 +195,8 @@ class ParallelModel:
         """
         program = self._programs.require()
         rt = self._runtime(program)
-        checkpoint.save(path, rt, checkpoint_state(self.model, self.mesh, program, rt, rt.full_shapes), extra)
+        with rt.progress.call("save"):
+            checkpoint.save(path, rt, checkpoint_state(self.model, self.mesh, program, rt, rt.full_shapes), extra)
 
     def load(self, path: str) -> Any:
         """Reads the latest complete checkpoint in ``path``, written on any mesh, resharded to this one; returns
@@ -201,7 +204,8 @@ class ParallelModel:
         first key that differs."""
         program = self._programs.require()
         rt = self._runtime(program)
-        return checkpoint.load(path, rt, checkpoint_state(self.model, self.mesh, program, rt, rt.full_shapes))
+        with rt.progress.call("load"):
+            return checkpoint.load(path, rt, checkpoint_state(self.model, self.mesh, program, rt, rt.full_shapes))
 
     @property
     def runtime(self) -> RankRuntime | None:

@@ -18,9 +18,10 @@ from autopar.model_storage import place_on_rank, release_other_stages, shard_for
 from autopar.options import Options
 from autopar.program import Program, shared_parameters
 from autopar.runtime.grad_sync import BucketedAllReduce
-from autopar.runtime.groups import Groups, join
+from autopar.runtime.groups import Groups, job_store, join
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
+from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
 from autopar.runtime.zero import ZeroRuntime
@@ -67,7 +68,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     rt = RankRuntime(groups=groups, state=zero.state if zero else state, params=zero.params if zero else params,
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      masters=masters, memory=zero.memory if zero else
-                     MemoryAccount(lambda: [*params, *frozen_parameters(model)], lambda: [p.grad for p in params], opt))
+                     MemoryAccount(lambda: [*params, *frozen_parameters(model)], lambda: [p.grad for p in params], opt),
+                     progress=Progress(job_store(), groups.rank, mesh.size))
     if program.stages is not None:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)

@@ -142,6 +142,20 @@ def _warn_restarts_on_a_shared_store() -> None:
                       "training\")", stacklevel=3)
 
 
+def job_store() -> Any:
+    """The key-value store the job's ranks met through (the default process group's, under none of its
+    prefixes), under a prefix of torchrun's restart count: an attempt never reads the one before."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return attempt_store(store)
+
+
+def attempt_store(root: Any) -> Any:
+    """``root`` under this attempt's prefix (``job_store``)."""
+    return dist.PrefixStore(f"autopar{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", root)
+
+
 def join(mesh: Mesh) -> Groups:
     ensure_initialized()
     mesh.check_world_size(dist.get_world_size())

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.errors import RankError
+from autopar.runtime import progress
+from autopar.runtime.progress import desync
 from autopar.runtime.groups import (
-    DEVICE_ENV, TIMEOUT, default_backend, rank_device, requested_device, start_job,
+    DEVICE_ENV, TIMEOUT, attempt_store, default_backend, rank_device, requested_device, start_job,
 )
 
 
@@ -147,14 +149,14 @@ class WorkerPool:
         for rank, worker in enumerate(workers):
             worker.tasks.put((job, rank, nprocs, port, self.backend, self.device, payload))
         try:
-            return self._collect(job, workers)
+            return self._collect(job, workers, attempt_store(store))
         except BaseException:
             self._stop(range(nprocs))  # ranks may be blocked in a collective with the failed one
             raise
         finally:
             del store
 
-    def _collect(self, job: int, workers: list[_Worker]) -> list[Any]:
+    def _collect(self, job: int, workers: list[_Worker], store: Any) -> list[Any]:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = None  # once a rank fails, wait briefly for the others to report, then pick the cause
@@ -167,7 +169,7 @@ class WorkerPool:
                 except (EOFError, OSError):  # the process is gone
                     del pending[conn]
                     workers[rank].process.join(timeout=GRACE_S)
-                    failures[rank] = f"the process died with exit code {workers[rank].process.exitcode}"
+                    failures[rank] = _reason(store) or f"the process died with exit code {workers[rank].process.exitcode}"
                     continue
                 if got_job != job:
                     continue
@@ -176,6 +178,10 @@ class WorkerPool:
                     results[rank] = cloudpickle.loads(data)
                 else:
                     failures[rank] = data
+            if results and pending and not failures:  # a rank still inside a call that one whose job returned skipped
+                failures.update(_stranded(store, set(pending.values()), set(results)))
+                for rank in failures:
+                    pending = {c: r for c, r in pending.items() if r != rank}
             if failures and deadline is None:
                 deadline = time.monotonic() + GRACE_S
         if failures:
@@ -205,6 +211,32 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reason(store: Any) -> str | None:
+    """What a rank that stopped the job for being out of step wrote (runtime/progress.py)."""
+    try:
+        return store.get(progress.FAILURE).decode() if store.check([progress.FAILURE]) else None
+    except Exception:  # noqa: BLE001 - the job's store is gone
+        return None
+
+
+def _stranded(store: Any, pending: set[int], ended: set[int]) -> dict[int, str]:
+    """Ranks waiting inside a call for a rank whose job returned before making it: rank -> why."""
+    ranks = pending | ended
+    try:
+        runtimes = max(store.add(progress.RUNTIMES.format(rank=r), 0) for r in ranks)
+    except Exception:  # noqa: BLE001 - the job's store is gone
+        return {}
+    found = {}
+    for index in range(1, runtimes + 1):
+        states = {r: progress.read(store, index, r) for r in ranks}
+        for rank in sorted(pending - set(found)):
+            mine = states[rank]
+            reason = desync(rank, mine, states, ended) if mine is not None else None
+            if reason is not None:
+                found[rank] = reason
+    return found
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,

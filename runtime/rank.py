@@ -17,6 +17,7 @@ from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.master import Masters
 from autopar.runtime.groups import Groups
 from autopar.runtime.memory import MemoryAccount
+from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.zero import ZeroRuntime
 
@@ -69,6 +70,7 @@ class RankRuntime:
     rng_base: int | None = None  # the seed tp ranks agree on (``seed_rng``), and the calls since
     rng_calls: int = 0
     masters: Masters | None = None  # precision="mixed": the float32 masters of ``params`` the optimizer steps
+    progress: Progress | None = None  # which call this rank is in, in the job's store (runtime/progress.py)
 
     def master_of(self, t: torch.Tensor) -> torch.Tensor:
         """What stands for stored tensor ``t`` in states and checkpoints: its master, or ``t`` itself."""
