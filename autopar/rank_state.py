@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from autopar.core.errors import UnsupportedError
 from autopar.core.graph import tied_aliases
 from autopar.core.layout import from_storage, local_shape, to_storage
 from autopar.core.mesh import Mesh
@@ -49,7 +50,23 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
             current[name] = torch.empty(shape, dtype=dtype, device=t.device)
     if program.stages is not None:
         _broadcast_from_owners(mesh, program, rt, current)
+    if program.plan.expert_params:
+        _gather_experts(mesh, program, rt, current)
     return _gather_tp(mesh, program, rt, current)
+
+
+def _gather_experts(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
+    """Stacked expert weights gathered over ep; one expert's tensors broadcast from the ep rank holding it."""
+    group = rt.groups["ep"]
+    with torch.no_grad():
+        for name, placed in program.plan.expert_params.items():
+            t = current[name]
+            if placed.stacked:
+                pieces = [torch.empty_like(t) for _ in range(mesh.ep)]
+                dist.all_gather(pieces, t.contiguous(), group=group)
+                current[name] = torch.cat(pieces)
+            else:  # (a full-size buffer on the ranks that hold it not, made above)
+                dist.broadcast(t, src=mesh.group_of(rt.groups.rank, "ep")[placed.holder()], group=group)
 
 
 def _broadcast_from_owners(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
@@ -91,6 +108,8 @@ def local_state(model: torch.nn.Module, mesh: Mesh, program: Program, rank: int,
             value = to_storage(value, program.layouts[name])
         placement = program.placements.get(name)
         out[key] = value.chunk(n, placement.dim)[i] if isinstance(placement, Shard) else value
+        if name in program.plan.expert_params:
+            out[key] = program.plan.expert_params[name].local(out[key], mesh.coord(rank, "ep"))
     return out
 
 
@@ -98,6 +117,9 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
                      full_shapes: dict[str, tuple[int, ...]]) -> checkpoint.RankState:
     """What ``rt``'s rank stores of every parameter and buffer, where it lies in the logical tensor, and which
     copies it writes to a checkpoint; ``full_shapes``: every parameter's logical shape."""
+    if program.plan.expert_params:
+        raise UnsupportedError(f"checkpoints of expert-parallel runs ({mesh}) are not written or read yet; save "
+                               "pm.state_dict() (full, every rank calls it) with torch.save instead")
     aliases = tied_aliases(model)
     params = dict(model.named_parameters())
     held = held_names(program, rt.groups.rank)

@@ -1,0 +1,115 @@
+"""Expert parallelism (``Mesh(dp=.., ep=..)``): each rank computes its experts on the tokens routed to them.
+
+Every run is float64 and compared with single-device training within 1e-12 relative (loss per step, output,
+every parameter after several optimizer steps), the experts of every ep rank gathered back by
+``pm.state_dict()``. The load-balancing loss is a statistic of each data-parallel rank's batch (as in every
+data-parallel MoE): with it, the run is compared exactly with one device on the same split (``control``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from autopar import Mesh, UnsupportedError, parallelize
+from autopar.testing import assert_equivalent
+
+IDS = torch.randint(3, 96, (4, 8), generator=torch.Generator().manual_seed(1))
+TARGET = torch.randint(3, 96, (4, 8), generator=torch.Generator().manual_seed(2))
+IDS8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(3))
+TARGET8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(4))
+LOOP = models.factory(models.loop_moe, aux=False)
+MIXTRAL = models.factory(models.mixtral_eager, layers=1, aux=False)
+
+
+def _exact(make, mesh: Mesh, optimizer, launcher, *, loss=models.lm_loss, ids=IDS, target=TARGET, steps: int = 3,
+           control: bool = False) -> None:
+    assert_equivalent(make, mesh, (ids,), target, loss, optimizer, steps=steps, control=control, rtol=1e-9,
+                      atol=1e-10, launcher=launcher)
+
+
+def test_loop_moe_trains_exactly_with_its_experts_split_over_two_ranks(launcher) -> None:
+    """Mesh(dp=2, ep=2): experts 0-1 on rank 0, 2-3 on rank 1; tokens travel by all-to-all. SGD: its update is
+    the gradient, so an expert gradient off by a constant factor fails too."""
+    _exact(LOOP, Mesh(dp=2, ep=2), models.sgd, launcher)
+
+
+def test_mixtral_eager_trains_exactly_with_stacked_experts_split(launcher) -> None:
+    """Hugging Face's stacked (E, ...) expert weights held as E/ep rows per rank; AdamW."""
+    _exact(MIXTRAL, Mesh(dp=2, ep=2), models.adamw, launcher)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, mesh, optimizer", [
+    (LOOP, Mesh(dp=2, ep=2), models.adamw),
+    (LOOP, Mesh(dp=4, ep=4), models.adamw),
+    (LOOP, Mesh(dp=4, ep=2), models.adamw),  # two replicas of each expert: gradients averaged over them
+    (models.factory(models.loop_moe, aux=False, score="sigmoid", shared=False, top_k=1), Mesh(dp=4, ep=2), models.sgd),
+    (MIXTRAL, Mesh(dp=2, ep=2), models.sgd),
+    (MIXTRAL, Mesh(dp=4, ep=4), models.adamw),
+    (models.factory(models.qwen3_moe_eager, layers=1, aux=False), Mesh(dp=2, ep=2), models.adamw),
+    (models.factory(models.qwen3_moe_eager, layers=1, aux=False), Mesh(dp=4, ep=4), models.sgd),
+], ids=["loop-ep2-adamw", "loop-ep4", "loop-dp4-ep2", "loop-sigmoid-top1-dp4-ep2", "mixtral-ep2-sgd",
+        "mixtral-ep4", "qwen3-ep2", "qwen3-ep4-sgd"])
+def test_expert_parallel_is_exact(launcher, make, mesh: Mesh, optimizer) -> None:
+    _exact(make, mesh, optimizer, launcher, ids=IDS8, target=TARGET8)
+
+
+@pytest.mark.slow
+def test_load_balancing_loss_and_router_gradient_are_the_models(launcher) -> None:
+    """With the auxiliary loss in the loss: exact against one device on the same split of the batch."""
+    _exact(models.factory(models.loop_moe), Mesh(dp=4, ep=2), models.adamw, launcher, loss=models.moe_loss,
+           ids=IDS8, target=TARGET8, control=True)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_experts_over_ep(launcher) -> None:
+    """Shared experts and a grouped top-k over a biased sigmoid router; its router runs in float32, so exact
+    against one device on the same split (as its data-parallel test)."""
+    assert_equivalent(models.factory(models.deepseek_v3), Mesh(dp=4, ep=4), (IDS8,), TARGET8, models.lm_loss,
+                      models.adamw, steps=2, control=True, rtol=1e-5, atol=1e-6, launcher=launcher)
+
+
+def test_the_plan_shows_each_ranks_experts_and_the_all_to_alls() -> None:
+    pm = parallelize(LOOP(), Mesh(dp=4, ep=2), example_inputs=(IDS8,), example_target=TARGET8, loss_fn=models.lm_loss)
+    text = str(pm.plan)
+    assert "expert parallelism: ep=2 folded onto dp=4" in text
+    assert "moes.0 (LoopMoE): 4 experts, top-2; ranks [0, 2]: experts 0-1; ranks [1, 3]: experts 2-3" in text
+    assert "expert 3 of moes.1 (LoopMoE): held by ep index 1" in text
+    ops = {(c.op, c.direction): c.count for c in pm.plan.collectives if c.axis == "ep"}
+    assert ops == {("all_to_all", "forward"): 2, ("all_to_all_v", "forward"): 4, ("all_to_all_v", "backward"): 4}
+    assert "expert_parallel" in pm.graph(1).code and "where" not in pm.graph(1).code
+
+
+def test_experts_that_do_not_divide_by_ep_are_refused() -> None:
+    with pytest.raises(UnsupportedError, match=r"module moes.0 \(LoopMoE\): 6 experts do not divide by ep=4; "
+                                               r"use ep in \[1, 2, 3, 6\]"):
+        parallelize(models.loop_moe(experts=6, aux=False), Mesh(dp=4, ep=4), example_inputs=(IDS8,),
+                    example_target=TARGET8, loss_fn=models.lm_loss)
+
+
+def test_experts_it_does_not_recognise_are_refused() -> None:
+    """Hugging Face's grouped-matmul experts have no loop to split: named, with the switch that gives one."""
+    with pytest.raises(UnsupportedError, match=r"ep=2, but MixtralForCausalLM has no routed-experts layer .*"
+                                               r"model.config._experts_implementation = 'eager'"):
+        parallelize(models.mixtral(layers=1, dtype=torch.float64), Mesh(dp=2, ep=2), example_inputs=(IDS,),
+                    example_target=TARGET, loss_fn=models.lm_loss)
+
+
+@pytest.mark.parametrize("mesh, options, named", [
+    (Mesh(dp=2, tp=2, ep=2), {}, "tp=2"),
+    (Mesh(dp=2, pp=2, ep=2), {}, "pp=2"),
+    (Mesh(dp=2, ep=2), {"zero": 3}, "zero=3"),
+])
+def test_what_does_not_compose_yet_is_refused(mesh: Mesh, options: dict, named: str) -> None:
+    with pytest.raises(UnsupportedError, match=rf"expert parallelism \(ep=2\) does not compose with {named}"):
+        parallelize(LOOP(), mesh, loss_fn=models.lm_loss, **options)
+
+
+def test_ep_must_divide_dp() -> None:
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp=4"):
+        Mesh(dp=4, ep=3)
+    mesh = Mesh(dp=4, tp=2, ep=2)
+    assert mesh.size == 8 and repr(mesh) == "Mesh(dp=4, tp=2, ep=2)"
+    assert mesh.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("ep_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
