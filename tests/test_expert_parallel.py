@@ -81,6 +81,22 @@ def test_the_plan_shows_each_ranks_experts_and_the_all_to_alls() -> None:
     assert "expert_parallel" in pm.graph(1).code and "where" not in pm.graph(1).code
 
 
+def _communication(make, mesh: Mesh) -> tuple[dict, list]:
+    pm = parallelize(make(), mesh, loss_fn=models.lm_loss, optimizer=models.sgd)
+    pm.step(IDS, target=TARGET)
+    ep = {(c.op, c.direction): c.count for c in pm.plan.collectives if c.axis == "ep"}
+    return pm.communication(calls=True), sorted(ep.items())
+
+
+def test_the_runtime_communicates_what_the_plan_counts(launcher) -> None:
+    """One step of two MoE layers: per layer the counts' all-to-all, dispatch and combine forward, the same
+    two backward, on the ep groups only."""
+    for calls, ep in launcher(_communication, 2, LOOP, Mesh(dp=2, ep=2)):
+        assert calls["all_to_all@ep"] == 2 and calls["all_to_all_v@ep"] == 8
+        assert ep == [(("all_to_all", "forward"), 2), (("all_to_all_v", "backward"), 4),
+                      (("all_to_all_v", "forward"), 4)]
+
+
 def test_experts_that_do_not_divide_by_ep_are_refused() -> None:
     with pytest.raises(UnsupportedError, match=r"module moes.0 \(LoopMoE\): 6 experts do not divide by ep=4; "
                                                r"use ep in \[1, 2, 3, 6\]"):
