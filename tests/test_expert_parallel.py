@@ -55,6 +55,12 @@ def test_expert_parallel_is_exact(launcher, make, mesh: Mesh, optimizer) -> None
 
 
 @pytest.mark.slow
+def test_microbatches_accumulate_expert_gradients_before_the_reduction(launcher) -> None:
+    assert_equivalent(LOOP, Mesh(dp=4, ep=2), (IDS8,), TARGET8, models.lm_loss, models.sgd, steps=3, rtol=1e-9,
+                      atol=1e-10, launcher=launcher, microbatches=2)
+
+
+@pytest.mark.slow
 def test_load_balancing_loss_and_router_gradient_are_the_models(launcher) -> None:
     """With the auxiliary loss in the loss: within 1e-12 of one device on the same split of the batch (each
     dp rank's loss balances its own tokens, which moves the result by ~0.15 from the whole batch's)."""
