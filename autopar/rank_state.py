@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from autopar.core.errors import UnsupportedError
+from autopar.core.expert_layout import ExpertParam
 from autopar.core.graph import tied_aliases
 from autopar.core.layout import from_storage, local_shape, to_storage
 from autopar.core.mesh import Mesh
@@ -117,9 +117,6 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
                      full_shapes: dict[str, tuple[int, ...]]) -> checkpoint.RankState:
     """What ``rt``'s rank stores of every parameter and buffer, where it lies in the logical tensor, and which
     copies it writes to a checkpoint; ``full_shapes``: every parameter's logical shape."""
-    if program.plan.expert_params:
-        raise UnsupportedError(f"checkpoints of expert-parallel runs ({mesh}) are not written or read yet; save "
-                               "pm.state_dict() (full, every rank calls it) with torch.save instead")
     aliases = tied_aliases(model)
     params = dict(model.named_parameters())
     held = held_names(program, rt.groups.rank)
@@ -139,6 +136,10 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
         writes = writer.get(name, 0) == coords["pp"]
+        if name in program.plan.expert_params:  # (tp, pp and ZeRO do not compose with ep: refused at compile)
+            entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
+                                     rt.groups.rank)
+            continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
                                             writes=writes and coords["tp"] == 0))
@@ -174,6 +175,19 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
         raise RuntimeError(f"internal error: {name!r} is laid out as {fs.spec.shapes[k]}, expected {local}")
     return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), of(fs.shard),
                             window=(a - lo, b - lo), writes=writes, trainable=True)
+
+
+def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: ExpertParam, mesh: Mesh,
+                  rank: int) -> list[checkpoint.Entry]:
+    """An expert parameter's entry on ``rank``: its rows of stacked weights, or one expert's whole tensor on
+    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it."""
+    index = mesh.coord(rank, "ep")
+    local = placed.local_shape(shape, index)
+    if not placed.stacked and placed.holder() != index:
+        return []
+    dim, start = (0, index * local[0]) if placed.stacked else (None, 0)
+    return [checkpoint.Entry(name, Geometry(shape, local, dim, start), p,
+                             writes=mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
 
 
 def _pp_writers(program: Program) -> dict[str, int]:

@@ -7,12 +7,16 @@ data-parallel MoE): with it, the run is compared exactly with one device on the 
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import models
 from autopar import Mesh, UnsupportedError, parallelize
 from autopar.testing import assert_equivalent
+from harness.training import scheduled_reference, scheduled_steps
 
 IDS = torch.randint(3, 96, (4, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(3, 96, (4, 8), generator=torch.Generator().manual_seed(2))
@@ -85,6 +89,35 @@ def test_the_plan_shows_each_ranks_experts_and_the_all_to_alls() -> None:
     ops = {(c.op, c.direction): c.count for c in pm.plan.collectives if c.axis == "ep"}
     assert ops == {("all_to_all", "forward"): 2, ("all_to_all_v", "forward"): 4, ("all_to_all_v", "backward"): 4}
     assert "expert_parallel" in pm.graph(1).code and "where" not in pm.graph(1).code
+
+
+def _leg(make, mesh: Mesh, steps: int, path: str, *, load: bool, save: bool) -> dict:
+    """``steps`` steps on ``mesh``, after loading ``path`` into a model of other weights when asked."""
+    pm = parallelize(make(seed=7 if load else 0), mesh, loss_fn=models.lm_loss, optimizer=models.adamw,
+                     example_inputs=(IDS8,), example_target=TARGET8)
+    losses = scheduled_steps(pm, (IDS8,), TARGET8, steps, path=path, load=load, save=save)
+    state = pm.state_dict()  # (every rank gathers)
+    return {"losses": losses, "state": state if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, meshes", [
+    (models.factory(models.loop_moe, aux=False), [Mesh(dp=2, ep=2), Mesh(dp=4, ep=4), Mesh(dp=1)]),
+    (MIXTRAL, [Mesh(dp=4, ep=2), Mesh(dp=2), Mesh(dp=2, ep=2)]),
+], ids=["loop", "mixtral"])
+def test_checkpoints_move_between_ep_degrees_and_one_device(launcher, tmp_path, make, meshes: list[Mesh]) -> None:
+    """Saved at one ep degree, resumed at another and on one device: the losses and the final state equal one
+    uninterrupted single-device run (AdamW's state travels with each expert)."""
+    path, losses = str(tmp_path / "ckpt"), []
+    for i, mesh in enumerate(meshes):
+        job = functools.partial(_leg, make, mesh, 1, path, load=i > 0, save=i < len(meshes) - 1)
+        runs = launcher(job, mesh.size)
+        losses += runs[0]["losses"]
+    want_losses, want_state = scheduled_reference(make(seed=0), models.adamw, models.lm_loss, (IDS8,), TARGET8,
+                                                  len(losses))
+    assert losses == pytest.approx(want_losses, rel=1e-11, abs=1e-13)
+    for key, value in want_state.items():
+        torch.testing.assert_close(runs[0]["state"][key], value, rtol=1e-11, atol=1e-13, msg=lambda m: f"{key}: {m}")
 
 
 def _communication(make, mesh: Mesh) -> tuple[dict, list]:
