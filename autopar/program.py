@@ -110,8 +110,7 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
-        check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute,
-                       clip=options.max_grad_norm)
+        check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute)
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

@@ -345,14 +345,13 @@ def _single_user(node: fx.Node, where: str) -> fx.Node:
     return next(iter(node.users))
 
 
-def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object, clip: float | None) -> None:
+def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) -> None:
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
     others = [f"{axis}={mesh[axis]}" for axis in ("pp", "tp") if mesh[axis] > 1]
     others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
     others += [f"zero={zero}"] if zero else []
     others += [f"precision={precision!r}"] if precision != "fp32" else []
     others += [f"recompute={recompute!r}"] if recompute != "none" else []
-    others += [f"max_grad_norm={clip}"] if clip is not None else []
     if others:
         raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with {', '.join(others)} yet; "
                                f"use Mesh(dp={mesh.dp}, ep={mesh.ep}) alone, or drop ep to run the experts on every "

@@ -59,6 +59,13 @@ def test_expert_parallel_is_exact(launcher, make, mesh: Mesh, optimizer) -> None
 
 
 @pytest.mark.slow
+def test_gradient_clipping_counts_each_expert_once(launcher) -> None:
+    """The global norm sums each expert's gradient over the ranks holding it once (a small bound: it clips)."""
+    assert_equivalent(LOOP, Mesh(dp=4, ep=2), (IDS8,), TARGET8, models.lm_loss, models.sgd, steps=3, rtol=1e-9,
+                      atol=1e-10, launcher=launcher, max_grad_norm=0.05)
+
+
+@pytest.mark.slow
 def test_microbatches_accumulate_expert_gradients_before_the_reduction(launcher) -> None:
     assert_equivalent(LOOP, Mesh(dp=4, ep=2), (IDS8,), TARGET8, models.lm_loss, models.sgd, steps=3, rtol=1e-9,
                       atol=1e-10, launcher=launcher, microbatches=2)
