@@ -158,6 +158,30 @@ def test_experts_it_does_not_recognise_are_refused() -> None:
                     example_target=TARGET, loss_fn=models.lm_loss)
 
 
+class _WeightedInputs(torch.nn.Module):
+    """Routing weights applied to each expert's input, not its output: a combine the pass does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4, bias=False, dtype=torch.float64)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(x[token] * weights[token, slot, None]))
+        return out
+
+
+def test_a_combine_it_does_not_recognise_is_refused_naming_the_module() -> None:
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.raises(UnsupportedError, match=r"cannot take the experts of module <the model> \(_WeightedInputs\): "
+                                               r"expert 0's rows are .*linear.*, not its output times its weight"):
+        parallelize(_WeightedInputs(), Mesh(dp=2, ep=2), example_inputs=(x,))
+
+
 @pytest.mark.parametrize("mesh, options, named", [
     (Mesh(dp=2, tp=2, ep=2), {}, "tp=2"),
     (Mesh(dp=2, pp=2, ep=2), {}, "pp=2"),
