@@ -132,7 +132,7 @@ def _rewrite(gm: fx.GraphModule, number: int, indices: fx.Node, masks: dict[int,
     first, last = _chain(experts, where)
     after_x = _descendants(x)
     bodies = [_body(ex, x, after_x, data, where) for ex in experts]
-    placed = _classify(bodies, kinds, n, ep, where)
+    placed = _classify(bodies, kinds, n, where)
     union = list(dict.fromkeys(p for body in bodies for p in body[1]))
     subs = [_subgraph(gm, body, x, ex.y, placed, n // ep) for body, ex in zip(bodies, experts)]
     uses = [[union.index(p) for p in body[1]] for body in bodies]
@@ -261,7 +261,7 @@ def _check_rowwise(nd: fx.Node, rows: set[fx.Node], e: int, where: str) -> None:
                           "runs each expert on the rows routed to it only")
 
 
-def _classify(bodies: list, kinds: dict, n: int, ep: int, where: str) -> dict[fx.Node, int | None]:
+def _classify(bodies: list, kinds: dict, n: int, where: str) -> dict[fx.Node, int | None]:
     """Each parameter the experts read -> its expert (one expert's tensor) or None (stacked (E, ...))."""
     readers: dict[fx.Node, list[int]] = {}
     for e, (nodes, placeholders) in enumerate(bodies):
