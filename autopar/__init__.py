@@ -41,7 +41,7 @@ def _adopt_checkout_subpackages() -> None:
 
 _adopt_checkout_subpackages()
 
-from autopar.core.errors import CaptureError, RankError  # noqa: E402
+from autopar.core.errors import CaptureError, RankError, UnsupportedError  # noqa: E402
 from autopar.core.mesh import Mesh  # noqa: E402
 
 _LAZY = {
@@ -54,7 +54,7 @@ _LAZY = {
     "Cluster": "autopar.planner.cluster",
 }
 
-__all__ = ["CaptureError", "Mesh", "RankError", *_LAZY]
+__all__ = ["CaptureError", "Mesh", "RankError", "UnsupportedError", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -26,6 +26,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.expert_parallel import expert_parallel, no_experts_found
 from autopar.passes.loss_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
@@ -97,6 +98,15 @@ def _loss_counts(c: Compilation) -> None:
     counts = c.captured.counts = normalize_by_global_count(c.captured)
     c.detail = f"{len(counts.sources) if counts else 0} terms: {', '.join(counts.sources) if counts else '-'}"
     c.plan = initial_plan(c.model, c.mesh, c.options, c.captured, c.local[0])
+
+
+def _expert_parallel(c: Compilation) -> None:
+    found = expert_parallel(c.captured, c.mesh.ep)
+    if not found.layers:
+        raise no_experts_found(c.model, c.mesh.ep)
+    c.lowered = [with_graph(c.captured, found.gm)]
+    found.add_to(c.plan)
+    c.detail = f"{len(found.layers)} layers, {found.layers[0].experts} experts each over ep={c.mesh.ep}"
 
 
 def _tensor_parallel(c: Compilation) -> None:
@@ -205,6 +215,16 @@ def _ensure_plan(c: Compilation) -> None:
         raise AssertionError("loss counts: the plan lists every captured parameter")
 
 
+def _ensure_experts(c: Compilation) -> None:
+    held = {n for layer in c.plan.experts for n in layer.params}
+    if held != set(c.plan.expert_params) or not held <= set(c.captured.param_names):
+        raise AssertionError("expert parallel: every expert parameter has a placement")
+    for slot, nd in zip(c.captured.slots, [nd for nd in c.lowered[0].gm.graph.nodes if nd.op == "placeholder"]):
+        if slot.name in held and any(u.op != "call_module" for u in nd.users):
+            raise AssertionError(f"expert parallel: {slot.name} is still read outside its layer's experts")
+    _graphs_lint([c.lowered[0].gm])
+
+
 def _ensure_tensor_parallel(c: Compilation) -> None:
     if len(c.lowered) != c.mesh.tp:
         raise AssertionError(f"tensor parallel: {len(c.lowered)} graphs for tp={c.mesh.tp}")
@@ -255,6 +275,8 @@ PASSES: tuple[Pass, ...] = (
          invariant="one ATen graph; a slot (parameter, buffer, input, constant) per placeholder"),
     Pass("loss counts (means over counted items divided by the whole batch's count)", _loss_counts, _ensure_plan,
          invariant="each mean over a data-dependent count divides by a new input; the plan lists every parameter"),
+    Pass("expert parallel (ep={c.mesh.ep})", _expert_parallel, _ensure_experts, applies=lambda c: c.mesh.ep > 1,
+         invariant="each layer's routed experts run on the ep rank holding them; one graph for every rank"),
     Pass("tensor parallel (solve + lower, tp={c.mesh.tp})", _tensor_parallel, _ensure_tensor_parallel,
          applies=lambda c: c.mesh.tp > 1,
          invariant="one lowered graph per tp index, local shapes; every parameter has a placement"),

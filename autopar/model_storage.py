@@ -10,6 +10,8 @@ therefore rewrites their storage, and only these functions do:
   where the plan shards them over tp, this tp rank's chunk;
 - ``store_trainable_in``: trainable parameters take the dtype the runtime stores
   them in (``precision="mixed"``: bfloat16, the optimizer keeping float32 masters);
+- ``hold_experts``: expert parameters take what this rank's ep index holds of them (its experts' rows of
+  stacked weights, its experts' whole tensors, nothing of other experts');
 - ``release_other_stages``: parameters of pipeline stages this rank does not
   run become empty tensors;
 - ``full_size_for_capture``: tp-sharded parameters take their full shapes
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Placement, Shard
 
+from autopar.core.expert_layout import ExpertParam
 from autopar.core.layout import Interleave, to_storage
 
 
@@ -51,6 +54,15 @@ def shard_for_tp(model: torch.nn.Module, placements: dict[str, Placement], layou
             if isinstance(placement, Shard):
                 p.data = p.data.chunk(tp, placement.dim)[tp_index].clone()
     return full_shapes
+
+
+def hold_experts(model: torch.nn.Module, placements: dict[str, ExpertParam], index: int) -> set[str]:
+    """Expert parameters keep what ep index ``index`` holds of them; returns the names of those it holds none of."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in placements:
+                p.data = placements[name].local(p.data, index).clone()
+    return {n for n, e in placements.items() if not e.stacked and e.holder() != index}
 
 
 def store_trainable_in(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

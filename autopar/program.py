@@ -27,6 +27,7 @@ from autopar.core.step_schedule import forward_step, local_schedule, training_st
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.device import retarget_device
+from autopar.passes.expert_parallel import check_composes
 from autopar.passes.stage_cuts import shared_parameters
 from autopar.passes.split_backward import defer_weight_gradients
 from autopar.passes.tensor_parallel import TensorParallel
@@ -108,6 +109,8 @@ def check_supported(mesh: Mesh, options: Options) -> None:
                          f"{Mesh(**dict(mesh.axes))} for plain data parallelism")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
+    if mesh.ep > 1:
+        check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute)
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:
@@ -148,6 +151,10 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
             name = program.param_of.get(nd.name)
             if name is not None:
                 sizes[name] = tensor_bytes(nd.meta.get("val"))
+            if name in program.plan.expert_params:  # expert parallelism: what this rank's ep index holds
+                shape = tuple(nd.meta["val"].shape)
+                local = program.plan.expert_params[name].local_shape(shape, mesh.coord(rank, "ep"))
+                sizes[name] = sizes[name] * numel(local) // max(numel(shape), 1)
     trainable = sum(b for n, b in sizes.items() if n in program.trainable)
     return sum(sizes.values()), trainable
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from autopar.core.collectives import Binding, set_process_binding
 from autopar.core.mesh import Mesh
-from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
+from autopar.model_storage import hold_experts, place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
 from autopar.program import Program, shared_parameters
-from autopar.runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
@@ -35,11 +35,13 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
     set_process_binding(binding)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
+    experts = program.plan.expert_params
+    elsewhere = hold_experts(model, experts, groups.coord("ep")) if experts else set()  # other ep ranks' experts
     pol = options.policy
     separate = pol is not None and pol.separate_masters
     values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
     state = dict(model.named_parameters()) | dict(model.named_buffers())
-    mine = set(state)
+    mine = set(state) - elsewhere
     if program.stages is not None:
         mine = {n for st in program.own_stages(groups.rank) for n in st.params}
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
@@ -58,7 +60,9 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
         opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
-    if groups["dp"] is not None and zero is None:
+    if groups["dp"] is not None and zero is None and experts:
+        sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes)
+    elif groups["dp"] is not None and zero is None:
         sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
         if pol is not None and pol.reduce != pol.stored:
             sync.reduce_in(pol.reduce)  # (ZeRO's flat groups read the policy from the options)
@@ -75,6 +79,18 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
         rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
     return rt
+
+
+def expert_grad_sync(model: torch.nn.Module, params: list[torch.nn.Parameter], experts: dict, groups: Groups,
+                     bucket_bytes: int) -> GradSyncs:
+    """Non-expert gradients averaged over dp; expert gradients summed over the ranks holding the same experts
+    (``ep_replicate``) and divided by dp: each already sums the gradients of its ep group's tokens."""
+    expert_ids = {id(p) for n, p in model.named_parameters() if n in experts}
+    dense = [p for p in params if id(p) not in expert_ids]
+    routed = [p for p in params if id(p) in expert_ids]
+    dp = groups.mesh.dp
+    return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes),
+                      BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp)])
 
 
 def frozen_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from autopar.core.expert_layout import ExpertParam
 from autopar.core.graph import tied_aliases
 from autopar.core.layout import from_storage, local_shape, to_storage
 from autopar.core.mesh import Mesh
@@ -49,7 +50,23 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
             current[name] = torch.empty(shape, dtype=dtype, device=t.device)
     if program.stages is not None:
         _broadcast_from_owners(mesh, program, rt, current)
+    if program.plan.expert_params:
+        _gather_experts(mesh, program, rt, current)
     return _gather_tp(mesh, program, rt, current)
+
+
+def _gather_experts(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
+    """Stacked expert weights gathered over ep; one expert's tensors broadcast from the ep rank holding it."""
+    group = rt.groups["ep"]
+    with torch.no_grad():
+        for name, placed in program.plan.expert_params.items():
+            t = current[name]
+            if placed.stacked:
+                pieces = [torch.empty_like(t) for _ in range(mesh.ep)]
+                dist.all_gather(pieces, t.contiguous(), group=group)
+                current[name] = torch.cat(pieces)
+            else:  # (a full-size buffer on the ranks that hold it not, made above)
+                dist.broadcast(t, src=mesh.group_of(rt.groups.rank, "ep")[placed.holder()], group=group)
 
 
 def _broadcast_from_owners(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
@@ -91,6 +108,8 @@ def local_state(model: torch.nn.Module, mesh: Mesh, program: Program, rank: int,
             value = to_storage(value, program.layouts[name])
         placement = program.placements.get(name)
         out[key] = value.chunk(n, placement.dim)[i] if isinstance(placement, Shard) else value
+        if name in program.plan.expert_params:
+            out[key] = program.plan.expert_params[name].local(out[key], mesh.coord(rank, "ep"))
     return out
 
 
@@ -117,6 +136,10 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
         writes = writer.get(name, 0) == coords["pp"]
+        if name in program.plan.expert_params:  # (tp, pp and ZeRO do not compose with ep: refused at compile)
+            entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
+                                     rt.groups.rank)
+            continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
                                             writes=writes and coords["tp"] == 0))
@@ -152,6 +175,19 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
         raise RuntimeError(f"internal error: {name!r} is laid out as {fs.spec.shapes[k]}, expected {local}")
     return checkpoint.Entry(name, dataclasses.replace(geometry, flat=(a - offset, b - offset)), of(fs.shard),
                             window=(a - lo, b - lo), writes=writes, trainable=True)
+
+
+def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: ExpertParam, mesh: Mesh,
+                  rank: int) -> list[checkpoint.Entry]:
+    """An expert parameter's entry on ``rank``: its rows of stacked weights, or one expert's whole tensor on
+    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it."""
+    index = mesh.coord(rank, "ep")
+    local = placed.local_shape(shape, index)
+    if not placed.stacked and placed.holder() != index:
+        return []
+    dim, start = (0, index * local[0]) if placed.stacked else (None, 0)
+    return [checkpoint.Entry(name, Geometry(shape, local, dim, start), p,
+                             writes=mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
 
 
 def _pp_writers(program: Program) -> dict[str, int]:

@@ -36,7 +36,8 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
 
     def optimizer() -> None:
         if max_grad_norm is not None:
-            norm.append(global_grad_norm(rt, model, program.placements, rt.holders))
+            norm.append(global_grad_norm(rt, model, program.placements, rt.holders,
+                                         frozenset(program.plan.expert_params)))
             clip(rt, norm[0], max_grad_norm)
         rt.optimizer.step()
         rt.optimizer.zero_grad(set_to_none=True)

@@ -54,7 +54,7 @@ def densify_expert_loops(gm: fx.GraphModule) -> int:
 
 def _densify(graph: fx.Graph, sel: fx.Node) -> None:
     mask = sel.args[0]
-    where = _module(sel)
+    where = module_name(sel)
     _check_mask(mask, where)
     t, k = mask.meta["val"].shape
     with graph.inserting_after(mask):
@@ -135,7 +135,7 @@ def _check_mask(mask: object, where: str) -> None:
         raise _refused(where, f"routed indices of shape {shape}; expected (tokens, top_k)")
 
 
-def _module(node: fx.Node) -> str:
+def module_name(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "<top level>"

@@ -14,6 +14,8 @@ copy of that element, and one all-reduce over all ranks adds the sums. Copies:
   same on every tp rank (weight 1/tp).
 - pp: a parameter used by stages on k pp ranks (tied embeddings) holds the
   same summed gradient on each of them (weight 1/k).
+- ep: an expert's parameter is held by the dp / ep ranks of its ``ep_replicate``
+  group only (weight ep/dp).
 
 Invariant: ``clip`` scales every gradient the optimizer will read by
 ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient, so the update equals
@@ -50,16 +52,19 @@ def _pieces(rt: RankRuntime, model: torch.nn.Module) -> Iterator[tuple[str, torc
             yield names[id(p)], p.grad
 
 
-def global_grad_norm(rt: RankRuntime, model: torch.nn.Module, placements: dict[str, Any], holders: dict[str, int]) -> float:
+def global_grad_norm(rt: RankRuntime, model: torch.nn.Module, placements: dict[str, Any], holders: dict[str, int],
+                     experts: frozenset[str] = frozenset()) -> float:
     """The 2-norm of the whole model's gradient (every rank calls it; see the module doc).
 
-    ``placements``: tp placement by parameter; ``holders``: pp ranks per parameter held by several.
+    ``placements``: tp placement by parameter; ``holders``: pp ranks per parameter held by several;
+    ``experts``: the parameters of routed experts spread over ep.
     """
     mesh = rt.groups.mesh
     total = torch.zeros((), dtype=torch.float64, device=rt.groups.device)
     for name, grad in _pieces(rt, model):
         copies = holders.get(name, 1)
         copies *= mesh.dp if rt.zero is None else mesh.dp_replicate
+        copies //= mesh.ep if name in experts else 1
         if not isinstance(placements.get(name), Shard):
             copies *= mesh.tp
         total += grad.detach().double().square().sum() / copies

@@ -54,13 +54,14 @@ class _Bucket:
 
 
 class BucketedAllReduce:
-    """Averages the gradients of ``params`` over ``group`` during backward."""
+    """Averages the gradients of ``params`` over ``group`` during backward (sums over it, each divided by
+    ``divisor``, by default the group's size)."""
 
     def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, divisor: int | None = None) -> None:
         self.group = group
         self.reduce_dtype = reduce_dtype
-        self.size = dist.get_world_size(group)
+        self.size = divisor or dist.get_world_size(group)  # what each gradient is divided by before the sum
         self.bucket_bytes = bucket_bytes
         self.enabled = True  # off for all but the last microbatch of an accumulation
         self.params = [p for p in params if p.requires_grad]
@@ -157,3 +158,29 @@ class BucketedAllReduce:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class GradSyncs:
+    """Several gradient reductions run as one: under expert parallelism the non-expert gradients averaged over
+    dp and the expert ones summed over the ranks holding the same experts and divided by dp (each holder's
+    gradient already sums every rank of its ep group's tokens)."""
+
+    def __init__(self, parts: list[BucketedAllReduce]) -> None:
+        self.parts = parts
+
+    @property
+    def enabled(self) -> bool:
+        return all(p.enabled for p in self.parts)
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        for p in self.parts:
+            p.enabled = value
+
+    def finish(self) -> None:
+        for p in self.parts:
+            p.finish()
+
+    def remove(self) -> None:
+        for p in self.parts:
+            p.remove()

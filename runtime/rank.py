@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.collectives import Binding
-from autopar.runtime.grad_sync import BucketedAllReduce
+from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.master import Masters
 from autopar.runtime.groups import Groups
 from autopar.runtime.memory import MemoryAccount
@@ -48,7 +48,7 @@ class NoParameters:
 
 
 Optimizer = Union[torch.optim.Optimizer, NoParameters]
-GradSync = Union[BucketedAllReduce, ZeroRuntime]  # ZeRO reduce-scatters the gradients it owns
+GradSync = Union[BucketedAllReduce, GradSyncs, ZeroRuntime]  # ZeRO reduce-scatters the gradients it owns
 
 
 @dataclass

@@ -39,7 +39,8 @@ def test_coords_roundtrip_and_groups_partition(sizes: dict[str, int]) -> None:
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"dp": 0}, "dp=0 must be an integer >= 1"), ({"ep": 2}, "unknown mesh axis 'ep'"), ({}, "at least one axis")],
+    [({"dp": 0}, "dp=0 must be an integer >= 1"), ({"xp": 2}, "unknown mesh axis 'xp'"),
+     ({"ep": 2}, "at least one axis"), ({}, "at least one axis")],
 )
 def test_bad_mesh(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

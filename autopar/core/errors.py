@@ -26,3 +26,7 @@ class RankError(RuntimeError):
         self.rank = rank
         self.detail = detail
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+class UnsupportedError(ValueError):
+    """A combination autopar does not run (yet): named with its numbers, never computed wrong."""

@@ -10,6 +10,11 @@ Hybrid sharding splits dp into two sub-axes, outer -> inner as well:
 rank formula over the axes is unchanged. ZeRO shards over ``dp_shard`` (the
 ``S`` dp ranks of one replica; with dp outermost, ``S * pp * tp`` consecutive
 ranks, e.g. a node) and the ``R`` replicas hold the same shards.
+
+Expert parallelism folds onto dp's ranks and adds none: ``Mesh(dp=4, ep=2)`` has 4 ranks, and dp index
+``d = g * ep + i`` is expert-parallel index ``i`` (sub-axis ``ep``: ``ep`` consecutive dp ranks that split
+the routed experts between them and exchange tokens) of group ``g`` (sub-axis ``ep_replicate``: the
+``dp / ep`` ranks holding the same experts, over which those experts' gradients are reduced).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Any
 
 AXES = ("dp", "pp", "tp")
 DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, shard)
+EP_SUBAXES = ("ep", "ep_replicate")  # expert parallelism folded onto dp: dp = ep_replicate x ep
 
 
 @dataclass(frozen=True, init=False)
@@ -27,12 +33,17 @@ class Mesh:
 
     ``Mesh(dp=2, tp=4)`` has 8 ranks; an axis left out has size 1. ``Mesh(dp=(2, 4), tp=2)``: hybrid
     sharding, dp of 8 ranks as 2 replicas of 4 ZeRO shards (sub-axes ``dp_replicate`` and ``dp_shard``).
+    ``Mesh(dp=4, ep=2)``: 4 ranks, the routed experts split over groups of 2 consecutive dp ranks.
     """
 
     axes: tuple[tuple[str, int], ...]
     dp_split: tuple[int, int] | None  # hybrid sharding: (replicate, shard) sizes of dp; None: plain dp
+    ep: int  # expert parallelism: dp ranks that split the routed experts (1: every rank holds all)
 
     def __init__(self, **sizes: int | tuple[int, int]) -> None:
+        ep = sizes.pop("ep", 1)
+        if not _is_size(ep):
+            raise ValueError(f"mesh axis ep={ep!r} must be an integer >= 1")
         if not sizes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh(dp=2)")
         split = None
@@ -52,6 +63,12 @@ class Mesh:
         object.__setattr__(self, "axes", tuple((n, math.prod(s) if isinstance(s, tuple) else s)
                                                for n, s in sizes.items()))
         object.__setattr__(self, "dp_split", split)
+        object.__setattr__(self, "ep", ep)
+        dp = self["dp"]
+        if dp % ep:
+            fits = [k for k in range(1, dp + 1) if dp % k == 0]
+            raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism folds onto the dp ranks (dp = "
+                             f"ep_replicate x ep); use ep in {fits} or a dp that is a multiple of {ep}")
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> "Mesh":
@@ -98,6 +115,8 @@ class Mesh:
         """The size of ``axis`` or dp sub-axis (1 for an axis the mesh does not name)."""
         if axis in DP_SUBAXES:
             return self.dp_replicate if axis == DP_SUBAXES[0] else self.dp_shard
+        if axis in EP_SUBAXES:
+            return self.ep if axis == "ep" else self.dp // self.ep
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
         return dict(self.axes).get(axis, 1)
@@ -140,6 +159,9 @@ class Mesh:
         if axis in DP_SUBAXES:
             r, s = divmod(d["dp"], self.dp_shard)
             return r if axis == DP_SUBAXES[0] else s
+        if axis in EP_SUBAXES:
+            g, i = divmod(d["dp"], self.ep)
+            return i if axis == "ep" else g
         return d[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -163,7 +185,7 @@ class Mesh:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
-        if axis in DP_SUBAXES:
+        if axis in DP_SUBAXES + EP_SUBAXES:
             return [list(g) for g in dict.fromkeys(tuple(self.group_of(r, axis)) for r in range(self.size))]
         size = self[axis]
         others = [(n, s) for n, s in self.axes if n != axis]
@@ -184,6 +206,10 @@ class Mesh:
             r, s = divmod(c["dp"], n)
             dps = range(r * n, (r + 1) * n) if axis == DP_SUBAXES[1] else range(s, self.dp, n)
             return [self.rank_of(**{**c, "dp": d}) for d in dps]
+        if axis in EP_SUBAXES:
+            g, i = divmod(c["dp"], self.ep)
+            dps = range(g * self.ep, (g + 1) * self.ep) if axis == "ep" else range(i, self.dp, self.ep)
+            return [self.rank_of(**{**c, "dp": d}) for d in dps]
         return [self.rank_of(**{**c, axis: i}) for i in range(self[axis])]
 
     def check_world_size(self, world_size: int) -> None:
@@ -199,7 +225,8 @@ class Mesh:
             raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks (0..{self.size - 1})")
 
     def _sizes(self) -> list[str]:
-        return [f"{n}={self.dp_split if n == 'dp' and self.dp_split else s}" for n, s in self.axes]
+        sizes = [f"{n}={self.dp_split if n == 'dp' and self.dp_split else s}" for n, s in self.axes]
+        return sizes + [f"ep={self.ep}"] if self.ep > 1 else sizes
 
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(self._sizes()) + ")"

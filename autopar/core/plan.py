@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.core.expert_layout import ExpertLayer, ExpertParam, render_experts
 from autopar.core.mesh import Mesh
 
 
@@ -263,6 +264,8 @@ class Plan:
     precision: str | None = None  # mixed precision: what each dtype is (None: the model's own dtype throughout)
     recompute: RecomputePlan | None = None  # None: every activation is kept for backward
     loss_counts: tuple[str, ...] = ()  # loss nodes divided by the whole batch's count (``passes/loss_count.py``)
+    experts: tuple[ExpertLayer, ...] = ()  # expert parallelism: each layer's routed experts over ep
+    expert_params: dict[str, ExpertParam] = field(default_factory=dict)  # where each expert parameter lives
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -290,7 +293,8 @@ class Plan:
             lines.append(f"    {alias} is tied to {canonical} (one tensor, gradients summed)")
         width = max((len(p.name) for p in self.params), default=0)
         for p in self.params if per_parameter else []:
-            lines.append(f"    {p.name:<{width}}  {str(list(p.shape)):<16} {p.render_placement()}")
+            expert = f"; {self.expert_params[p.name].render()}" if p.name in self.expert_params else ""
+            lines.append(f"    {p.name:<{width}}  {str(list(p.shape)):<16} {p.render_placement()}{expert}")
         if self.pipeline is not None:
             pipeline = self.pipeline.render()
             lines.append("  pipeline: " + pipeline[0])
@@ -299,6 +303,8 @@ class Plan:
             layer = self.tensor_parallel.render()
             lines.append("  tensor parallelism, " + layer[0])
             lines += layer[1:]
+        if self.experts:
+            lines += ["  " + line for line in render_experts(list(self.experts), self.mesh)]
         if self.recompute is not None:
             recompute = self.recompute.render()
             lines.append("  activation recomputation: " + recompute[0])
