@@ -219,7 +219,7 @@ def test_ranks_sharing_cores_are_simulated(gpt2_profile) -> None:
 
 
 def test_errors_name_the_problem_and_the_fix(gpt2_profile) -> None:
-    with pytest.raises(ValueError, match="unknown cluster 'dgx-b300'; the presets are dgx-a100, dgx-h100, cpu"):
+    with pytest.raises(ValueError, match="unknown cluster 'dgx-b300'; the presets are dgx-a100, dgx-h100, grand-teton-h100, cpu"):
         Cluster.preset("dgx-b300")
     with pytest.raises(ValueError, match="stages_per_rank=2 needs schedule='interleaved-1f1b'"):
         Config(dp=1, pp=2, stages_per_rank=2)

@@ -358,7 +358,6 @@ class CostModel:
         if key not in self._per_stage:
             cl = self.cluster
             modes = c.layer_modes(st)
-            again = self.recompute_collectives and any(m != "none" for m in modes)
             out = []
             for mode, u in zip(modes, st):
                 matmul = u.flops / (cl.peak(self.precision.name) * cl.efficiency)
@@ -366,6 +365,7 @@ class CostModel:
                 forward, backward = self._tp_seconds(u, c.tp, tp_link)
                 f = matmul + other
                 redo = recompute_cost.redo(mode, u, matmul, other)
+                again = self.recompute_collectives and mode == "full"  # Megatron's full recomputation only
                 out.append((f, 2 * f + redo, forward, backward + (forward if again else 0), redo))
             self._per_stage[key] = out
         return self._per_stage[key]
