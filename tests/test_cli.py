@@ -186,7 +186,7 @@ def test_a_factorys_arguments_are_literals_never_evaluated() -> None:
     (["--devices", "8", "--set", "devices_per_node=0"], "devices_per_node=0 must be an integer >= 1"),
     (["--devices", "8", "--set", "memory=lots"], "--set 'memory=lots': 'lots' is not a number"),
     (["--devices", "8", "--set", "hbm=80e9"], "--set: unknown field hbm; the fields are name, devices_per_node"),
-    (["--devices", "8", "--cluster", "dgx-b200"], "--cluster dgx-b200: not a preset (dgx-a100, dgx-h100, cpu) nor a"),
+    (["--devices", "8", "--cluster", "dgx-b200"], "--cluster dgx-b200: not a preset (dgx-a100, dgx-h100, grand-teton-h100, cpu) nor a"),
 ])
 def test_plan_errors_name_the_option_or_field_and_its_value(capsys, options: list[str], message: str) -> None:
     assert main(["plan", "autopar.planner:gpt3_175b", *options]) == 1

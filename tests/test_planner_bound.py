@@ -2,11 +2,12 @@
 
 A small GPT on 64 DGX-A100 devices, with less memory per device so that some
 configurations do not fit and the search adds recomputation mixes and
-sequence-parallel twins: the plan that times only what can rank and the
-exhaustive one (``top=None``) give the same first rows, the same explanation
-(it compares the best with the best of every other tp and pp size, and reads
-ZeRO, recomputation and sequence-parallel twins) and the same best of each tp
-and pp size, while the first times a small share of the configurations. The
+sequence-parallel twins, and hybrid-sharded meshes (ZeRO over a shard group
+inside a node): the plan that times only what can rank and the exhaustive one
+(``top=None``) give the same first rows, the same explanation (it compares the
+best with the best of every other tp and pp size and of the other kind of
+sharding, and reads ZeRO, recomputation and sequence-parallel twins) and the
+same best of each tp and pp size and of hybrid and plain sharding, while the first times a small share of the configurations. The
 lower bound is below the step time of every configuration that fits.
 """
 from __future__ import annotations
@@ -27,9 +28,9 @@ def profile():
 
 def _best_by(candidates: list, axis: str) -> dict[int, object]:
     best: dict[int, object] = {}
-    for c in candidates:  # ranked: the first of each size is its best
+    for c in candidates:  # ranked: the first of each size (of hybrid sharding or not) is its best
         if c.fits:
-            best.setdefault(getattr(c.config, axis), c.config)
+            best.setdefault(c.config.dp_shard > 0 if axis == "hybrid" else getattr(c.config, axis), c.config)
     return best
 
 
@@ -43,9 +44,10 @@ def test_branch_and_bound_ranks_as_the_exhaustive_search(profile, memory: float)
     assert [(c.config, c.step_time) for c in fast.candidates[:TOP]] == \
         [(c.config, c.step_time) for c in full.candidates[:TOP]]
     assert fast.explanation == full.explanation
-    for axis in ("tp", "pp"):
+    for axis in ("tp", "pp", "hybrid"):
         assert _best_by(fast.candidates, axis) == _best_by(full.candidates, axis)
     assert any(c.config.sequence_parallel for c in full.candidates)  # the twins are part of the search
+    assert len(_best_by(full.candidates, "hybrid")) == 2  # hybrid sharding is too, and some of it fits
     for c in full.candidates:
         if c.fits:
             assert full.cost.step_time_bound(c.config) <= c.step_time * (1 + 1e-12), c.config.describe()

@@ -19,6 +19,7 @@ from autopar import Mesh, parallelize
 from autopar.planner import gpt, plan
 from autopar.planner.cluster import Cluster, Link
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel, precision_of
+from autopar.planner.megatron import HELD_OUT_ERROR
 from autopar.planner.model_profile import profile_model
 from autopar.planner.step_sim import Kind, simulate
 
@@ -147,4 +148,4 @@ def test_the_plan_says_what_each_axis_link_carries_and_when_the_lead_is_within_t
     for axis in best.links:
         assert f"{axis} (" in text
     lead = result.candidates[1].step_time / result.best.step_time - 1
-    assert ("within the calibration's held-out error of 5%" in text) == (lead < 0.05)
+    assert (f"within the calibration's held-out error of {HELD_OUT_ERROR:.0%}" in text) == (lead < HELD_OUT_ERROR)

@@ -134,7 +134,7 @@ def plan(argv: list[str]) -> int:
     p.add_argument("factory", help="MODULE:FACTORY or 'MODULE:FACTORY(ARGS)' (literal arguments) returning a model "
                    "or (model, inputs[, target, loss_fn]), e.g. 'autopar.planner:gpt(128, 25600, 160)'")
     p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100, cpu, or a JSON file describing one "
+    p.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100, grand-teton-h100, cpu, or a JSON file describing one "
                    "(Cluster's fields; intra and inter as {\"bandwidth\": ..., \"latency\": ...})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="change a figure of the cluster, e.g. --set memory=40e9 --set inter.bandwidth=12.5e9")

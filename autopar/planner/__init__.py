@@ -25,14 +25,16 @@ and ranking: ``plan``, ``Candidate``, ``PlanResult``),
 ``autopar/planner/report.py`` (the table and the explanation),
 ``autopar/planner/auto.py`` (``parallelize(model, "auto")``). This module is
 their entry point, with model factories for planning (``autopar/planner/gpt.py``: ``gpt(layers, hidden,
-heads)``, ``gpt3_175b``, ``gpt_1t``; plain torch, no Hugging Face needed).
+heads)``, ``gpt3_175b``, ``gpt_1t``; ``autopar/planner/llama.py``: ``llama(layers, hidden, heads, kv_heads,
+ffn)``, ``llama3_8b``, ``llama3_70b``, ``llama3_405b``; plain torch, no Hugging Face needed).
 """
 from __future__ import annotations
 
 from autopar.planner.auto import auto_choice, sequence_of
 from autopar.planner.gpt import GPT, gpt, gpt3_175b, gpt_1t
+from autopar.planner.llama import Llama, llama, llama3_8b, llama3_70b, llama3_405b
 from autopar.planner.report import explain
 from autopar.planner.search import Candidate, PlanResult, plan, search_space
 
 __all__ = ["Candidate", "PlanResult", "plan", "search_space", "explain", "auto_choice", "sequence_of", "GPT", "gpt",
-           "gpt3_175b", "gpt_1t"]
+           "gpt3_175b", "gpt_1t", "Llama", "llama", "llama3_8b", "llama3_70b", "llama3_405b"]

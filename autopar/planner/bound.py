@@ -5,9 +5,10 @@ what fits, and by how much the others do not, is needed of each. Their step
 time costs more (the zero-bubble schedules' bubble is simulated, ZeRO-3's
 collectives counted per flat group) and only a few of them are read: the best
 ``top`` that fit (the table), the best of each mesh (the explanation compares
-the best with every other tp and pp size; the measured checks run each mesh's
-best) and the best that autopar runs. ``timed_candidates`` bounds each fitting
-configuration's step time from below (``CostModel.step_time_bound``: the step
+the best with every other tp and pp size and with the best with or without
+hybrid sharding; the measured checks run each mesh's best) and the best that
+autopar runs. ``timed_candidates`` bounds each fitting configuration's step
+time from below (``CostModel.step_time_bound``: the step
 without those two dear parts, exact otherwise), visits them from the lowest
 bound up, and times one only while its bound could still beat one of those.
 
@@ -75,6 +76,7 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
 
 
 def _groups(c: Candidate) -> list[tuple]:
-    """The groups whose best the plan reports: its tp size, its pp size, and the configurations autopar runs."""
+    """The groups whose best the plan reports: its tp size, its pp size, hybrid sharding or not, and the
+    configurations autopar runs."""
     cfg = c.config
-    return [("tp", cfg.tp), ("pp", cfg.pp)] + [("runnable",)] * c.runnable
+    return [("tp", cfg.tp), ("pp", cfg.pp), ("hybrid", cfg.dp_shard > 0)] + [("runnable",)] * c.runnable

@@ -169,7 +169,7 @@ class Cluster:
 
     @classmethod
     def preset(cls, name: str) -> Cluster:
-        """``"dgx-a100"``, ``"dgx-h100"`` or ``"cpu"``."""
+        """``"dgx-a100"``, ``"dgx-h100"``, ``"grand-teton-h100"`` or ``"cpu"``."""
         key = name.lower().replace("_", "-")
         if key not in PRESETS:
             raise ValueError(f"unknown cluster {name!r}; the presets are {', '.join(PRESETS)} "
@@ -381,6 +381,14 @@ def _measure_rank(seconds: float) -> dict[str, float]:
 A100_EFFICIENCY = 0.77
 A100_NARROW = 500.0
 
+# Grand Teton (the H100 hosts of torchtitan's published Llama 3 runs, benchmarks/llama3_h100_202412_torchtitan.md):
+# 8 H100 per host on NVLink 4 (450 GB/s per direction), 96 GB HBM2e at 2.4 TB/s, one 400 Gb/s RDMA link per GPU,
+# a 500 W power limit. Peak: the SXM data sheet's 989 TFLOP/s dense bf16 (torchtitan's MFU uses it; at 500 W the
+# real peak lies between the NVL's 835 and it, which the fitted efficiency absorbs). Efficiency: fitted to
+# torchtitan's eager Llama 3.1 8B FSDP run on 8 GPUs alone (autopar/planner/published.py, FITTED); narrow: the
+# A100 fit's.
+H100_500W_EFFICIENCY = 0.436
+
 # gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
 _CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5, p2p_latency=6e-5)
@@ -394,6 +402,10 @@ PRESETS: dict[str, Cluster] = {
         name="DGX-H100 (8 x H100 80GB per node)", devices_per_node=8, memory=80 * GB,
         peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
         efficiency=A100_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=3350 * GB),
+    "grand-teton-h100": Cluster(
+        name="Grand Teton (8 x H100 96GB HBM2e at 500 W per node)", devices_per_node=8, memory=90 * GB,
+        peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
+        efficiency=H100_500W_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=2400 * GB),
     # this machine's CPU ranks (2 cores, gloo over loopback), as Cluster.measure_local(4) measured them
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,

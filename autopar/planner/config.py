@@ -1,5 +1,9 @@
 """One way to run a training step, as the planner names it: mesh, ZeRO stage, schedule, microbatches, recomputation.
 
+Hybrid sharding (``dp_shard``): ZeRO shards over ``dp_shard`` of the dp ranks
+(one replica) and the ``dp // dp_shard`` replicas all-reduce their shards'
+gradients once per step, as ``Mesh(dp=(replicate, shard))`` runs it (docs/zero.md).
+
 Recomputation is one mode for every layer (``recompute``), or Megatron-LM's
 mix: the first ``full_layers`` layers of every pipeline stage recompute fully
 and the others use ``recompute`` ("none" or "selective"), so that only as
@@ -38,6 +42,7 @@ class Config:
     zero_prefetch: int = 1
     full_layers: int = 0  # with recompute "none" or "selective": the first this many layers of each stage "full"
     sequence_parallel: bool = False  # tp > 1: the values between tensor-parallel regions sharded too
+    dp_shard: int = 0  # hybrid sharding: ZeRO over this many dp ranks, dp // dp_shard replicas; 0: over all of dp
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -59,6 +64,10 @@ class Config:
             raise ValueError(f"full_layers={self.full_layers!r} must be an integer >= 0")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True shards values over the tp axis; it needs tp > 1")
+        if self.dp_shard and (self.zero == 0 or not 1 < self.dp_shard < self.dp or self.dp % self.dp_shard):
+            raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) needs zero >= 1 (got {self.zero}) and a "
+                             f"shard size between 2 and dp={self.dp} that divides it; use dp_shard=0 for ZeRO over "
+                             "all of dp")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
@@ -66,6 +75,20 @@ class Config:
     @property
     def devices(self) -> int:
         return self.dp * self.pp * self.tp
+
+    @property
+    def zero_ranks(self) -> int:
+        """The dp ranks ZeRO divides by: the shard size under hybrid sharding, else all of dp."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the ZeRO shards whose gradients are all-reduced once per step (1 without hybrid sharding)."""
+        return self.dp // self.zero_ranks
+
+    def dp_label(self) -> str:
+        """``"8"``, or under hybrid sharding the mesh's spelling ``"(2, 4)"``: replicas, shards."""
+        return f"({self.replicas}, {self.dp_shard})" if self.dp_shard else str(self.dp)
 
     @property
     def global_batch(self) -> int:
@@ -98,7 +121,8 @@ class Config:
         return out
 
     def describe(self) -> str:
-        mesh = f"dp={self.dp} pp={self.pp} tp={self.tp}" + (" sequence-parallel" if self.sequence_parallel else "")
+        sp = " sequence-parallel" if self.sequence_parallel else ""
+        mesh = f"dp={self.dp_label()} pp={self.pp} tp={self.tp}{sp}"
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"

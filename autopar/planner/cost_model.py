@@ -24,7 +24,7 @@ from autopar.planner.bubble import Bubbles
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
-from autopar.planner.estimate import AxisLinks, Estimate, largest_fitting
+from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
 from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
@@ -174,7 +174,7 @@ class CostModel:
         split = config.schedule in ZERO_BUBBLE and config.pp > 1 if split is None else split
         out = []
         for stages in self._rank_units(config, config.microbatch_size):
-            calls, elements = reduce_scatters([u for st in stages for u in st], config.dp, split)
+            calls, elements = reduce_scatters([u for st in stages for u in st], config.zero_ranks, split)
             out.append((config.microbatches * calls, float(config.microbatches * elements * self.precision.grad)))
         return out
 
@@ -193,7 +193,7 @@ class CostModel:
 
     def _memory(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> dict[str, Any]:
         total, trainable = self._state_elements(stages)
-        return {**state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.dp),
+        return {**state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks),
                 "activations": self._activations(c, stages, rank),
                 "buffers": self._buffers(c, stages, trainable)}
 
@@ -285,7 +285,7 @@ class CostModel:
         cl = self.cluster
         step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
         trainable = [self._state_elements(stages)[1] for stages in ranks]
-        optimizer = [t * step_bytes / (c.dp if c.zero else 1) for t in trainable]
+        optimizer = [t * step_bytes / (c.zero_ranks if c.zero else 1) for t in trainable]
         # a gradient added into an existing one reads two and writes one: every microbatch after the first
         # (stages 0-1); stage 1's first too, since its gradients are views of the flat buffer it reduces
         adds = c.microbatches - 1 + (c.zero == 1) if c.zero < 2 else 0
@@ -298,10 +298,10 @@ class CostModel:
         compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: number(t[0] + t[1] + t[2]))
         m = c.microbatches
         sync = self._pipeline_sync(c, ranks, links[1])
-        streams = tuple(self._stream(span) for span in (spans[2], spans[0]))
+        shard, streams = self._dp_links(c)
         serial, dp = self.data_parallel.time(
-            c, ranks, lambda stages: [t for st in stages for t in self._unit_seconds(c, st, links[0])], links[2],
-            streams, max(trainable), (c.recompute, c.full_layers, id(links[0])))
+            c, ranks, lambda stages: [t for st in stages for t in self._unit_seconds(c, st, links[0])],
+            (shard, links[2]), streams, max(trainable), (c.recompute, c.full_layers, id(links[0])))
         out = {
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
@@ -319,16 +319,7 @@ class CostModel:
             work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
                 cl.cores * nodes)
             out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
-        axes = {}
-        if numeric:
-            for axis, size, span, busy, exposed, extra in (
-                    ("dp", c.dp, spans[2], serial + dp.busy, out["data_parallel"], dp.contention),
-                    ("tp", c.tp, spans[0], out["tensor_parallel"], out["tensor_parallel"], 0.0),
-                    ("pp", c.pp, spans[1], out["pipeline_p2p"], out["pipeline_p2p"], 0.0)):
-                if size > 1:
-                    link = cl.link(span)
-                    axes[axis] = AxisLinks(self._stream(span), link.bandwidth, float(busy), float(exposed),
-                                           float(extra))
+        axes = axis_links(c, cl, out, serial, dp) if numeric else {}
         return out, axes
 
     def step_program(self, config: Config, rank: int = 0, microbatches: int | None = None) -> list:
@@ -346,8 +337,15 @@ class CostModel:
         ranks = self._rank_units(config, config.microbatch_size)
         tp_link = self.cluster.link(config.tp)
         units = [t for st in ranks[rank] for t in self._unit_seconds(config, st, tp_link)]
-        return (ranks[rank], units, self.cluster.link(config.devices),
-                (self._stream(config.devices), self._stream(config.tp)))
+        shard, streams = self._dp_links(config)
+        return ranks[rank], units, (shard, self.cluster.link(config.devices)), streams
+
+    def _dp_links(self, c: Config) -> tuple[Any, tuple[str, ...]]:
+        """The link ZeRO's (or DDP's) collectives run on (a shard group spreads over ``zero_ranks * pp * tp``
+        consecutive ranks: inside a node where that fits), and the names of that link, the tp link and the link of
+        all of dp (hybrid sharding's all-reduce across replicas)."""
+        span = c.zero_ranks * c.pp * c.tp
+        return self.cluster.link(span), (self._stream(span), self._stream(c.tp), self._stream(c.devices))
 
     def _stream(self, span: int) -> str:
         """The link a group of ranks spread over ``span`` consecutive ranks runs on: inside a node, or between."""
@@ -360,7 +358,6 @@ class CostModel:
         if key not in self._per_stage:
             cl = self.cluster
             modes = c.layer_modes(st)
-            again = self.recompute_collectives and any(m != "none" for m in modes)
             out = []
             for mode, u in zip(modes, st):
                 matmul = u.flops / (cl.peak(self.precision.name) * cl.efficiency)
@@ -368,6 +365,7 @@ class CostModel:
                 forward, backward = self._tp_seconds(u, c.tp, tp_link)
                 f = matmul + other
                 redo = recompute_cost.redo(mode, u, matmul, other)
+                again = self.recompute_collectives and mode == "full"  # Megatron's full recomputation only
                 out.append((f, 2 * f + redo, forward, backward + (forward if again else 0), redo))
             self._per_stage[key] = out
         return self._per_stage[key]

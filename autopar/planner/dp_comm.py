@@ -38,7 +38,7 @@ from autopar.planner.segment_values import SegmentValues
 from autopar.planner.step_program import Buckets, DataParallelPlan, Unit, step_program
 from autopar.planner.step_sim import Kind, simulate
 
-DP_KINDS = (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER, Kind.BUCKET)
+DP_KINDS = (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER, Kind.BUCKET, Kind.REPLICATE)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Exposure:
     exposed: Any = 0.0
     contention: Any = 0.0
     busy: Any = 0.0
+    replicate: Any = 0.0  # hybrid sharding: seconds of the all-reduce across replicas (after backward: exposed)
 
 
 @dataclass(frozen=True)
@@ -98,36 +99,39 @@ class DataParallel:
     cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def time(self, c: Any, ranks: list[list[list[SegmentValues]]], seconds: Callable[[Any], list[tuple]],
-             link: Link, streams: tuple[str, str], trainable: int, same: tuple = ()) -> tuple[Any, Exposure]:
+             links: tuple[Link, Link], streams: tuple[str, ...], trainable: int,
+             same: tuple = ()) -> tuple[Any, Exposure]:
         """(seconds of the dp collectives that never overlap compute, the simulated ``Exposure`` of the others)
         of config ``c``: the slowest rank's. ``seconds(stages)``: each unit's (forward, backward, tp forward,
         tp backward, ...) seconds per microbatch of a rank's stages, alike for every configuration of the same
-        ``same`` (a key); ``streams``: the dp and the tp link's names (one name: one link);
+        ``same`` (a key); ``links``: ZeRO's (the shard group's under hybrid sharding) and all of dp's;
+        ``streams``: the names of ZeRO's, the tp and all of dp's link (one name: one link);
         ``trainable``: the most trainable elements a rank holds. With the microbatch size symbolic nothing is
         simulated: the exposure is 0 (a lower bound)."""
         if c.dp == 1:
             return 0, Exposure()
-        loss = ring_all_reduce(8, c.dp, link.p2p())  # the step's loss averaged over dp: one element, no payload
+        link, whole = links
+        loss = ring_all_reduce(8, c.dp, whole.p2p())  # the step's loss averaged over dp: one element, no payload
         serial = loss
         if c.zero in (1, 2):  # the updated shards gathered after the optimizer step
-            serial += ring_gather(trainable * self.precision.param, c.dp, link,
+            serial += ring_gather(trainable * self.precision.param, c.zero_ranks, link,
                                   self._buckets(trainable * self.precision.grad).count)
         if isinstance(ranks[0][0][0].flops, sympy.Basic):  # (every unit is at one b)
             return serial, Exposure()
-        worst = max((self.exposure(c, stages, seconds, link, streams, same) for stages in ranks),
+        worst = max((self.exposure(c, stages, seconds, links, streams, same) for stages in ranks),
                     key=lambda e: e.exposed + e.contention)
         return serial, worst
 
     def exposure(self, c: Any, stages: list[list[SegmentValues]], seconds: Callable[[Any], list[tuple]],
-                 link: Link, streams: tuple[str, str], same: tuple) -> Exposure:
+                 links: tuple[Link, Link], streams: tuple[str, ...], same: tuple) -> Exposure:
         """One rank's simulated ``Exposure`` (see ``time``): up to two microbatches simulated whole; more, as one
         and two, the second's difference repeated (each microbatch after the first enters as the second did: one
         reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
         compares both with the whole program)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
-        key = ("sim", id(stages), same, c.dp, c.zero, split, c.zero_prefetch, id(link), streams)
+        key = ("sim", id(stages), same, c.dp, c.dp_shard, c.zero, split, c.zero_prefetch, *map(id, links), streams)
         if key not in self.cache:
-            self.cache[key] = ({}, self._units(c, stages, seconds(stages), link, streams[0], split))
+            self.cache[key] = ({}, self._units(c, stages, seconds(stages), links, streams, split))
         sims, (units, plan) = self.cache[key]
 
         def run(m: int) -> tuple[float, float, float]:
@@ -143,36 +147,36 @@ class DataParallel:
                         base += e.seconds
                     elif e.kind in DP_KINDS:
                         busy += e.seconds
-                    if k + 1 in ends:  # a shorter program's numbers, from this one's prefix
-                        span, lost = timeline.upto(k + 1)
-                        sims.setdefault(ends[k + 1], (span - base - lost, lost, busy))
+                    if k + 1 in ends:  # a shorter program's numbers, from this one's prefix (whose all-reduce
+                        span, lost = timeline.upto(k + 1)  # across replicas starts when everything has ended)
+                        sims.setdefault(ends[k + 1], (span + plan.replicate - base - lost, lost, busy + plan.replicate))
                 sims[m] = (timeline.makespan - base - timeline.stretch, timeline.stretch, busy)
             return sims[m]
 
         m = c.microbatches
         if c.zero < 2:  # reduced in the last microbatch only: the ones before add nothing to wait for
-            return Exposure(*run(1))
+            return Exposure(*run(1), plan.replicate)
         if m <= 2:
-            return Exposure(*run(m))
+            return Exposure(*run(m), plan.replicate)
         two, one = run(2), run(1)  # each microbatch after the first repeats the second
-        return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)))
+        return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)), plan.replicate)
 
     def _buckets(self, total: float, seconds: Any = None) -> Buckets:
         """The buckets ``total`` bytes of gradients make (``autopar.core.buckets.bucket_sizes``)."""
         return Buckets(total, min(first_cap(self.bucket_bytes), total), self.bucket_bytes, seconds)
 
-    def program(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], link: Link,
-                streams: tuple[str, str], microbatches: int | None = None) -> list:
+    def program(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], links: tuple[Link, Link],
+                streams: tuple[str, ...], microbatches: int | None = None) -> list:
         """The events of a rank's step (``step_program``), all ``microbatches`` of them (default: the config's)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
-        units, plan = self._units(c, stages, times, link, streams[0], split)
+        units, plan = self._units(c, stages, times, links, streams, split)
         return step_program(units, plan if c.dp > 1 else None, microbatches or c.microbatches, tp_link=streams[1])
 
-    def _units(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], link: Link, stream: str,
-               split: bool) -> tuple[list[Unit], DataParallelPlan]:
+    def _units(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], links: tuple[Link, Link],
+               streams: tuple[str, ...], split: bool) -> tuple[list[Unit], DataParallelPlan]:
         """The rank's units with their ZeRO-3 groups or gradient bytes, and what its dp axis runs."""
         flat = [u for st in stages for u in st]
-        p, n = self.precision, c.dp
+        p, n, (link, whole), stream = self.precision, c.zero_ranks, links, streams[0]
         groups: dict[Any, list[int]] = {}  # key -> [elements, deferred matmuls]
         uses: list[list[Any]] = []
         grads: list[float] = [0.0] * len(flat)
@@ -200,18 +204,22 @@ class DataParallel:
         names = tuple(f"unit {key[1]}" if key[0] == "own" else key[1] for key in groups)
         units = [Unit(*t[:4], groups=tuple(index[g] for g in mine), gradients=grad)
                  for t, mine, grad in zip(times, uses, grads)]
+        padded = [-(-e // n) * n for e, _ in groups.values()]
+        across = {}
+        if c.replicas > 1:  # hybrid sharding: each flat group's shard gradient all-reduced over the replicas
+            across = dict(replicate=ring_all_reduce(sum(padded) // n * p.grad, c.replicas, whole, len(padded)),
+                          replicate_link=streams[2])
         if c.zero == 3:
-            padded = [-(-e // n) * n for e, _ in groups.values()]
             again = [1 + (1 if split and d else 0) for _, d in groups.values()]
             plan = DataParallelPlan(
                 zero=3, link=stream, prefetch=c.zero_prefetch, names=names,
                 gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
-                reduce=tuple(t * ring_scatter(e * p.grad, n, link) for e, t in zip(padded, again)))
+                reduce=tuple(t * ring_scatter(e * p.grad, n, link) for e, t in zip(padded, again)), **across)
             return units, plan
         op = ring_all_reduce if c.zero == 0 else ring_scatter
         buckets = self._buckets(sum(grads), lambda nbytes, count: op(nbytes, n, link, count))
         return units, DataParallelPlan(zero=c.zero, link=stream, buckets=buckets, overlap=self.overlap,
-                                       names=names)
+                                       names=names, **across)
 
 
 def shared_all_reduce(ranks: list[list[list[SegmentValues]]], link: Link, grad_bytes: int) -> Any:

@@ -65,6 +65,24 @@ class Estimate:
         return self.model_flops / self.step_time / self.config.devices
 
 
+def axis_links(c: Config, cluster: Any, time: dict[str, Any], serial: Any, dp: Any) -> dict[str, AxisLinks]:
+    """Each mesh axis's ``AxisLinks`` in a step of ``c`` whose parts are ``time``: ``serial`` seconds of dp
+    collectives that never overlap and the simulated ``dp_comm.Exposure`` ``dp`` of the others. Under hybrid
+    sharding dp is two axes: ``dp_shard`` (ZeRO's collectives) and ``dp_replicate`` (the all-reduce across
+    replicas, after backward: all of it exposed). A group of ranks spread over ``span`` consecutive ranks runs
+    inside a node where ``span`` fits one."""
+    tp, tp_pp = c.tp, c.tp * c.pp
+    rows = [("dp_shard" if c.dp_shard else "dp", c.zero_ranks, c.zero_ranks * tp_pp, serial + dp.busy - dp.replicate,
+             time["data_parallel"] - dp.replicate, dp.contention)]
+    if c.dp_shard:
+        rows.append(("dp_replicate", c.replicas, c.devices, dp.replicate, dp.replicate, 0.0))
+    rows += [("tp", c.tp, tp, time["tensor_parallel"], time["tensor_parallel"], 0.0),
+             ("pp", c.pp, tp_pp, time["pipeline_p2p"], time["pipeline_p2p"], 0.0)]
+    return {axis: AxisLinks("intra" if span <= cluster.devices_per_node else "inter", cluster.link(span).bandwidth,
+                            float(busy), float(exposed), float(extra))
+            for axis, size, span, busy, exposed, extra in rows if size > 1}
+
+
 def largest_fitting(total: Any, memory: float) -> int:
     """The largest microbatch size ``b`` at which the memory expression ``total`` fits ``memory`` (0 when none).
 

@@ -24,9 +24,11 @@ MEGATRON_TABLE_1 = [
 # The DGX constants (autopar/planner/cluster.py) are fitted to the other seven rows (benchmarks/calibrate_a100.py); these
 # three, one per regime (tp only, tp with a short pipeline, a long pipeline), check runs the fit never saw.
 HELD_OUT_ROWS = (1, 4, 7)
-# The largest error of the held-out rows' predicted throughput (docs/planner.md: +3%, +2%, +5%): step times
-# closer than this are not told apart by the calibration (the plan's explanation says so).
-HELD_OUT_ERROR = 0.05
+# The largest error of the held-out runs' predicted throughput among the runs the model covers: these rows (+3%,
+# +2%, +5%) and the published runs of autopar/planner/published.py not in its MISSES (Korthikanti et al.'s 530B
+# with full recomputation, -8%; docs/planner.md): step times closer than this are not told apart by the
+# calibration (the plan's explanation says so).
+HELD_OUT_ERROR = 0.08
 
 
 def megatron_flops(batch: int, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "contention",
              "optimizer")
-AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline"}
+AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline",
+              "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, after backward"}
 
 
 # ---------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
         state = m["parameters"] + m["gradients"] + m["optimizer"]
         lines.append(
-            f"{i:>3}  {f'{cfg.dp} x {cfg.pp} x {cfg.tp}' + ('+sp' if cfg.sequence_parallel else ''):<18} "
+            f"{i:>3}  {f'{cfg.dp_label()} x {cfg.pp} x {cfg.tp}' + ('+sp' if cfg.sequence_parallel else ''):<18} "
             f"{cfg.zero:>4}  {sched:<18} "
             f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
@@ -98,7 +99,7 @@ def explain(result: PlanResult) -> list[str]:
                    f"{gb(best.total_memory)}; add devices, lower the global batch or sequence, or use recomputation")
         return out
     c, e = best.config, best.estimate
-    out += _zero_reason(result)
+    out += _zero_reason(result) + _hybrid_reason(result)
     b_max = result.max_microbatch_size(c)
     expr = result.memory_expr(c)
     at_one, at_two = float(expr.subs(b_sym, 1)), float(expr.subs(b_sym, 2))
@@ -223,7 +224,7 @@ def _zero_reason(result: PlanResult) -> list[str]:
     for z in range(4):
         if z == c.zero:
             continue
-        twin = result.candidate(dataclasses.replace(c, zero=z))
+        twin = result.candidate(dataclasses.replace(c, zero=z, dp_shard=c.dp_shard if z else 0))
         if twin is None:
             continue
         verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
@@ -232,6 +233,35 @@ def _zero_reason(result: PlanResult) -> list[str]:
         out.append(f"zero={z} instead of {c.zero}: parameters+gradients+optimizer {gb(state(twin))} vs "
                    f"{gb(state(best))} per device; {verdict}")
     return out[:2]
+
+
+def _hybrid_reason(result: PlanResult) -> list[str]:
+    """Why hybrid sharding wins or loses: the best against the best of the other kind (with or without it)."""
+    best = result.candidates[0]
+    hybrid = best.config.dp_shard > 0
+    other = next((x for x in result.candidates if x.fits and (x.config.dp_shard > 0) != hybrid), None)
+    if other is None:
+        tried = [x for x in result.every.values() if x.config.dp_shard]
+        if hybrid or not tried:
+            return []
+        least = min(tried, key=lambda x: x.total_memory)
+        return [f"hybrid sharding does not fit: its shard group stays inside a node (shard x pp x tp <= "
+                f"{result.cluster.devices_per_node}), and its smallest configuration ({least.config.describe()}) "
+                f"needs {gb(least.total_memory)} per device > {gb(result.cluster.memory)}"]
+    h = best if hybrid else other
+    c, link = h.config, h.estimate.links.get("dp_shard")
+    where = "inside a node" if link is not None and link.link == "intra" else "between nodes"
+    across = h.estimate.links["dp_replicate"].busy if "dp_replicate" in h.estimate.links else 0.0
+    how = (f"dp=({c.replicas}, {c.dp_shard}) shards ZeRO-{c.zero} over {c.dp_shard} ranks {where} and all-reduces "
+           f"each shard's gradients across the {c.replicas} replicas after backward, {_seconds(across)} exposed "
+           f"(docs/zero.md)")
+    ratio = other.step_time / best.step_time
+    worse = _biggest_difference(other, best)
+    if hybrid:
+        return [f"hybrid sharding wins: {how}; the best without it ({other.config.describe()}) takes "
+                f"{_seconds(other.step_time)}, {ratio:.2f}x" + (f" ({worse})" if worse else "")]
+    return [f"hybrid sharding loses: its best ({c.describe()}) takes {_seconds(h.step_time)}, {ratio:.2f}x the best"
+            + (f" ({worse})" if worse else "") + f"; {how}"]
 
 
 def _recompute_reason(result: PlanResult) -> list[str]:

@@ -62,6 +62,8 @@ class Candidate:
     def mesh(self) -> Mesh:
         c = self.config
         sizes = {k: v for k, v in (("dp", c.dp), ("pp", c.pp), ("tp", c.tp)) if v > 1}
+        if c.dp_shard:  # hybrid sharding: Mesh(dp=(replicate, shard))
+            sizes["dp"] = (c.replicas, c.dp_shard)
         return Mesh(**(sizes or {"dp": 1}))
 
     @property
@@ -87,7 +89,8 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
         return {
-            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "zero": c.zero, "schedule": c.schedule,
+            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "dp_shard": c.dp_shard, "zero": c.zero,
+            "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
             "sequence_parallel": c.sequence_parallel,
@@ -195,6 +198,7 @@ def plan(
     overlap_grad_sync: bool = True,
     scatter_gather: bool = False,
     recompute_collectives: bool = False,
+    hybrid: bool = True,
     profile: ModelProfile | None = None,
     top: int | None = 20,
 ) -> PlanResult:
@@ -217,7 +221,9 @@ def plan(
     recomputation modes searched ("none", "selective", "full"; True is
     "full"). ``recompute_collectives``: full recomputation runs the tp
     all-reduces again and keeps only layer inputs (Megatron-LM) rather than
-    keeping the collectives' outputs (autopar). ``profile``: reuse a
+    keeping the collectives' outputs (autopar). ``hybrid``: also hybrid
+    sharding at ZeRO 1-3: ZeRO over shard groups inside a node (each shard size that divides dp and keeps a
+    group's ``shard * pp * tp`` ranks in one node), an all-reduce across the replicas. ``profile``: reuse a
     ``profile_model`` result (planning several clusters or batch sizes).
     ``top``: rank exactly the best ``top`` configurations, the best of each
     tp and each pp size and the best autopar runs; the step time of a
@@ -240,8 +246,10 @@ def plan(
     cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
                      overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather,
                      recompute_collectives=recompute_collectives)
+    node = cluster.devices_per_node if hybrid else 0
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
-                                              recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch)
+                                              recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch,
+                                              node=node)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
     evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
     evaluated += sequence_parallel(cost, evaluated, cluster, prec, profile)
@@ -270,8 +278,10 @@ def plan(
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
                  schedules: tuple[str, ...] = SCHEDULE_NAMES,
                  recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
-                 pp: tuple[int, ...] | None = None, max_microbatch: int = 16) -> Iterator[Config]:
-    """Every configuration of ``devices`` devices that splits ``global_batch`` evenly."""
+                 pp: tuple[int, ...] | None = None, max_microbatch: int = 16, node: int = 0) -> Iterator[Config]:
+    """Every configuration of ``devices`` devices that splits ``global_batch`` evenly; with ``node`` (devices per
+    node), at ZeRO 1-3 also hybrid sharding over each shard size whose group of ``shard * pp * tp`` consecutive
+    ranks stays inside a node (``Config.dp_shard``)."""
     layers = sum(seg.count for seg in profile.layers)
     for t in sorted(profile.tp_sizes):
         if devices % t or (tp is not None and t not in tp):
@@ -287,9 +297,10 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
                 m = local // b
                 for sched, v in _schedules(schedules, p, m, layers):
                     for z in [z for z in zero if dp > 1 or z == 0]:
-                        for rc in recompute:
-                            yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
-                                         microbatches=m, microbatch_size=b, recompute=rc)
+                        for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
+                            for rc in recompute:
+                                yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
+                                             microbatches=m, microbatch_size=b, recompute=rc, dp_shard=shard)
 
 
 def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:

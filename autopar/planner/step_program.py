@@ -21,6 +21,11 @@ adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
   did). ZeRO-2 reduces in every microbatch, ZeRO 0 and 1 in the last only;
   ZeRO 1-2's reductions share ZeRO's queue (one in flight), DDP's all-reduces
   do not wait for each other. All are waited for at the end of the step.
+- **Hybrid sharding** (``replicate``): once the step's last reduction has
+  ended (``runtime/zero.py``'s ``finish``: ZeRO's queue drained), one
+  all-reduce of every flat group's shard gradient across the replicas, all in
+  flight together (one event on the replicas' link), before the optimizer:
+  nothing computes beside it, so all of it shows.
 
 Invariant: every ZeRO-3 group is gathered once per forward and once per
 backward and reduce-scattered once per microbatch; every bucket is reduced
@@ -85,6 +90,8 @@ class DataParallelPlan:
     buckets: Buckets | None = None  # ZeRO 0-2
     overlap: bool = True  # buckets issued as backward produces them
     names: tuple[str, ...] = ()  # each group's name ("unit 3": a unit's own parameters; a module's name)
+    replicate: float = 0.0  # hybrid sharding: seconds of the shards' all-reduce across replicas, after backward
+    replicate_link: str = ""
 
 
 class _Builder:
@@ -137,6 +144,9 @@ def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: i
             _backward_with_buckets(b, units, dp if reduces else None)
         if marks is not None:
             marks.append(len(b.events))
+    if dp is not None and dp.replicate:  # after every reduction of the step has ended
+        b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "reductions done")
+        b.pending = [b.collective(Kind.REPLICATE, "all_reduce replicas", dp.replicate, dp.replicate_link)]
     b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "end of step")
     return b.events
 

@@ -38,6 +38,7 @@ class Kind(enum.Enum):
     REGATHER = "regather"  # ... and again for backward
     REDUCE_SCATTER = "reduce_scatter"  # ZeRO-3: a layer's gradient
     BUCKET = "bucket"  # ZeRO 0-2: a gradient bucket's all-reduce or reduce-scatter
+    REPLICATE = "replicate"  # hybrid sharding: the shards' gradients all-reduced across replicas
 
 
 class Event(NamedTuple):
