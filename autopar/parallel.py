@@ -57,7 +57,7 @@ class ParallelModel:
     def graph(self, rank: int) -> fx.GraphModule:
         """The rewritten GraphModule that ``rank`` runs (most recently compiled program)."""
         self.mesh.coords(rank)  # validates the rank
-        return self._programs.require().graphs[rank]
+        return self._programs.require().graph(rank)
 
     # run time ---------------------------------------------------------------
     def _runtime(self, program: Program) -> RankRuntime:
@@ -174,7 +174,7 @@ class ParallelModel:
         program = self._programs.require()
         rt = self._runtime(program)
         local = local_state(self.model, self.mesh, program, rt.groups.rank, state)
-        if program.stages is not None:  # other stages' parameters are not kept here: nothing to load into them
+        if program.pipelined:  # other stages' parameters are not kept here: nothing to load into them
             aliases, empty = tied_aliases(self.model), released(self.model)
             local = {k: empty.get(aliases.get(k, k), v) for k, v in local.items()}
         if rt.zero is not None:

@@ -44,7 +44,7 @@ def is_empty(batch: Any) -> bool:
 
 def reads_batch(program: Program, rank: int) -> bool:
     """Whether a stage ``rank`` computes reads a user input or the target (its rank must pass its batch)."""
-    return any(s.kind == "input" for st in program.own_stages(rank) or program.run_stages(rank) for s in st.slots)
+    return any(s.kind == "input" for st in program.own_stages(rank) for s in st.slots)
 
 
 def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, microbatches: int,

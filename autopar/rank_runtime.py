@@ -16,7 +16,7 @@ from autopar.core.collectives import Binding, set_process_binding
 from autopar.core.mesh import Mesh
 from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
-from autopar.program import Program, shared_parameters
+from autopar.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce
 from autopar.runtime.groups import Groups, join
 from autopar.runtime.master import Masters, build_optimizer
@@ -39,7 +39,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state)
-    if program.stages is not None:
+    if program.pipelined:
         mine = {n for st in program.own_stages(groups.rank) for n in st.params}
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
@@ -68,10 +68,10 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
                      optimizer=opt, grad_sync=sync, binding=binding, full_shapes=full_shapes, zero=zero, executor=executor,
                      masters=masters, memory=zero.memory if zero else
                      MemoryAccount(lambda: [*params, *frozen_parameters(model)], lambda: [p.grad for p in params], opt))
-    if program.stages is not None:
+    if program.pipelined:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
-        rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
+        rt.holders = {n: len(r) for n, r in program.shared_parameters().items()}
     return rt
 
 
@@ -85,7 +85,7 @@ def shared_groups(mesh: Mesh, program: Program, groups: Groups,
     """One process group per set of pp ranks sharing a parameter (whose ``tensor_of(name)`` gets the
     summed gradient); every rank creates every group."""
     out = []
-    for name, pp_ranks in sorted(shared_parameters(program.stages, program.schedule).items()):
+    for name, pp_ranks in sorted(program.shared_parameters().items()):
         for ranks in mesh.groups("pp"):
             group = dist.new_group([ranks[i] for i in pp_ranks])
             if groups.rank in ranks and groups.coord("pp") in pp_ranks:
@@ -113,9 +113,9 @@ def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
 
 def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -> None:
     """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
-    own = program.own_stages(rt.groups.rank)
-    if own is None:
+    if not program.pipelined:
         return
+    own = program.own_stages(rt.groups.rank)
     pp = rt.groups.coord("pp")
     used = {n for st in own for n in st.params}
     mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params

@@ -47,7 +47,7 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
             shape = local_shape(full_shapes[name], program.placements.get(name), mesh.tp, tp)
             dtype = torch.float32 if rt.masters is not None and name in program.trainable else t.dtype
             current[name] = torch.empty(shape, dtype=dtype, device=t.device)
-    if program.stages is not None:
+    if program.pipelined:
         _broadcast_from_owners(mesh, program, rt, current)
     return _gather_tp(mesh, program, rt, current)
 
@@ -55,7 +55,7 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
 def _broadcast_from_owners(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
     """Each tensor's owner (the pp rank of the first stage using it) broadcasts it to the other pp ranks."""
     owner: dict[str, int] = {}
-    for st in program.stages:
+    for st in program.pipeline_stages:
         for slot in st.slots:
             owner.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
     coords = mesh.coords(rt.groups.rank)
@@ -101,7 +101,7 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
     aliases = tied_aliases(model)
     params = dict(model.named_parameters())
     held = held_names(program, rt.groups.rank)
-    used = {s.name for st in program.stages for s in st.slots} if program.stages is not None else None
+    used = {s.name for st in program.pipeline_stages for s in st.slots} if program.pipelined else None
     writer = _pp_writers(program)
     coords = mesh.coords(rt.groups.rank)
     zero_of = {n: (fs, k) for fs in rt.zero.shards for k, n in enumerate(fs.spec.params)} if rt.zero else {}
@@ -157,7 +157,7 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
 def _pp_writers(program: Program) -> dict[str, int]:
     """The pp rank that writes each tensor: the rank of the first stage using it (others: pp rank 0)."""
     out: dict[str, int] = {}
-    for st in program.stages or []:
+    for st in program.pipeline_stages:
         for slot in st.slots:
             out.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
     return out

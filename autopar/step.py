@@ -100,7 +100,7 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
                        m: int, gather: bool) -> Any:
     """The last stage's outputs from its rank to the pp group, unflattened, then gathered over dp."""
     if program.schedule is not None:
-        last = program.stages[-1]
+        last = program.pipeline_stages[-1]
         if flats is None:
             flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
                      for _ in range(m)]
@@ -115,7 +115,7 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
 def _shared_within_rank(program: Program, rank: int) -> bool:
     """Whether two stages of this rank use one parameter (its gradient completes only after both)."""
     seen: set[str] = set()
-    for st in program.own_stages(rank) or []:
+    for st in program.own_stages(rank):
         if seen & set(st.params):
             return True
         seen |= set(st.params)

@@ -228,7 +228,7 @@ def _overlap(zero: int) -> list:
     rt, program = pm.runtime, pm.compile((x,), {}, y)
     part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coord("dp")]  # this rank's microbatch
     before = rt.zero.queue.launched
-    program.captured.run(rt.state, pytree.tree_leaves(part), program.graphs[rt.groups.rank]).backward()
+    program.captured.run(rt.state, pytree.tree_leaves(part), program.graph(rt.groups.rank)).backward()
     launched = rt.zero.queue.launched - before
     full_grads = [p.grad for p in rt.zero.owned_parameters() if p.grad is not None]
     rt.zero.finish()
