@@ -23,7 +23,7 @@ from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
-from autopar.runtime.zero import ZeroRuntime
+from autopar.runtime.zero import ZeroRuntime, ZeroSettings
 from autopar.zero_compile import shared_across_pp
 
 
@@ -44,7 +44,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
     if options.zero:
-        zero = ZeroRuntime(model, groups, options, params, alone=shared_across_pp(program), values=values)
+        settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
+        zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values)
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "

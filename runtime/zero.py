@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -61,11 +62,25 @@ def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
         )
 
 
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What ZeRO reads of the parallelization options."""
+
+    stage: int  # 1, 2 or 3
+    bucket_bytes: int  # gradients reduced in buckets of about this size (``core/buckets.py``)
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None  # the user's factory, built on the shards
+    reduce_dtype: torch.dtype | None = None  # mixed precision: gradients reduced in this dtype
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {self.stage!r}: pass zero=1, 2 or 3 (or zero=0 for no sharding)")
+
+
 class ZeroRuntime:
     """The ZeRO state of one rank; see the module docstring for how ``ParallelModel`` drives it."""
 
-    def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter],
-                 alone: set[str] | frozenset[str] = frozenset(),
+    def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
+                 params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
                  values: dict[str, torch.Tensor] | None = None) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
@@ -78,25 +93,23 @@ class ZeroRuntime:
         axis = mesh.zero_axis
         self.model = model
         self.groups = groups
-        self.stage = options.zero
+        self.stage = settings.stage
         self.enabled = True  # set by ParallelModel.step: True on the last microbatch
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
-                                              n=mesh[axis], bucket_bytes=options.bucket_bytes, alone=alone)
-        check_optimizer(options.optimizer, [p for _, p in named], self.stage)
+                                              n=mesh[axis], bucket_bytes=settings.bucket_bytes, alone=alone)
+        check_optimizer(settings.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
         self.queue = ReduceQueue(trace=self.trace)
         by_name = dict(named)
         ranks = mesh.group_of(groups.rank, axis)
-        policy = getattr(options, "policy", None)  # mixed precision: gradients reduced in its reduce dtype
-        reduce_dtype = policy.reduce if policy is not None else None
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
             fs = FlatShard(spec, index=groups.coord(axis), group=groups[axis], ranks=ranks, device=groups.device,
-                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype,
+                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype,
                            trace=self.trace, axis=axis)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
@@ -112,7 +125,7 @@ class ZeroRuntime:
         if values is not None:  # (kept without an optimizer too: the state is the fp32 values)
             self.masters = Masters(self.params, [fs.local_flat([values[n] for n in fs.spec.params], torch.float32)
                                                  for fs in self.shards])
-        self.optimizer = build_optimizer(options.optimizer, self.params, self.masters)
+        self.optimizer = build_optimizer(settings.optimizer, self.params, self.masters)
         if self.optimizer is not None:
             self.optimizer.register_step_post_hook(self._after_step)
         self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
