@@ -89,7 +89,7 @@ class ParallelModel:
     def dp_rank(self) -> int:
         """This process's data-parallel index (``DistributedSampler(rank=pm.dp_rank, ...)``); the tp and pp
         ranks of one replica share it."""
-        return self.mesh.coords(_process_rank("pm.dp_rank"))["dp"]
+        return self.mesh.coords(_process_rank("pm.dp_rank")).dp
 
     @property
     def reads_batch(self) -> bool:

@@ -67,7 +67,7 @@ class RankGraphs:
 
     def stages(self, rank: int) -> list[StageGraph]:
         """Every stage at ``rank``'s tp index, its own rewritten for its ZeRO group."""
-        tp = self.mesh.coords(rank)["tp"]  # a rank outside the mesh is refused by name
+        tp = self.mesh.coords(rank).tp  # a rank outside the mesh is refused by name
         if not self.group_rewrites:
             return self.by_tp[tp]
         if rank not in self._groups:
@@ -82,11 +82,11 @@ class RankGraphs:
         return [st for st in self.stages(rank) if st.index in mine]
 
     def own_indices(self, rank: int) -> set[int]:
-        return set(self.schedule.stages_of(self.mesh.coords(rank)["pp"])) if self.pipelined else {0}
+        return set(self.schedule.stages_of(self.mesh.coords(rank).pp)) if self.pipelined else {0}
 
     def graph(self, rank: int) -> fx.GraphModule:
         """The graph ``rank`` runs: the stage of its pp coordinate (its whole graph without a pipeline)."""
-        return self.stages(rank)[self.mesh.coords(rank)["pp"]].gm
+        return self.stages(rank)[self.mesh.coords(rank).pp].gm
 
     def distinct(self) -> list[StageGraph]:
         """Every stage of every tp index once (tp indices may share graphs), before per-group rewrites."""

@@ -66,7 +66,7 @@ def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, micro
         if rt.groups["dp"] is not None:
             dist.all_reduce(total, group=rt.groups["dp"])
         extra = [(t / (mesh.dp * microbatches)).to(dtype=d) for t, d in zip(total, counts.dtypes)]
-    mine = parts if mode == "local" else parts[rt.groups.coord("dp") * microbatches:][:microbatches]
+    mine = parts if mode == "local" else parts[rt.groups.coords.dp * microbatches:][:microbatches]
     return [[*flat, *extra] for flat in mine]
 
 
@@ -74,7 +74,7 @@ def _computes_loss(program: Program, rt: RankRuntime) -> bool:
     if program.schedule is None:
         return True
     last = program.schedule.n_stages - 1
-    return program.schedule.stage_to_rank[last] == rt.groups.coord("pp")
+    return program.schedule.stage_to_rank[last] == rt.groups.coords.pp
 
 
 def _check_same_shapes(sig: tuple | None, rt: RankRuntime) -> None:

@@ -33,7 +33,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     place_on_rank(model, groups.device)
     binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
     set_process_binding(binding)
-    full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
+    full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coords.tp)
     pol = options.policy
     separate = pol is not None and pol.separate_masters
     values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
@@ -89,15 +89,15 @@ def shared_groups(mesh: Mesh, program: Program, groups: Groups,
     for name, pp_ranks in sorted(program.shared_parameters().items()):
         for ranks in mesh.groups("pp"):
             group = dist.new_group([ranks[i] for i in pp_ranks])
-            if groups.rank in ranks and groups.coord("pp") in pp_ranks:
+            if groups.rank in ranks and groups.coords.pp in pp_ranks:
                 out.append((tensor_of(name), group))
     return out
 
 
 def pp_rank_fn(mesh: Mesh, groups: Groups) -> Callable[[int], int]:
     """The global rank of pp rank ``pp`` with this rank's dp and tp coordinates."""
-    coords = mesh.coords(groups.rank)
-    return lambda pp: mesh.rank_of(**{**coords, "pp": pp})
+    coords = groups.coords
+    return lambda pp: mesh.rank_at(coords.replace(pp=pp))
 
 
 def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
@@ -106,7 +106,7 @@ def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
         return
     if rt.rng_base is None:
         base = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.int64, device=rt.groups.device)
-        dist.broadcast(base, src=mesh.rank_of(**{**mesh.coords(rt.groups.rank), "tp": 0}), group=rt.groups["tp"])
+        dist.broadcast(base, src=mesh.rank_at(rt.groups.coords.replace(tp=0)), group=rt.groups["tp"])
         rt.rng_base = int(base)
     rt.rng_calls += 1
     torch.manual_seed(rt.rng_base + rt.rng_calls)
@@ -117,7 +117,7 @@ def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -
     if not program.pipelined:
         return
     own = program.own_stages(rt.groups.rank)
-    pp = rt.groups.coord("pp")
+    pp = rt.groups.coords.pp
     used = {n for st in own for n in st.params}
     mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
     held = {n for n, p in model.named_parameters() if any(p is q for q in mine)}

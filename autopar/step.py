@@ -60,7 +60,7 @@ def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]
 
 
 def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:
-    pp = rt.groups.coord("pp")
+    pp = rt.groups.coords.pp
     return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
                            program.captured.constants, handlers)
 

@@ -42,7 +42,7 @@ def rank_parameters(program: Program, model: torch.nn.Module, rank: int,
     ``rank`` holds, in the model's order."""
     mesh = program.plan.mesh
     held = held_names(program, rank)
-    tp = mesh.coords(rank)["tp"]
+    tp = mesh.coords(rank).tp
     return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), stored_dtype(p, pol))
             for n, p in model.named_parameters()
             if p.requires_grad and (held is None or n in held)]
@@ -84,7 +84,7 @@ def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Op
                                          if options.zero == 3 else 0)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
     plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
-    merged = {g.name: g for rep in layouts if mesh.coords(rep)["tp"] == 0 for g in layouts[rep].groups}
+    merged = {g.name: g for rep in layouts if mesh.coords(rep).tp == 0 for g in layouts[rep].groups}
     plan.params = zero_placements(plan.params, ZeroLayout(options.zero, n, tuple(merged.values())), axis)
     if options.zero == 3:
         _gather_layers(program, mesh, options)

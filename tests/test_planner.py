@@ -332,7 +332,7 @@ def test_predicted_memory_matches_the_account_on_local_ranks(launcher) -> None:
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(chosen):
         for rank in range(4):
-            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            predicted = c.estimate.per_rank[c.mesh.coords(rank).pp]
             account = runs[rank][i][1]
             for key in ("parameters", "gradients", "optimizer"):
                 assert account[key] == pytest.approx(float(predicted[key]), rel=0.10), (c.config.describe(), rank, key)
@@ -408,7 +408,7 @@ def test_zero_on_pp_and_tp_meshes_predicted_memory_matches_the_measured_account(
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(cands):
         for rank in range(4):
-            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            predicted = c.estimate.per_rank[c.mesh.coords(rank).pp]
             for key in ("parameters", "gradients", "optimizer"):
                 assert runs[rank][i][1][key] == pytest.approx(float(predicted[key]), rel=0.10), \
                     (c.config.describe(), rank, key, runs[rank][i][1], predicted)

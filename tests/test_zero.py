@@ -226,7 +226,7 @@ def _overlap(zero: int) -> list:
                      bucket_mb=16 * 17 * 8 / 2**20, example_inputs=(x,), example_target=y)
     pm.step(x, target=y)
     rt, program = pm.runtime, pm.compile((x,), {}, y)
-    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coord("dp")]  # this rank's microbatch
+    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coords.dp]  # this rank's microbatch
     before = rt.zero.queue.launched
     program.captured.run(rt.state, pytree.tree_leaves(part), program.graph(rt.groups.rank)).backward()
     launched = rt.zero.queue.launched - before
