@@ -32,7 +32,7 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
 
     def arm(last: bool) -> None:  # a parameter two stages of this rank use is complete only after both
         if rt.grad_sync is not None:
-            rt.grad_sync.enabled = last and not shared_on_rank
+            rt.grad_sync.arm(last and not shared_on_rank)
 
     def optimizer() -> None:
         if max_grad_norm is not None:

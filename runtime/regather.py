@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from autopar.core.collectives import _all_gather, observe_gathers
+from autopar.core.collectives import observe_gathers
 
 _ACTIVE = threading.local()  # per thread: the running forward's registry, or None
 
@@ -45,7 +45,7 @@ class _Source:
 
     def gathered(self) -> torch.Tensor:
         if self.copy is None:
-            self.copy = _all_gather(self.shard, self.axis, self.dim)
+            self.copy = torch.ops.autopar.all_gather(self.shard, self.axis, self.dim)  # (of a detached shard)
         return self.copy
 
 

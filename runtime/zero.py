@@ -7,7 +7,7 @@ all-reduced over its ``dp_replicate`` group (the ranks holding the same slice).
 ``ZeroRuntime`` acts only on the rank's own parameter tensors and its dp process
 group, so a pipeline rank (its stage's parameters) or a tensor-parallel rank
 (its parameter shards) uses it unchanged. It plugs into ``ParallelModel.step``
-where data parallelism's gradient sync does: ``enabled`` / ``finish()`` after the
+where data parallelism's gradient sync does: ``arm(last)`` before each backward, ``finish()`` after the
 microbatches, then the user's optimizer, built on the shards, steps; a step
 post-hook all-gathers the updated shards (stages 1-2) and takes the memory account.
 
@@ -94,7 +94,7 @@ class ZeroRuntime:
         self.model = model
         self.groups = groups
         self.stage = settings.stage
-        self.enabled = True  # set by ParallelModel.step: True on the last microbatch
+        self._armed = True  # stage 1: reduce the gradients of the stage's last microbatch only (``arm``)
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
@@ -159,10 +159,15 @@ class ZeroRuntime:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     # gradient sync (the interface of runtime.grad_sync.BucketedAllReduce) ----------
+    def arm(self, last: bool) -> None:
+        """Stage 1: whether the gradients the next backward completes are reduced (``last``: its stage's last
+        microbatch; full gradients accumulate until then). Stages 2-3 reduce every microbatch's."""
+        self._armed = last
+
     def _on_grad(self, p: torch.Tensor) -> None:
         fs = self._group_of[id(p)]
         self._hits[fs] += 1
-        if self.stage == 1 and not self.enabled:
+        if self.stage == 1 and not self._armed:
             return  # stage 1 keeps full gradients: reduce once, after the last microbatch
         self._ready[fs] += 1
         if self._ready[fs] >= len(self.members[fs]):
