@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.buckets import bucket_sizes
-from autopar.core.graph import StageGraph
+from autopar.core.graph import SlotKind, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
 from autopar.core.schedule import Schedule, add_communication
@@ -143,7 +143,7 @@ def _assemble(c: Compilation) -> None:
                         split_points=c.split_points or [], placements=c.placements, layouts=c.layouts,
                         trainable=c.trainable, device=capture_device(c.model))
     placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
-    c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind == "param"}
+    c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind is SlotKind.PARAM}
 
 
 def _mixed_precision(c: Compilation) -> None:

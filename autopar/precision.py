@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autopar.core.comm import OPS
+from autopar.core.graph import SlotKind
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
 from autopar.runtime.groups import job_device
@@ -207,10 +208,10 @@ def apply_to_program(program: Program, model: torch.nn.Module, pol: Policy, *, w
     for st in program.graphs.distinct():  # (tp indices may share a graph: each once)
         fed = []
         for slot in st.slots:
-            if slot.kind == "param":
+            if slot.kind is SlotKind.PARAM:
                 fed.append(params.get(slot.name))
-            elif slot.kind == "input":
-                index = int(slot.name)
+            elif slot.kind is SlotKind.INPUT:
+                index = slot.index
                 fed.append(inputs[index] if index < len(inputs) else None)
             else:
                 fed.append(None)

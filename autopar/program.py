@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Replicate
 from autopar.capture import Captured
 from autopar.core.buckets import bucket_sizes
 from autopar.core.layout import Interleave
-from autopar.core.graph import Slot, StageGraph
+from autopar.core.graph import StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.optimizers import state_elements
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, numel, replicated
@@ -115,11 +115,7 @@ class RankGraphs:
 
 def whole_graph_stage(captured: Captured, gm: fx.GraphModule) -> StageGraph:
     """``gm`` (one of ``captured``'s lowered graphs) as the one stage of a rank without a pipeline."""
-    slots, inputs = [], 0
-    for slot in captured.slots:  # the executor feeds inputs by their index in the flat batch
-        slots.append(Slot("input", str(inputs)) if slot.kind == "input" else slot)
-        inputs += slot.kind == "input"
-    return StageGraph(0, gm, slots, [], [], True, captured.param_names, captured.mutated_buffers)
+    return StageGraph(0, gm, list(captured.slots), [], [], True, captured.param_names, captured.mutated_buffers)
 
 
 @dataclass

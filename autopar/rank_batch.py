@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.core.graph import SlotKind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.runtime.batch import signature, split_batch
@@ -44,7 +45,7 @@ def is_empty(batch: Any) -> bool:
 
 def reads_batch(program: Program, rank: int) -> bool:
     """Whether a stage ``rank`` computes reads a user input or the target (its rank must pass its batch)."""
-    return any(s.kind == "input" for st in program.own_stages(rank) for s in st.slots)
+    return any(s.kind is SlotKind.INPUT for st in program.own_stages(rank) for s in st.slots)
 
 
 def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, microbatches: int,

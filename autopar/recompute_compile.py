@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from autopar.core.graph import SlotKind
 from autopar.core.plan import RecomputePlan
 from autopar.core.recompute_modes import mode_of, unmatched_keys
 from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
@@ -89,7 +90,7 @@ def kept_last_layer(program: Program, modes: dict[str, str]) -> tuple[str, str] 
     if not names or modes.get(names[-1], "none") == "none":
         return None
     last = names[-1]
-    grads = [s.kind == "param" and s.name in program.trainable for s in program.captured.slots]
+    grads = [s.kind is SlotKind.PARAM and s.name in program.trainable for s in program.captured.slots]
     loss = len(program.captured.mutated_buffers)
     sizes = dict(program.plan.mesh.axes)
     variants = (modes, {**modes, last: "none"})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import torch
 
+from autopar.core.graph import SlotKind
 from autopar.core.layout import local_shape
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, memory
@@ -33,7 +34,7 @@ def held_names(program: Program, rank: int) -> set[str] | None:
     """Names of the parameters and buffers ``rank``'s pipeline stages use (None: no pipeline, it holds all)."""
     if not program.pipelined:
         return None
-    return {s.name for st in program.own_stages(rank) for s in st.slots if s.kind in ("param", "buffer")}
+    return {s.name for st in program.own_stages(rank) for s in st.slots if s.kind in (SlotKind.PARAM, SlotKind.BUFFER)}
 
 
 def rank_parameters(program: Program, model: torch.nn.Module, rank: int,
