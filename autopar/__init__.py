@@ -28,6 +28,7 @@ from autopar.core.mesh import Mesh  # noqa: E402
 _LAZY = {
     "parallelize": "autopar.parallel",
     "ParallelModel": "autopar.parallel",
+    "Parallelism": "autopar.options",
     "launch": "autopar.runtime.launch",
     "WorkerPool": "autopar.runtime.launch",
     "testing": "autopar.testing",
