@@ -25,7 +25,7 @@ from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, memory
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
-from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
+from autopar.passes.zero_graphs import insert_gathers, memory_estimate, zero_collectives, zero_placements
 from autopar.precision import Policy, stored_dtype
 from autopar.program import Program
 
@@ -64,7 +64,7 @@ def rank_layout(program: Program, model: torch.nn.Module, options: Options, rank
 def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
                frozen_bytes: dict[int, int]) -> list[Collective]:
     """Adds every rank's layout and the worst rank's memory estimate to ``program``; under zero=3
-    rewrites each rank's graphs to gather its layers (``passes.zero.insert_gathers``). Returns the
+    rewrites each rank's graphs to gather its layers (``passes.zero_graphs.insert_gathers``). Returns the
     worst rank's dp collectives. Under mixed precision stage 3 gathers the compute dtype (half the bytes
     of fp32 for bf16) and gradients are reduced in the policy's reduce dtype.
 

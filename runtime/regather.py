@@ -17,7 +17,7 @@ of the same shard over the same group, viewed the same way), so gradients are
 those of keeping the gathered tensor. Every tp rank runs the same graph, so
 the backward gathers are issued in the same order on every rank of the group.
 
-ZeRO-3's forward run (``runtime/zero_ops.py``) installs hooks of its own inside
+ZeRO-3's forward run (``runtime/zero_kernels.py``) installs hooks of its own inside
 this one; it hands the tensors it does not own to ``pack`` and the handles it did
 not make to ``unpack``.
 """

@@ -28,7 +28,7 @@ import torch
 from autopar.core.graph import tied_aliases
 from autopar.core.optimizers import OPTIMIZERS
 from autopar.core.zero_layout import ZeroLayout, zero_layout
-from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
+from autopar.runtime import zero_kernels as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
 from autopar.runtime.groups import Groups
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount

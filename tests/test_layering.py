@@ -116,14 +116,24 @@ def test_api_uses_the_installed_names() -> None:
     assert not found, "import autopar.passes / autopar.runtime instead:\n" + "\n".join(found)
 
 
+def test_no_two_layers_share_a_module_name() -> None:
+    """A module's name says its layer's role: ``passes/zero_graphs.py`` rewrites graphs, ``runtime/zero.py`` runs."""
+    by_name: dict[str, list[str]] = {}
+    for p in sources():
+        if p.stem != "__init__":
+            by_name.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"modules of one name in several places: {shared}"
+
+
 def test_the_checker_catches_a_crossing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "runtime"
     folder.mkdir()
     bad = folder / "bad.py"
-    bad.write_text("import torch\n\ndef f():\n    from autopar.passes.zero import insert_gathers\n")
+    bad.write_text("import torch\n\ndef f():\n    from autopar.passes.zero_graphs import insert_gathers\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setitem(FOLDERS, "runtime", folder)
-    assert violations(bad) == [f"{Path('runtime/bad.py')}:4: imports autopar.passes.zero: {RULES['runtime']}"]
+    assert violations(bad) == [f"{Path('runtime/bad.py')}:4: imports autopar.passes.zero_graphs: {RULES['runtime']}"]
 
 
 def test_every_package_is_installed() -> None:

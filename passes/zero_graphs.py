@@ -13,7 +13,7 @@ there. fx's generated code drops each value after its last use, so a gathered
 layer is freed after its last forward use; ``zero_begin``/``zero_end`` bracket
 the graph so that autograd keeps only a handle to a gathered parameter it saves
 for backward and re-gathers it there (the ops are declared in ``core/zero_ops.py``,
-run by ``runtime/zero_ops.py``).
+run by ``runtime/zero_kernels.py``).
 """
 from __future__ import annotations
 
