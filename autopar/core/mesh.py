@@ -205,7 +205,7 @@ class Mesh:
         c = self.coords(rank)
         if axis in DP_SUBAXES:
             n = self.dp_shard
-            r, s = divmod(c["dp"], n)
+            r, s = divmod(c.dp, n)
             dps = range(r * n, (r + 1) * n) if axis == DP_SUBAXES[1] else range(s, self.dp, n)
             return [self.rank_at(c.replace(dp=d)) for d in dps]
         return [self.rank_at(c.replace(**{axis: i})) for i in range(self[axis])]
