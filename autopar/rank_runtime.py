@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import Binding, set_process_binding
+from autopar.core.collectives import Binding
 from autopar.core.mesh import Mesh
 from autopar.model_storage import place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
@@ -31,8 +31,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     """This rank's runtime for ``program``; every later program of the model must keep its parameter placement."""
     groups = join(mesh)
     place_on_rank(model, groups.device)
-    binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
-    set_process_binding(binding)
+    binding = Binding(dict(groups.by_axis))  # the autopar::* ops of this rank's steps run on it (autopar/step.py)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coords.tp)
     pol = options.policy
     separate = pol is not None and pol.separate_masters
@@ -45,7 +44,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     zero = None
     if options.zero:
         settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
-        zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values)
+        zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
+                           binding=binding)
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.core.collectives import bind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.rank_runtime import pp_rank_fn
@@ -61,8 +62,9 @@ def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]
 
 def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:
     pp = rt.groups.coords.pp
-    return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
-                           program.captured.constants, handlers)
+    with bind(rt.binding):  # the graphs' autopar::* ops run on this rank's groups
+        return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
+                               program.captured.constants, handlers)
 
 
 def _zero_handlers(program: Program, rt: RankRuntime) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autopar.core.collectives import Binding
 from autopar.core.graph import tied_aliases
 from autopar.core.optimizers import OPTIMIZERS
 from autopar.core.zero_layout import ZeroLayout, zero_layout
@@ -81,11 +82,13 @@ class ZeroRuntime:
 
     def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
                  params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
-                 values: dict[str, torch.Tensor] | None = None) -> None:
+                 values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
 
         Each parameter named in ``alone`` (held by several pipeline ranks) gets a flat group of its own.
+        ``binding``: the rank's (``core/collectives.py``), which counts ZeRO's collectives and through which the
+        stage-3 graph ops find each shard's group.
         ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
         is cut for the optimizer to step (``runtime/master.py``).
         """
@@ -110,7 +113,7 @@ class ZeroRuntime:
         for spec in self.layout.groups:
             fs = FlatShard(spec, index=groups.coord(axis), group=groups[axis], ranks=ranks, device=groups.device,
                            stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype,
-                           trace=self.trace, axis=axis)
+                           trace=self.trace, axis=axis, binding=binding)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)
@@ -120,6 +123,8 @@ class ZeroRuntime:
         if self.stage == 3:
             for fs in self.shards:
                 self.state.update(dict.fromkeys(fs.spec.params, fs.shard))
+        if binding is not None:
+            binding.shards.update({id(fs.shard): fs for fs in self.shards})
         self.params = [fs.shard for fs in self.shards]
         self.masters: Masters | None = None
         if values is not None:  # (kept without an optimizer too: the state is the fp32 values)

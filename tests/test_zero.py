@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 import models
 from autopar import Mesh, parallelize
 from autopar.core.buckets import bucket_sizes
+from autopar.core.collectives import bind
 from autopar.core.optimizers import state_elements
 from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
@@ -228,7 +229,8 @@ def _overlap(zero: int) -> list:
     rt, program = pm.runtime, pm.compile((x,), {}, y)
     part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coords.dp]  # this rank's microbatch
     before = rt.zero.queue.launched
-    program.captured.run(rt.state, pytree.tree_leaves(part), program.graph(rt.groups.rank)).backward()
+    with bind(rt.binding):  # the graph's ops run on the rank's groups, as in pm.step
+        program.captured.run(rt.state, pytree.tree_leaves(part), program.graph(rt.groups.rank)).backward()
     launched = rt.zero.queue.launched - before
     full_grads = [p.grad for p in rt.zero.owned_parameters() if p.grad is not None]
     rt.zero.finish()
