@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture_cache import EXPORTS, Export, export_key, split_outputs
 from autopar.core.errors import CaptureError
-from autopar.core.graph import PREFIX, Captured, Slot, tied_aliases
+from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
 from autopar.experts import loop_over_all_experts
 from autopar.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
@@ -158,10 +158,11 @@ def _hint(e: BaseException) -> str:
 
 def _from_exported(ep: Export) -> Captured:
     slots, constants = [], {}
-    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    kinds = {InputKind.PARAMETER: SlotKind.PARAM, InputKind.BUFFER: SlotKind.BUFFER,
+             InputKind.CONSTANT_TENSOR: SlotKind.CONSTANT}
     for spec in ep.input_specs:
         if spec.kind == InputKind.USER_INPUT:
-            slots.append(Slot("input", spec.arg.name))
+            slots.append(Slot(SlotKind.INPUT, spec.arg.name, index=sum(s.kind is SlotKind.INPUT for s in slots)))
         elif spec.kind in kinds:
             name = spec.target.removeprefix(PREFIX)
             slots.append(Slot(kinds[spec.kind], name))
@@ -189,11 +190,11 @@ def _dedupe_tied(c: Captured, model: torch.nn.Module) -> Captured:
     """
     aliases = tied_aliases(model)
     nodes = [n for n in c.gm.graph.nodes if n.op == "placeholder"]
-    by_name = {s.name: n for n, s in zip(nodes, c.slots) if s.kind != "input"}
+    by_name = {s.name: n for n, s in zip(nodes, c.slots) if s.kind is not SlotKind.INPUT}
     keep = []
     for node, slot in zip(nodes, c.slots):
         canonical = aliases.get(slot.name)
-        if slot.kind != "input" and canonical is not None:
+        if slot.kind is not SlotKind.INPUT and canonical is not None:
             if canonical not in by_name:  # the graph only names the alias: adopt it
                 by_name[canonical] = node
                 keep.append(Slot(slot.kind, canonical))

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.buckets import bucket_sizes
-from autopar.core.graph import StageGraph
+from autopar.core.graph import SlotKind, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
 from autopar.core.schedule import Schedule, add_communication
@@ -27,13 +27,13 @@ from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found
-from autopar.passes.loss_count import normalize_by_global_count
+from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.program import (
-    Program, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported, initial_plan,
-    optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule,
+    Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported,
+    initial_plan, optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
 from autopar.zero_compile import apply_zero
@@ -143,18 +143,17 @@ def _split_backward(c: Compilation) -> None:
 
 
 def _assemble(c: Compilation) -> None:
-    mesh = c.mesh
     if c.stage_sets:
-        graphs = {r: c.stage_sets[mesh.coords(r)["tp"]][mesh.coords(r)["pp"]].gm for r in range(mesh.size)}
+        by_tp = c.stage_sets
         add_pipeline_to_plan(c.plan, c.stage_sets[0], c.schedule, c.split_points)
-    else:
-        graphs = {r: c.lowered[mesh.coords(r)["tp"]].gm for r in range(mesh.size)}
-    c.program = Program(captured=c.captured, graphs=graphs, plan=c.plan, stages=c.stage_sets[0] if c.stage_sets
-                        else None, schedule=c.schedule, split_points=c.split_points or [], stage_sets=c.stage_sets,
-                        placements=c.placements, layouts=c.layouts, trainable=c.trainable,
-                        device=capture_device(c.model))
+    else:  # tp indices may share one lowered graph: one stage for it
+        whole = {id(x.gm): [whole_graph_stage(c.captured, x.gm)] for x in c.lowered}
+        by_tp = [whole[id(x.gm)] for x in c.lowered]
+    c.program = Program(captured=c.captured, graphs=RankGraphs(c.mesh, by_tp, c.schedule), plan=c.plan,
+                        split_points=c.split_points or [], placements=c.placements, layouts=c.layouts,
+                        trainable=c.trainable, device=capture_device(c.model))
     placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
-    c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind == "param"}
+    c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind is SlotKind.PARAM}
 
 
 def _mixed_precision(c: Compilation) -> None:
@@ -246,8 +245,9 @@ def _ensure_cut(c: Compilation) -> None:
 
 
 def _ensure_program(c: Compilation) -> None:
-    if set(c.program.graphs) != set(range(c.mesh.size)):
-        raise AssertionError(f"assemble: graphs for ranks {sorted(c.program.graphs)}, mesh has {c.mesh.size}")
+    n, sizes = c.n_stages if c.mesh.pp > 1 else 1, [len(stages) for stages in c.program.graphs.by_tp]
+    if sizes != [n] * c.mesh.tp:
+        raise AssertionError(f"assemble: {sizes} stages by tp index, expected {n} for each of tp={c.mesh.tp}")
 
 
 def _ensure_step(c: Compilation) -> None:
@@ -263,7 +263,7 @@ def _ensure_memory(c: Compilation) -> None:
 
 
 def _ensure_graphs_lint(c: Compilation) -> None:
-    _graphs_lint([c.program.graphs[r] for r in range(c.mesh.size)])
+    _graphs_lint([c.program.graph(r) for r in range(c.mesh.size)])
 
 
 def _nothing(c: Compilation) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autopar.core.mesh import Mesh
 from autopar.core.recompute_modes import Choice, check_choice
 from autopar.core.schedules import SCHEDULES as GENERATORS
 from autopar.core.schedules import STAGES_PER_RANK, stages_per_rank
@@ -65,3 +66,19 @@ class Options:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """One parallel configuration, as the planner chooses it (``Candidate.parallelism``): ``parallelize(model,
+    parallelism)`` runs it, its fields replacing the keyword arguments of the same names (``recompute`` and
+    ``sequence_parallel`` only where those are not given)."""
+
+    mesh: Mesh
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int | None = None  # None: the schedule's default
+    precision: str = "fp32"
+    recompute: Choice = "none"
+    sequence_parallel: bool = False

@@ -20,7 +20,7 @@ from autopar.core.graph import tied_aliases
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.model_storage import released
-from autopar.options import Options
+from autopar.options import Options, Parallelism
 from autopar.precision import check_model
 from autopar.program import Program, check_supported
 from autopar.rank_batch import is_empty, rank_inputs, reads_batch
@@ -57,7 +57,7 @@ class ParallelModel:
     def graph(self, rank: int) -> fx.GraphModule:
         """The rewritten GraphModule that ``rank`` runs (most recently compiled program)."""
         self.mesh.coords(rank)  # validates the rank
-        return self._programs.require().graphs[rank]
+        return self._programs.require().graph(rank)
 
     # run time ---------------------------------------------------------------
     def _runtime(self, program: Program) -> RankRuntime:
@@ -89,7 +89,7 @@ class ParallelModel:
     def dp_rank(self) -> int:
         """This process's data-parallel index (``DistributedSampler(rank=pm.dp_rank, ...)``); the tp and pp
         ranks of one replica share it."""
-        return self.mesh.coords(_process_rank("pm.dp_rank"))["dp"]
+        return self.mesh.coords(_process_rank("pm.dp_rank")).dp
 
     @property
     def reads_batch(self) -> bool:
@@ -176,7 +176,7 @@ class ParallelModel:
         program = self._programs.require()
         rt = self._runtime(program)
         local = local_state(self.model, self.mesh, program, rt.groups.rank, state)
-        if program.stages is not None:  # other stages' parameters are not kept here: nothing to load into them
+        if program.pipelined:  # other stages' parameters are not kept here: nothing to load into them
             aliases, empty = tied_aliases(self.model), released(self.model)
             local = {k: empty.get(aliases.get(k, k), v) for k, v in local.items()}
         if rt.zero is not None:
@@ -225,7 +225,7 @@ def _process_rank(what: str) -> int:
 
 def parallelize(
     model: torch.nn.Module,
-    mesh: Mesh | Any,
+    mesh: Mesh | Parallelism | str | Any,
     *,
     example_inputs: tuple | None = None,
     example_kwargs: dict | None = None,
@@ -251,7 +251,9 @@ def parallelize(
     ``loss_fn(out, target)`` is traced with the model; without it, ``step`` uses the
     model's own loss (a scalar output or the ``loss`` entry of its output).
     ``mesh="auto"``: the planner (``autopar.planner``) chooses the mesh, ZeRO stage,
-    schedule and microbatches for the job's world size from ``example_inputs``.
+    schedule and microbatches for the job's world size from ``example_inputs``; a
+    ``Parallelism`` (the planner's choice: ``autopar.plan(...).best.parallelism``) runs
+    that configuration.
     ``max_grad_norm``: clip the gradient to this global 2-norm before each optimizer
     step (as ``torch.nn.utils.clip_grad_norm_`` on one device); ``pm.grad_norm`` is
     the last step's norm.
@@ -287,15 +289,14 @@ def parallelize(
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
 
-        chosen = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                             optimizer=optimizer, precision=precision,
-                             recompute=recompute)
-        mesh, auto = chosen.mesh, chosen.parallelize_options()
-        zero, schedule, microbatches, stages_per_rank = (auto["zero"], auto["schedule"], auto["microbatches"],
-                                                         auto["stages_per_rank"])
-        precision = auto["precision"]
-        recompute = auto["recompute"] if recompute is None else recompute
-        sequence_parallel = auto["sequence_parallel"] if sequence_parallel is None else sequence_parallel
+        mesh = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                           optimizer=optimizer, precision=precision, recompute=recompute).parallelism
+    if isinstance(mesh, Parallelism):
+        chosen, mesh = mesh, mesh.mesh
+        zero, schedule, microbatches = chosen.zero, chosen.schedule, chosen.microbatches
+        stages_per_rank, precision = chosen.stages_per_rank, chosen.precision
+        recompute = chosen.recompute if recompute is None else recompute
+        sequence_parallel = chosen.sequence_parallel if sequence_parallel is None else sequence_parallel
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,

@@ -31,16 +31,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autopar.core.comm import OPS
+from autopar.core.graph import SlotKind
 from autopar.core.plan import dtype_name
 from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
 from autopar.runtime.groups import job_device
+
+if TYPE_CHECKING:  # (the program's module imports this one)
+    from autopar.program import Program
 
 NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIXED = "mixed"  # bf16 parameters and gradients, fp32 masters in the optimizer (the ZeRO paper's 2 + 2 + 12)
@@ -196,39 +200,35 @@ def widened(tree: Any, dtype: torch.dtype) -> Any:
                            and x.dtype.itemsize < dtype.itemsize else x, tree)
 
 
-def apply_to_program(program: Any, model: torch.nn.Module, pol: Policy, *, with_loss: bool) -> None:
+def apply_to_program(program: Program, model: torch.nn.Module, pol: Policy, *, with_loss: bool) -> None:
     """Every graph of ``program`` takes its parameters and inputs as fed (float32 masters, the user's inputs)
     and casts them where they are used; a loss graph returns a float32 loss (``passes/mixed_precision.py``)."""
     params = {n: stored_dtype(p, pol) for n, p in model.named_parameters()}
     inputs = program.captured.input_dtypes
-    done: set[int] = set()
-    for gm, slots, last in _graphs(program):
-        if id(gm) in done:
-            continue
-        done.add(id(gm))
+    for st in program.graphs.distinct():  # (tp indices may share a graph: each once)
         fed = []
-        for i, slot in enumerate(slots):
-            if slot.kind == "param":
+        for slot in st.slots:
+            if slot.kind is SlotKind.PARAM:
                 fed.append(params.get(slot.name))
-            elif slot.kind == "input":
-                index = int(slot.name) if program.stages is not None else _input_index(slots, i)
+            elif slot.kind is SlotKind.INPUT:
+                index = slot.index
                 fed.append(inputs[index] if index < len(inputs) else None)
             else:
                 fed.append(None)
-        cast_placeholders(gm, fed)
-        if with_loss and last:
-            cast_outputs(gm, torch.float32, skip=len(program.captured.mutated_buffers))
+        cast_placeholders(st.gm, fed)
+        if with_loss and st.is_last:
+            cast_outputs(st.gm, torch.float32, skip=len(program.captured.mutated_buffers))
     _describe_graphs(program, model, pol)
 
 
-def _describe_graphs(program: Any, model: torch.nn.Module, pol: Policy) -> None:
+def _describe_graphs(program: Program, model: torch.nn.Module, pol: Policy) -> None:
     """The plan shows each parameter's dtypes, the dtypes of the tp collectives and of the pipeline's hops."""
     plan = program.plan
     params = dict(model.named_parameters())
     plan.precision = pol.describe()
     plan.params = [dataclasses.replace(p, dtypes=(stored_dtype(params[p.name], pol), pol.compute))
                    if params[p.name].is_floating_point() else p for p in plan.params]
-    graphs = [st.gm for st in program.stages] if program.stages is not None else [program.graphs[0]]
+    graphs = [st.gm for st in program.graphs.by_tp[0]]
     found: dict[tuple[str, str], dict[torch.dtype, None]] = {}
     for gm in graphs:
         for nd in gm.graph.nodes:
@@ -243,12 +243,12 @@ def _describe_graphs(program: Any, model: torch.nn.Module, pol: Policy) -> None:
     plan.collectives = [dataclasses.replace(c, dtypes=tuple(found.get((c.direction, c.op), ())))
                         if c.axis == "tp" else c for c in plan.collectives]
     if plan.pipeline is not None:
-        sends = {st.index: tuple(b.dtype for b in st.send) for st in program.stages}
+        sends = {st.index: tuple(b.dtype for b in st.send) for st in program.pipeline_stages}
         stages = tuple(dataclasses.replace(sp, dtypes=sends[sp.index]) for sp in plan.pipeline.stages)
         plan.pipeline = dataclasses.replace(plan.pipeline, stages=stages)
 
 
-def describe_reductions(program: Any, pol: Policy | None) -> Any:
+def describe_reductions(program: Program, pol: Policy | None) -> Program:
     """Data-parallel gradient all-reduces travel in ``pol.reduce`` (their bytes scaled to it); returns ``program``."""
     if pol is None:
         return program
@@ -256,17 +256,3 @@ def describe_reductions(program: Any, pol: Policy | None) -> Any:
         dataclasses.replace(c, bytes=c.bytes * pol.reduce.itemsize // pol.stored.itemsize, dtypes=(pol.reduce,))
         if c.axis == "dp" and c.op == "all_reduce" and not c.dtypes else c for c in program.plan.collectives]
     return program
-
-
-def _input_index(slots: list, i: int) -> int:
-    return sum(s.kind == "input" for s in slots[:i])
-
-
-def _graphs(program: Any) -> Iterator[tuple[torch.fx.GraphModule, list, bool]]:
-    if program.stages is None:
-        for gm in program.graphs.values():
-            yield gm, program.captured.slots, True
-        return
-    for stages in program.stage_sets:
-        for st in stages:
-            yield st.gm, st.slots, st.is_last

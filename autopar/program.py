@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
 from autopar.core.buckets import bucket_sizes
-from autopar.core.graph import Slot, StageGraph
+from autopar.core.layout import Interleave
+from autopar.core.graph import StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.optimizers import state_elements
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, numel, replicated
 from autopar.core.schedule import Schedule
 from autopar.core.simulate import simulate
 from autopar.core.step_schedule import forward_step, local_schedule, training_step
+from autopar.core.zero_layout import ZeroLayout
 from autopar.options import Options
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.device import retarget_device
@@ -34,25 +36,134 @@ from autopar.passes.tensor_parallel import TensorParallel
 from autopar.runtime.zero import check_optimizer
 
 
+Rewrite = Callable[[list[int], StageGraph], StageGraph]  # (the ZeRO group's ranks, one of its stages) -> rewritten
+
+
+@dataclass
+class RankGraphs:
+    """What every rank runs, one container for every mesh: each rank's list of stage graphs.
+
+    With a pipeline a rank's list holds every stage at its tp index (the executor indexes it by stage), of
+    which it computes its own (``schedule.stages_of`` its pp coordinate); without one, its whole graph as
+    stage 0. Ranks share the lists of their tp index (``by_tp``) until a per-group rewrite (ZeRO-3's gathers)
+    gives each ZeRO group (its dp group, or its dp_shard group under hybrid sharding) its own stages, made
+    when a rank of the group is first asked for: each rank's runtime rewrites only its own graphs, and
+    inspecting a rank rewrites that rank's group.
+    """
+
+    mesh: Mesh
+    by_tp: list[list[StageGraph]]  # the stages of each tp index, before any per-group rewrite
+    schedule: Schedule | None = None  # the pipeline's (None: no pipeline)
+    group_rewrites: list[Rewrite] = field(default_factory=list)  # applied in order to a group's own stages
+    _groups: dict[int, list[StageGraph]] = field(default_factory=dict, repr=False)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def per_group(self) -> bool:
+        """Whether ZeRO groups have stages of their own (made on first access)."""
+        return bool(self.group_rewrites)
+
+    def stages(self, rank: int) -> list[StageGraph]:
+        """Every stage at ``rank``'s tp index, its own rewritten for its ZeRO group."""
+        tp = self.mesh.coords(rank).tp  # a rank outside the mesh is refused by name
+        if not self.group_rewrites:
+            return self.by_tp[tp]
+        if rank not in self._groups:
+            ranks, mine = self.mesh.group_of(rank, self.mesh.zero_axis), self.own_indices(rank)
+            stages = [self._rewritten(ranks, st) if st.index in mine else st for st in self.by_tp[tp]]
+            self._groups.update(dict.fromkeys(ranks, stages))
+        return self._groups[rank]
+
+    def own(self, rank: int) -> list[StageGraph]:
+        """The stages ``rank`` holds and computes."""
+        mine = self.own_indices(rank)
+        return [st for st in self.stages(rank) if st.index in mine]
+
+    def own_indices(self, rank: int) -> set[int]:
+        return set(self.schedule.stages_of(self.mesh.coords(rank).pp)) if self.pipelined else {0}
+
+    def graph(self, rank: int) -> fx.GraphModule:
+        """The graph ``rank`` runs: the stage of its pp coordinate (its whole graph without a pipeline)."""
+        return self.stages(rank)[self.mesh.coords(rank).pp].gm
+
+    def distinct(self) -> list[StageGraph]:
+        """Every stage of every tp index once (tp indices may share graphs), before per-group rewrites."""
+        return list({id(st.gm): st for stages in self.by_tp for st in stages}.values())
+
+    def rewrite(self, fn: Callable[[StageGraph], StageGraph]) -> None:
+        """Every stage rewritten by ``fn``: now, or (once groups have stages of their own) each group's own
+        stages when first asked for. A stage shared by several tp indices is rewritten once."""
+        if self.group_rewrites:
+            self.rewrite_per_group(lambda ranks, st: fn(st))
+            return
+        done = {id(st): st for stages in self.by_tp for st in stages}
+        done = {key: fn(st) for key, st in done.items()}
+        self.by_tp = [[done[id(st)] for st in stages] for stages in self.by_tp]
+
+    def rewrite_per_group(self, fn: Rewrite) -> None:
+        """Each ZeRO group's own stages rewritten by ``fn(its ranks, stage)`` when a rank of it is first asked for."""
+        self.group_rewrites.append(fn)
+        self._groups.clear()
+
+    def _rewritten(self, ranks: list[int], st: StageGraph) -> StageGraph:
+        for fn in self.group_rewrites:
+            st = fn(ranks, st)
+        return st
+
+
+def whole_graph_stage(captured: Captured, gm: fx.GraphModule) -> StageGraph:
+    """``gm`` (one of ``captured``'s lowered graphs) as the one stage of a rank without a pipeline."""
+    return StageGraph(0, gm, list(captured.slots), [], [], True, captured.param_names, captured.mutated_buffers)
+
+
 @dataclass
 class Program:
-    """The compiled job for one input signature: the captured graph, each rank's graph, the plan."""
+    """The compiled job for one input signature: the captured graph, each rank's graphs, the plan."""
 
     captured: Captured
-    graphs: dict[int, fx.GraphModule]
+    graphs: RankGraphs
     plan: Plan
-    stages: list[StageGraph] | None = None  # pipeline stages of tp index 0 (None without a pp axis)
-    schedule: Schedule | None = None
     split_points: list[str] = field(default_factory=list)
-    stage_sets: list[list[StageGraph]] = field(default_factory=list)  # pipeline stages by tp index
-    placements: dict[str, Any] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
-    layouts: dict[str, Any] = field(default_factory=dict)  # parameter -> Interleave: stored re-ordered (tp > 1)
+    placements: dict[str, Placement] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
+    layouts: dict[str, Interleave] = field(default_factory=dict)  # parameter -> stored re-ordered (tp > 1)
     param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
     trainable: set[str] = field(default_factory=set)
-    zero_layouts: dict[int, Any] = field(default_factory=dict)  # rank -> its ZeroLayout (zero > 0)
-    rank_stages: Any = None  # rank -> its stages, when they differ by dp group (zero=3: a PerDpGroup)
+    zero_layouts: dict[int, ZeroLayout] = field(default_factory=dict)  # rank -> its ZeRO layout (zero > 0)
     step: Schedule | None = None  # what every pp rank runs: the whole training step, or the forward pass
     device: torch.device = torch.device("cpu")  # where its graphs' device arguments and its constants point
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The pipeline's schedule (None without a pipeline)."""
+        return self.graphs.schedule
+
+    @property
+    def pipelined(self) -> bool:
+        return self.graphs.pipelined
+
+    @property
+    def pipeline_stages(self) -> list[StageGraph]:
+        """The pipeline's stages as cut (of tp index 0; none without a pipeline)."""
+        return self.graphs.by_tp[0] if self.pipelined else []
+
+    def graph(self, rank: int) -> fx.GraphModule:
+        """The graph ``rank`` runs (``pm.graph(rank)``)."""
+        return self.graphs.graph(rank)
+
+    def run_stages(self, rank: int) -> list[StageGraph]:
+        """The stage graphs ``rank`` executes: its pipeline stages, or its whole graph as one stage."""
+        return self.graphs.stages(rank)
+
+    def own_stages(self, rank: int) -> list[StageGraph]:
+        """The stages ``rank`` holds and computes (its whole graph without a pipeline)."""
+        return self.graphs.own(rank)
+
+    def shared_parameters(self) -> dict[str, list[int]]:
+        """Parameters that stages on several pipeline ranks use, with those pp ranks (none without a pipeline)."""
+        return shared_parameters(self.pipeline_stages, self.schedule) if self.pipelined else {}
 
     def move_to(self, rank: int, device: torch.device) -> None:
         """Points what ``rank`` runs at ``device``: the device arguments the capture wrote into its graphs
@@ -65,32 +176,6 @@ class Program:
             retarget_device(self.captured.counts.gm, self.device, device)
         self.captured.constants = {name: t.to(device) for name, t in self.captured.constants.items()}
         self.device = device
-
-    def run_stages(self, rank: int) -> list[StageGraph]:
-        """The stage graphs ``rank`` executes: its pipeline stages, or its whole graph as one stage."""
-        stages = self.stages_for(rank)
-        if stages is not None:
-            return stages
-        slots, inputs = [], 0
-        for slot in self.captured.slots:  # the executor feeds inputs by their index in the flat batch
-            slots.append(Slot("input", str(inputs)) if slot.kind == "input" else slot)
-            inputs += slot.kind == "input"
-        return [StageGraph(0, self.graphs[rank], slots, [], [], True, self.captured.param_names,
-                           self.captured.mutated_buffers)]
-
-    def stages_for(self, rank: int) -> list[StageGraph] | None:
-        """The pipeline stages ``rank`` runs (those of its pp coordinate are its own), None without pp."""
-        if self.rank_stages is not None:
-            return self.rank_stages[rank]
-        return self.stage_sets[self.plan.mesh.coords(rank)["tp"]] if self.stage_sets else self.stages
-
-    def own_stages(self, rank: int) -> list[StageGraph] | None:
-        """The stages ``rank`` holds and computes (those of its pp coordinate), None without pp."""
-        stages = self.stages_for(rank)
-        if stages is None:
-            return None
-        mine = self.schedule.stages_of(self.plan.mesh.coords(rank)["pp"])
-        return [st for st in stages if st.index in mine]
 
 
 def capture_device(model: torch.nn.Module) -> torch.device:
@@ -135,17 +220,15 @@ def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: b
         return forward_step(mesh.pp, program.schedule.n_stages, m, unshard=unshard,
                             placement=program.schedule.stage_to_rank)
     compute = program.schedule if program.schedule is not None else local_schedule(m)
-    holders = shared_parameters(program.stages, program.schedule) if program.stages is not None else {}
+    holders = program.shared_parameters()
     return training_step(compute, reduce_grad=mesh.dp > 1 or options.zero > 0, unshard=unshard,
                          shared_ranks={r for ranks in holders.values() for r in ranks})
 
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
     """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
-    own = program.own_stages(rank)
-    graphs = [st.gm for st in own] if own is not None else [program.graphs[rank]]
     sizes: dict[str, int] = {}
-    for gm in graphs:
+    for gm in [st.gm for st in program.own_stages(rank)]:
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
         for nd in placeholders:
             name = program.param_of.get(nd.name)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.core.graph import SlotKind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.runtime.batch import signature, split_batch
@@ -44,7 +45,7 @@ def is_empty(batch: Any) -> bool:
 
 def reads_batch(program: Program, rank: int) -> bool:
     """Whether a stage ``rank`` computes reads a user input or the target (its rank must pass its batch)."""
-    return any(s.kind == "input" for st in program.own_stages(rank) or program.run_stages(rank) for s in st.slots)
+    return any(s.kind is SlotKind.INPUT for st in program.own_stages(rank) for s in st.slots)
 
 
 def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, microbatches: int,
@@ -66,7 +67,7 @@ def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, micro
         if rt.groups["dp"] is not None:
             dist.all_reduce(total, group=rt.groups["dp"])
         extra = [(t / (mesh.dp * microbatches)).to(dtype=d) for t, d in zip(total, counts.dtypes)]
-    mine = parts if mode == "local" else parts[rt.groups.coord("dp") * microbatches:][:microbatches]
+    mine = parts if mode == "local" else parts[rt.groups.coords.dp * microbatches:][:microbatches]
     return [[*flat, *extra] for flat in mine]
 
 
@@ -74,7 +75,7 @@ def _computes_loss(program: Program, rt: RankRuntime) -> bool:
     if program.schedule is None:
         return True
     last = program.schedule.n_stages - 1
-    return program.schedule.stage_to_rank[last] == rt.groups.coord("pp")
+    return program.schedule.stage_to_rank[last] == rt.groups.coords.pp
 
 
 def _check_same_shapes(sig: tuple | None, rt: RankRuntime) -> None:

@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import Binding, set_process_binding
+from autopar.core.collectives import Binding
 from autopar.core.mesh import Mesh
 from autopar.model_storage import hold_experts, place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
-from autopar.program import Program, shared_parameters
+from autopar.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
 from autopar.runtime.master import Masters, build_optimizer
@@ -24,7 +24,7 @@ from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
-from autopar.runtime.zero import ZeroRuntime
+from autopar.runtime.zero import ZeroRuntime, ZeroSettings
 from autopar.zero_compile import shared_across_pp
 
 
@@ -32,9 +32,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     """This rank's runtime for ``program``; every later program of the model must keep its parameter placement."""
     groups = join(mesh)
     place_on_rank(model, groups.device)
-    binding = Binding(dict(groups.by_axis))  # the autopar::* collectives run on these groups from now on
-    set_process_binding(binding)
-    full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coord("tp"))
+    binding = Binding(dict(groups.by_axis))  # the autopar::* ops of this rank's steps run on it (autopar/step.py)
+    full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coords.tp)
     experts = program.plan.expert_params
     elsewhere = hold_experts(model, experts, groups.coord("ep")) if experts else set()  # other ep ranks' experts
     pol = options.policy
@@ -42,12 +41,14 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     values = store_trainable_in(model, pol.stored) if separate else None  # the masters' values
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state) - elsewhere
-    if program.stages is not None:
+    if program.pipelined:
         mine = {n for st in program.own_stages(groups.rank) for n in st.params}
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
     if options.zero:
-        zero = ZeroRuntime(model, groups, options, params, alone=shared_across_pp(program), values=values)
+        settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
+        zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
+                           binding=binding)
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "
@@ -74,10 +75,10 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
                      masters=masters, memory=zero.memory if zero else
                      MemoryAccount(lambda: [*params, *frozen_parameters(model)], lambda: [p.grad for p in params], opt),
                      progress=Progress(job_store(), groups.rank, mesh.size))
-    if program.stages is not None:
+    if program.pipelined:
         release_other_stages(model, mine)
         rt.shared = shared_groups(mesh, program, groups, state.__getitem__ if zero is None else zero.shard_of)
-        rt.holders = {n: len(r) for n, r in shared_parameters(program.stages, program.schedule).items()}
+        rt.holders = {n: len(r) for n, r in program.shared_parameters().items()}
     return rt
 
 
@@ -103,18 +104,18 @@ def shared_groups(mesh: Mesh, program: Program, groups: Groups,
     """One process group per set of pp ranks sharing a parameter (whose ``tensor_of(name)`` gets the
     summed gradient); every rank creates every group."""
     out = []
-    for name, pp_ranks in sorted(shared_parameters(program.stages, program.schedule).items()):
+    for name, pp_ranks in sorted(program.shared_parameters().items()):
         for ranks in mesh.groups("pp"):
             group = dist.new_group([ranks[i] for i in pp_ranks])
-            if groups.rank in ranks and groups.coord("pp") in pp_ranks:
+            if groups.rank in ranks and groups.coords.pp in pp_ranks:
                 out.append((tensor_of(name), group))
     return out
 
 
 def pp_rank_fn(mesh: Mesh, groups: Groups) -> Callable[[int], int]:
     """The global rank of pp rank ``pp`` with this rank's dp and tp coordinates."""
-    coords = mesh.coords(groups.rank)
-    return lambda pp: mesh.rank_of(**{**coords, "pp": pp})
+    coords = groups.coords
+    return lambda pp: mesh.rank_at(coords.replace(pp=pp))
 
 
 def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
@@ -123,7 +124,7 @@ def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
         return
     if rt.rng_base is None:
         base = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.int64, device=rt.groups.device)
-        dist.broadcast(base, src=mesh.rank_of(**{**mesh.coords(rt.groups.rank), "tp": 0}), group=rt.groups["tp"])
+        dist.broadcast(base, src=mesh.rank_at(rt.groups.coords.replace(tp=0)), group=rt.groups["tp"])
         rt.rng_base = int(base)
     rt.rng_calls += 1
     torch.manual_seed(rt.rng_base + rt.rng_calls)
@@ -131,10 +132,10 @@ def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
 
 def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -> None:
     """Every program must place this rank's parameters on this rank's stages (the runtime holds them there)."""
-    own = program.own_stages(rt.groups.rank)
-    if own is None:
+    if not program.pipelined:
         return
-    pp = rt.groups.coord("pp")
+    own = program.own_stages(rt.groups.rank)
+    pp = rt.groups.coords.pp
     used = {n for st in own for n in st.params}
     mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
     held = {n for n, p in model.named_parameters() if any(p is q for q in mine)}

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 from autopar.core.expert_layout import ExpertParam
 from autopar.core.graph import tied_aliases
 from autopar.core.layout import from_storage, local_shape, to_storage
-from autopar.core.mesh import Mesh
+from autopar.core.mesh import Coords, Mesh
 from autopar.runtime import checkpoint
 from autopar.runtime.reshard import Geometry
 from autopar.zero_compile import held_names
@@ -42,13 +42,13 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
     if rt.zero is not None:
         current.update(rt.zero.full_parameters(masters=True))
     full_shapes = {p.name: p.shape for p in program.plan.params}
-    tp = mesh.coords(rt.groups.rank)["tp"]
+    tp = rt.groups.coords.tp
     for name, t in current.items():  # other stages' parameters are not kept: buffers to receive them into
         if t.numel() == 0 and name in full_shapes:
             shape = local_shape(full_shapes[name], program.placements.get(name), mesh.tp, tp)
             dtype = torch.float32 if rt.masters is not None and name in program.trainable else t.dtype
             current[name] = torch.empty(shape, dtype=dtype, device=t.device)
-    if program.stages is not None:
+    if program.pipelined:
         _broadcast_from_owners(mesh, program, rt, current)
     if program.plan.expert_params:
         _gather_experts(mesh, program, rt, current)
@@ -72,13 +72,13 @@ def _gather_experts(mesh: Mesh, program: Program, rt: RankRuntime, current: dict
 def _broadcast_from_owners(mesh: Mesh, program: Program, rt: RankRuntime, current: dict[str, torch.Tensor]) -> None:
     """Each tensor's owner (the pp rank of the first stage using it) broadcasts it to the other pp ranks."""
     owner: dict[str, int] = {}
-    for st in program.stages:
+    for st in program.pipeline_stages:
         for slot in st.slots:
             owner.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
-    coords = mesh.coords(rt.groups.rank)
+    coords = rt.groups.coords
     with torch.no_grad():
         for name, t in current.items():
-            src = mesh.rank_of(**{**coords, "pp": owner.get(name, 0)})
+            src = mesh.rank_at(coords.replace(pp=owner.get(name, 0)))
             dist.broadcast(t, src=src, group=rt.groups["pp"])
 
 
@@ -100,7 +100,7 @@ def local_state(model: torch.nn.Module, mesh: Mesh, program: Program, rank: int,
                 state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state (the model's keys) cut the way ``rank`` stores it: tp shards, re-ordered where a layout says."""
     aliases = tied_aliases(model)
-    n, i = mesh.tp, mesh.coords(rank)["tp"]
+    n, i = mesh.tp, mesh.coords(rank).tp
     out = {}
     for key, value in state.items():
         name = aliases.get(key, key)
@@ -120,9 +120,9 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
     aliases = tied_aliases(model)
     params = dict(model.named_parameters())
     held = held_names(program, rt.groups.rank)
-    used = {s.name for st in program.stages for s in st.slots} if program.stages is not None else None
+    used = {s.name for st in program.pipeline_stages for s in st.slots} if program.pipelined else None
     writer = _pp_writers(program)
-    coords = mesh.coords(rt.groups.rank)
+    coords = rt.groups.coords
     zero_of = {n: (fs, k) for fs in rt.zero.shards for k, n in enumerate(fs.spec.params)} if rt.zero else {}
     entries, expected, trainable = [], {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
@@ -135,14 +135,14 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
             trainable.add(name)
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
-        writes = writer.get(name, 0) == coords["pp"]
+        writes = writer.get(name, 0) == coords.pp
         if name in program.plan.expert_params:  # (tp, pp and ZeRO do not compose with ep: refused at compile)
             entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
                                      rt.groups.rank)
             continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
-                                            writes=writes and coords["tp"] == 0))
+                                            writes=writes and coords.tp == 0))
         else:
             entries.append(_param_entry(name, shape, rt.master_of(t), program, mesh, coords, zero_of.get(name),
                                         writes, rt.master_of))
@@ -151,17 +151,17 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
 
 
 def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Program, mesh: Mesh,
-                 coords: dict[str, int], zero: tuple[Any, int] | None, writes: bool,
+                 coords: Coords, zero: tuple[Any, int] | None, writes: bool,
                  of: Callable[[torch.Tensor], torch.Tensor]) -> checkpoint.Entry:
     """A parameter's entry: its tp chunk (in storage order), and under ZeRO the part of it in this rank's shard
     (``of``: the tensor saved for a stored one, its master under mixed precision)."""
     placement = program.placements.get(name)
-    local = local_shape(shape, placement, mesh.tp, coords["tp"])
+    local = local_shape(shape, placement, mesh.tp, coords.tp)
     dim = placement.dim if isinstance(placement, Shard) and mesh.tp > 1 else None
-    start = coords["tp"] * -(-shape[dim] // mesh.tp) if dim is not None else 0  # as torch.chunk cuts
+    start = coords.tp * -(-shape[dim] // mesh.tp) if dim is not None else 0  # as torch.chunk cuts
     lay = program.layouts.get(name)
     geometry = Geometry(shape, local, dim, start, (lay.dim, lay.sizes, lay.n) if lay is not None else None)
-    writes = writes and (dim is not None or coords["tp"] == 0)  # a tp-replicated parameter: tp rank 0 writes it
+    writes = writes and (dim is not None or coords.tp == 0)  # a tp-replicated parameter: tp rank 0 writes it
     if zero is None:
         if tuple(p.shape) != local:
             raise RuntimeError(f"internal error: {name!r} is stored as {tuple(p.shape)}, expected {local}")
@@ -193,7 +193,7 @@ def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: Ex
 def _pp_writers(program: Program) -> dict[str, int]:
     """The pp rank that writes each tensor: the rank of the first stage using it (others: pp rank 0)."""
     out: dict[str, int] = {}
-    for st in program.stages or []:
+    for st in program.pipeline_stages:
         for slot in st.slots:
             out.setdefault(slot.name, program.schedule.stage_to_rank[st.index])
     return out

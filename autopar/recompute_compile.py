@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from autopar.core.graph import SlotKind
 from autopar.core.plan import RecomputePlan
 from autopar.core.recompute_modes import mode_of, unmatched_keys
 from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
@@ -34,7 +35,7 @@ from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.peak_memory import simulated_peak
 from autopar.passes.recompute import layers, recompute
-from autopar.zero_compile import PerDpGroup
+from autopar.program import Program
 
 
 class _Rewrite:
@@ -79,17 +80,17 @@ def backward_follows_forward(step: Schedule | None) -> bool:
             and all(a.kind != REDUCE_GRAD for a in actions))
 
 
-def kept_last_layer(program: Any, modes: dict[str, str]) -> tuple[str, str] | None:
+def kept_last_layer(program: Program, modes: dict[str, str]) -> tuple[str, str] | None:
     """``(layer, why)`` when the graph's last layer should keep its activations although ``modes`` recomputes it:
     its backward follows its forward directly and the step's simulated peak does not rise (module doc)."""
-    if program.stages is not None or not backward_follows_forward(program.step):
+    if program.pipelined or not backward_follows_forward(program.step):
         return None
-    graphs = list({id(gm): gm for gm in program.graphs.values()}.values())  # tp ranks may share one
+    graphs = [st.gm for st in program.graphs.distinct()]  # (tp ranks may share one)
     names = layers(graphs[0])
     if not names or modes.get(names[-1], "none") == "none":
         return None
     last = names[-1]
-    grads = [s.kind == "param" and s.name in program.trainable for s in program.captured.slots]
+    grads = [s.kind is SlotKind.PARAM and s.name in program.trainable for s in program.captured.slots]
     loss = len(program.captured.mutated_buffers)
     sizes = dict(program.plan.mesh.axes)
     variants = (modes, {**modes, last: "none"})
@@ -109,42 +110,22 @@ def kept_last_layer(program: Any, modes: dict[str, str]) -> tuple[str, str] | No
                   f"at {max(r for r, _ in peaks) / 2**20:.1f} MiB of activations and gradients (simulated)")
 
 
-def apply_recompute(program: Any, options: Options) -> Any:
+def apply_recompute(program: Program, options: Options) -> Program:
     """``program`` with the layers ``options.recompute`` chooses recomputed on every rank, and the plan's record."""
     if options.recompute == "none":
         return program
     modes = layer_modes(program.captured.gm, options.recompute)
     if all(mode == "none" for mode in modes.values()):
         return program
-    kept = None if isinstance(program.graphs, PerDpGroup) else kept_last_layer(program, modes)
+    lazy = program.graphs.per_group  # ZeRO-3's groups have graphs of their own, made when first asked for
+    kept = None if lazy else kept_last_layer(program, modes)
     if kept is not None:
         modes = {**modes, kept[0]: "none"}
-    mesh = program.plan.mesh
-    stages = tuple((st.index, tuple(layers(st.gm))) for st in program.stages) if program.stages is not None else ()
-    rewrite = _Rewrite(modes, lazy=isinstance(program.graphs, PerDpGroup))
+    stages = tuple((st.index, tuple(layers(st.gm))) for st in program.pipeline_stages)
+    rewrite = _Rewrite(modes, lazy=lazy)
     if kept is not None:
         rewrite.skipped[kept[0]] = kept[1]
-    if program.rank_stages is not None:  # ZeRO-3 with a pipeline: each dp group's own stages
-        zero_stages = program.rank_stages
-
-        def stages_of(ranks: list[int]) -> list:
-            mine = program.schedule.stages_of(mesh.coords(ranks[0])["pp"])
-            return [dataclasses.replace(st, gm=rewrite(st.gm)) if st.index in mine else st
-                    for st in zero_stages[ranks[0]]]
-
-        program.rank_stages = PerDpGroup(mesh, stages_of)
-        program.graphs = PerDpGroup(mesh, lambda ranks: program.rank_stages[ranks[0]][mesh.coords(ranks[0])["pp"]].gm)
-    elif isinstance(program.graphs, PerDpGroup):  # ZeRO-3
-        zero_graphs = program.graphs
-        program.graphs = PerDpGroup(mesh, lambda ranks: rewrite(zero_graphs[ranks[0]]))
-    elif program.stages is not None:
-        program.stage_sets = [[dataclasses.replace(st, gm=rewrite(st.gm)) for st in stages]
-                              for stages in program.stage_sets]
-        program.stages = program.stage_sets[0]
-        program.graphs = {r: program.stage_sets[mesh.coords(r)["tp"]][mesh.coords(r)["pp"]].gm
-                          for r in range(mesh.size)}
-    else:
-        program.graphs = {r: rewrite(gm) for r, gm in program.graphs.items()}
+    program.graphs.rewrite(lambda st: dataclasses.replace(st, gm=rewrite(st.gm)))
     applied = tuple((layer, "none" if layer in rewrite.skipped else mode) for layer, mode in modes.items())
     program.plan.recompute = RecomputePlan(applied, stages, tuple(rewrite.skipped.items()))
     return program

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.core.collectives import bind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.rank_runtime import pp_rank_fn
@@ -32,7 +33,7 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
 
     def arm(last: bool) -> None:  # a parameter two stages of this rank use is complete only after both
         if rt.grad_sync is not None:
-            rt.grad_sync.enabled = last and not shared_on_rank
+            rt.grad_sync.arm(last and not shared_on_rank)
 
     def optimizer() -> None:
         if max_grad_norm is not None:
@@ -61,9 +62,10 @@ def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]
 
 
 def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:
-    pp = rt.groups.coord("pp")
-    return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
-                           program.captured.constants, handlers)
+    pp = rt.groups.coords.pp
+    with bind(rt.binding):  # the graphs' autopar::* ops run on this rank's groups
+        return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
+                               program.captured.constants, handlers)
 
 
 def _zero_handlers(program: Program, rt: RankRuntime) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
                        m: int, gather: bool) -> Any:
     """The last stage's outputs from its rank to the pp group, unflattened, then gathered over dp."""
     if program.schedule is not None:
-        last = program.stages[-1]
+        last = program.pipeline_stages[-1]
         if flats is None:
             flats = [[torch.empty(b.shape, dtype=b.dtype, device=rt.groups.device) for b in output_metas(last)]
                      for _ in range(m)]
@@ -116,7 +118,7 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
 def _shared_within_rank(program: Program, rank: int) -> bool:
     """Whether two stages of this rank use one parameter (its gradient completes only after both)."""
     seen: set[str] = set()
-    for st in program.own_stages(rank) or []:
+    for st in program.own_stages(rank):
         if seen & set(st.params):
             return True
         seen |= set(st.params)

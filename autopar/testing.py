@@ -143,9 +143,9 @@ def _merged(outs: list[Any], weights: list[float]) -> Any:
 
 def part_weights(make_model: Callable, parts: list[Any], loss_fn: Callable | None) -> list[float]:
     """Each part's weight in the whole batch's loss: its share of the items the loss counts where the loss
-    is one mean over a count of its inputs (``passes/loss_count.py``, e.g. tokens not ignored), else equal."""
+    is one mean over a count of its inputs (``passes/global_count.py``, e.g. tokens not ignored), else equal."""
     from autopar.capture import capture
-    from autopar.passes.loss_count import normalize_by_global_count
+    from autopar.passes.global_count import normalize_by_global_count
 
     (args, kw), tgt = parts[0]
     captured = capture(make_model(), args, kw, with_loss=True, loss_fn=loss_fn, target=tgt)

@@ -17,56 +17,54 @@ the same shards.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
-
 import torch
 
+from autopar.core.graph import SlotKind
 from autopar.core.layout import local_shape
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, memory
 from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
-from autopar.passes.stage_cuts import shared_parameters
-from autopar.passes.zero import insert_gathers, memory_estimate, zero_collectives, zero_placements
+from autopar.passes.zero_graphs import insert_gathers, memory_estimate, zero_collectives, zero_placements
 from autopar.precision import Policy, stored_dtype
+from autopar.program import Program
 
 
-def held_names(program: Any, rank: int) -> set[str] | None:
+def held_names(program: Program, rank: int) -> set[str] | None:
     """Names of the parameters and buffers ``rank``'s pipeline stages use (None: no pipeline, it holds all)."""
-    own = program.own_stages(rank)
-    if own is None:
+    if not program.pipelined:
         return None
-    return {s.name for st in own for s in st.slots if s.kind in ("param", "buffer")}
+    return {s.name for st in program.own_stages(rank) for s in st.slots if s.kind in (SlotKind.PARAM, SlotKind.BUFFER)}
 
 
-def rank_parameters(program: Any, model: torch.nn.Module, rank: int,
+def rank_parameters(program: Program, model: torch.nn.Module, rank: int,
                     pol: Policy | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(name, local shape, dtype as the runtime stores it under ``pol``)`` of the trainable parameters
     ``rank`` holds, in the model's order."""
     mesh = program.plan.mesh
     held = held_names(program, rank)
-    tp = mesh.coords(rank)["tp"]
+    tp = mesh.coords(rank).tp
     return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), stored_dtype(p, pol))
             for n, p in model.named_parameters()
             if p.requires_grad and (held is None or n in held)]
 
 
-def shared_across_pp(program: Any) -> set[str]:
+def shared_across_pp(program: Program) -> set[str]:
     """Parameters that stages on several pipeline ranks use."""
-    return set(shared_parameters(program.stages, program.schedule)) if program.stages is not None else set()
+    return set(program.shared_parameters())
 
 
-def rank_layout(program: Any, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
+def rank_layout(program: Program, model: torch.nn.Module, options: Options, rank: int) -> ZeroLayout:
     """The ZeRO layout of the parameters ``rank`` holds (what its runtime computes from its tensors)."""
     mesh = program.plan.mesh
     return zero_layout(rank_parameters(program, model, rank, options.policy), stage=options.zero,
                        n=mesh[mesh.zero_axis], bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
 
 
-def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
+def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
                frozen_bytes: dict[int, int]) -> list[Collective]:
     """Adds every rank's layout and the worst rank's memory estimate to ``program``; under zero=3
-    rewrites each rank's graphs to gather its layers (``passes.zero.insert_gathers``). Returns the
+    rewrites each rank's graphs to gather its layers (``passes.zero_graphs.insert_gathers``). Returns the
     worst rank's dp collectives. Under mixed precision stage 3 gathers the compute dtype (half the bytes
     of fp32 for bf16) and gradients are reduced in the policy's reduce dtype.
 
@@ -87,7 +85,7 @@ def apply_zero(program: Any, model: torch.nn.Module, mesh: Mesh, options: Option
                                          if options.zero == 3 else 0)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
     plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
-    merged = {g.name: g for rep in layouts if mesh.coords(rep)["tp"] == 0 for g in layouts[rep].groups}
+    merged = {g.name: g for rep in layouts if mesh.coords(rep).tp == 0 for g in layouts[rep].groups}
     plan.params = zero_placements(plan.params, ZeroLayout(options.zero, n, tuple(merged.values())), axis)
     if options.zero == 3:
         _gather_layers(program, mesh, options)
@@ -107,46 +105,8 @@ def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int
     return stored * pol.compute.itemsize // pol.master.itemsize
 
 
-class PerDpGroup(dict):
-    """``rank -> value``, made on first access for the rank's whole ZeRO group (its dp group, or its
-    dp_shard group under hybrid sharding), which shares it.
-
-    Each rank's runtime then rewrites only its own graphs; inspecting a rank rewrites that rank's group.
-    """
-
-    def __init__(self, mesh: Mesh, make: Callable[[list[int]], Any]) -> None:
-        super().__init__()
-        self.mesh = mesh
-        self.make = make
-
-    def __missing__(self, rank: int) -> Any:
-        self.mesh.coords(rank)  # a rank outside the mesh is refused by name
-        ranks = self.mesh.group_of(rank, self.mesh.zero_axis)
-        value = self.make(ranks)
-        self.update(dict.fromkeys(ranks, value))
-        return value
-
-
-def _gather_layers(program: Any, mesh: Mesh, options: Options) -> None:
-    """Each ZeRO group's graphs (its pipeline stages) with all-gathers of its layers, named by its ranks."""
+def _gather_layers(program: Program, mesh: Mesh, options: Options) -> None:
+    """Each ZeRO group's own stages with all-gathers of its layers, named by its ranks (made on first access)."""
     prefetch, axis = options.zero_prefetch, mesh.zero_axis
-    if program.stages is None:
-        lowered = dict(program.graphs)
-        program.graphs = PerDpGroup(mesh, lambda ranks: insert_gathers(
-            lowered[ranks[0]], program.captured.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks,
-            prefetch=prefetch))
-        return
-
-    lowered_stages = {r: program.stages_for(r) for r in range(mesh.size)}  # before the rewrite
-
-    def stages_of(ranks: list[int]) -> list:
-        mine, stages = program.schedule.stages_of(mesh.coords(ranks[0])["pp"]), list(lowered_stages[ranks[0]])
-        for i, st in enumerate(stages):
-            if st.index in mine:
-                gm = insert_gathers(st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks,
-                                    prefetch=prefetch)
-                stages[i] = dataclasses.replace(st, gm=gm)
-        return stages
-
-    program.rank_stages = PerDpGroup(mesh, stages_of)
-    program.graphs = PerDpGroup(mesh, lambda ranks: program.rank_stages[ranks[0]][mesh.coords(ranks[0])["pp"]].gm)
+    program.graphs.rewrite_per_group(lambda ranks, st: dataclasses.replace(st, gm=insert_gathers(
+        st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks, prefetch=prefetch)))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import Cluster, Mesh, parallelize
+from autopar import Cluster, parallelize
 
 
 def make_model(layers: int, width: int, vocab: int, seq: int, inner: int, tied: bool = True,
@@ -58,7 +58,7 @@ def optimizer(params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def run_configs(model_args: tuple, batch: int, configs: list[tuple[dict, dict]], rounds: int,
+def run_configs(model_args: tuple, batch: int, configs: list[autopar.Parallelism], rounds: int,
                 steps: int) -> list[list[float]]:
     """Per configuration, this rank's step times: every round compiles each one and times ``steps`` steps."""
     vocab, seq = model_args[2], model_args[3]
@@ -67,8 +67,7 @@ def run_configs(model_args: tuple, batch: int, configs: list[tuple[dict, dict]],
     for r in range(rounds):
         order = range(len(configs)) if r % 2 == 0 else reversed(range(len(configs)))
         for i in order:
-            mesh, options = configs[i]
-            pm = parallelize(make_model(*model_args), Mesh(**mesh), loss_fn=loss_fn, optimizer=optimizer, **options)
+            pm = parallelize(make_model(*model_args), configs[i], loss_fn=loss_fn, optimizer=optimizer)
             pm.step(ids, target=ids)
             for _ in range(steps):
                 dist.barrier()
@@ -114,7 +113,7 @@ def main() -> None:
     for c in result.candidates:  # ranked: the first of each mesh is its best configuration
         best.setdefault((c.config.dp, c.config.pp, c.config.tp), c)
     chosen = list(best.values())
-    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    configs = [c.parallelism for c in chosen]
     runs = autopar.launch(run_configs, a.ranks, model_args, a.batch, configs, a.rounds, a.steps)
     # a step ends when its slowest rank ends: per step, the max over ranks; then the median over steps
     measured = [statistics.median(max(ts) for ts in zip(*(runs[r][i] for r in range(a.ranks))))

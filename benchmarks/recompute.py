@@ -86,7 +86,7 @@ def activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tup
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     out = {}
     for mode in MODES:
-        gm = recompute(program.graphs[0], lambda layer: mode).gm
+        gm = recompute(program.graph(0), lambda layer: mode).gm
         gc.collect()
         with NewStorages(track_peak=False) as new:
             loss = program.captured.run(state, [ids, ids], gm)

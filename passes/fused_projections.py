@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Captured
+from autopar.core.graph import Captured, SlotKind
 from autopar.core.layout import Interleave
 
 aten = torch.ops.aten
@@ -154,7 +154,7 @@ def _projection_params(y: fx.Node, slot_of: dict) -> list[tuple[str, int]] | Non
     params = []
     for node, d in pairs:
         slot = slot_of.get(node)
-        if slot is None or slot.kind != "param" or len(node.users) != 1:
+        if slot is None or slot.kind is not SlotKind.PARAM or len(node.users) != 1:
             return None
         params.append((slot.name, d))
     return params

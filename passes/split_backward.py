@@ -20,7 +20,7 @@ from collections.abc import Container
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Slot, copy_module
+from autopar.core.graph import Slot, SlotKind, copy_module
 from autopar.core.weight_grad import split_addmm, split_linear, split_mm
 
 aten = torch.ops.aten
@@ -42,7 +42,8 @@ def defer_weight_gradients(gm: fx.GraphModule, slots: list[Slot], trainable: set
     """A copy of ``gm`` whose weight matmuls can defer their weight gradient; and how many there are."""
     gm = copy_module(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    weights = {node for node, slot in zip(placeholders, slots) if slot.kind == "param" and slot.name in trainable}
+    weights = {node for node, slot in zip(placeholders, slots)
+               if slot.kind is SlotKind.PARAM and slot.name in trainable}
     count = 0
     for node in list(gm.graph.nodes):
         if deferred_weight(node, weights) is not None:

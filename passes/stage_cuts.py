@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import PREFIX, Boundary, Captured, Slot, StageGraph
+from autopar.core.graph import PREFIX, Boundary, Captured, Slot, SlotKind, StageGraph
 from autopar.passes.cost import annotate_costs, requires_grad, tensor_bytes
 
 
@@ -164,10 +164,10 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
     gm = cap.gm
     n = len(split_points) + 1
     stage = assign_stages(gm, split_points)
-    rg = requires_grad(gm, {nd for nd, sl in zip(_placeholders(gm), cap.slots) if sl.kind == 'param' and sl.name in trainable})
+    rg = requires_grad(gm, {nd for nd, sl in zip(_placeholders(gm), cap.slots)
+                            if sl.kind is SlotKind.PARAM and sl.name in trainable})
     placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
     slot_of = dict(zip(placeholders, cap.slots))
-    input_index = {nd: i for i, nd in enumerate(nd for nd in placeholders if slot_of[nd].kind == "input")}
     boundaries: list[list[fx.Node]] = []
     for s in range(n - 1):
         values = [nd for nd in stage if stage[nd] <= s and any(stage.get(u, n - 1) > s for u in nd.users)]
@@ -189,7 +189,7 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
                 slot = slot_of[node]
                 env[node] = graph.placeholder(node.name)
                 env[node].meta = dict(node.meta)
-                slots.append(slot if slot.kind != "input" else Slot("input", str(input_index[node])))
+                slots.append(slot)
             return env[node]
 
         for nd in recv:
@@ -207,14 +207,14 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
                         for a in flat_out]
         graph.output(tuple(results))
         # placeholders must come first and in slot order: recv values go last
-        recv_slots = [Slot("recv", nd.name) for nd in recv]
+        recv_slots = [Slot(SlotKind.RECV, nd.name) for nd in recv]
         _move_recv_last(graph, len(recv))
         stage_gm = fx.GraphModule(torch.nn.Module(), graph)
         stage_gm.graph.lint()
         stages.append(StageGraph(
             index=s, gm=stage_gm, slots=slots + recv_slots,
             recv=[_boundary(nd, rg) for nd in recv], send=[_boundary(nd, rg) for nd in send],
-            is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind == "param"],
+            is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind is SlotKind.PARAM],
         ))
     return stages
 

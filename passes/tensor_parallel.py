@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.comm import OPS, LinkCost
-from autopar.core.graph import Captured
+from autopar.core.graph import Captured, SlotKind
 from autopar.core.layout import Interleave
 from autopar.core.plan import CollectiveRow, LayerLayout, MatmulRow
 from autopar.passes.blocks import repeated_blocks
@@ -52,7 +52,7 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     """
     layouts = interleave_fused_projections(cap, n)
     placeholders = [nd for nd in cap.gm.graph.nodes if nd.op == "placeholder"]
-    params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind == "param"}
+    params = {nd: s.name for nd, s in zip(placeholders, cap.slots) if s.kind is SlotKind.PARAM}
     leaves = {nd for nd, name in params.items() if name in trainable}
     choices = solve_sharding(cap.gm, n, params, cost=cost, memory_budget=memory_budget, trainable=leaves,
                              fixed=fixed, least_activations=sequence_parallel)

@@ -63,7 +63,7 @@ class BucketedAllReduce:
         self.reduce_dtype = reduce_dtype
         self.size = divisor or dist.get_world_size(group)  # what each gradient is divided by before the sum
         self.bucket_bytes = bucket_bytes
-        self.enabled = True  # off for all but the last microbatch of an accumulation
+        self._armed = True  # off for all but the last microbatch of an accumulation (``arm``)
         self.params = [p for p in params if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.buckets = self._layout(list(reversed(self.params)))
@@ -72,6 +72,11 @@ class BucketedAllReduce:
         self.launched_in_backward = 0  # buckets of the last step launched from a hook (for tests)
         self.arrival: list[int] | None = []  # indices into ``params`` as gradients arrive; None once rebuilt
         self._done = False  # the last step finished: the next launch starts a new step's bookkeeping
+
+    def arm(self, last: bool) -> None:
+        """Whether the gradients the next backward completes are reduced (``last``: its stage's last
+        microbatch) or left to accumulate until then."""
+        self._armed = last
 
     def reduce_in(self, dtype: torch.dtype) -> None:
         """Reduces in ``dtype`` from the next step on (the buckets' buffers are laid out again in it)."""
@@ -94,7 +99,7 @@ class BucketedAllReduce:
         return buckets
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self._armed:
             return
         if self.arrival is not None:
             self.arrival.append(self._index[id(p)])

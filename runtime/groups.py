@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.core.mesh import AXES, DP_SUBAXES, EP_SUBAXES, Mesh
+from autopar.core.mesh import AXES, DP_SUBAXES, EP_SUBAXES, Coords, Mesh
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
 DEVICE_ENV = "AUTOPAR_DEVICE"
@@ -45,7 +45,13 @@ class Groups:
     def __getitem__(self, axis: str) -> dist.ProcessGroup | None:
         return self.by_axis[axis]
 
+    @property
+    def coords(self) -> Coords:
+        """This rank's index on every mesh axis."""
+        return self.mesh.coords(self.rank)
+
     def coord(self, axis: str) -> int:
+        """This rank's index on ``axis`` or dp sub-axis (a variable; ``coords.pp`` where it is not)."""
         return self.mesh.coord(self.rank, axis)
 
 

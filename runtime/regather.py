@@ -17,7 +17,7 @@ of the same shard over the same group, viewed the same way), so gradients are
 those of keeping the gathered tensor. Every tp rank runs the same graph, so
 the backward gathers are issued in the same order on every rank of the group.
 
-ZeRO-3's forward run (``runtime/zero_ops.py``) installs hooks of its own inside
+ZeRO-3's forward run (``runtime/zero_kernels.py``) installs hooks of its own inside
 this one; it hands the tensors it does not own to ``pack`` and the handles it did
 not make to ``unpack``.
 """
@@ -31,21 +31,24 @@ from typing import Any, Iterator
 
 import torch
 
-from autopar.core.collectives import _all_gather, observe_gathers
+from autopar.core.collectives import bind, bound, observe_gathers
 
 _ACTIVE = threading.local()  # per thread: the running forward's registry, or None
 
 
 class _Source:
-    """One gathered value: the shard it came from and, once backward gathered it again, that copy."""
+    """One gathered value: the shard it came from and, once backward gathered it again, that copy (on the
+    binding the forward ran under: backward may run on another thread)."""
 
     def __init__(self, shard: torch.Tensor, axis: str, dim: int, dtype: torch.dtype) -> None:
         self.shard, self.axis, self.dim, self.dtype = shard, axis, dim, dtype
+        self.binding = bound()
         self.copy: torch.Tensor | None = None
 
     def gathered(self) -> torch.Tensor:
         if self.copy is None:
-            self.copy = _all_gather(self.shard, self.axis, self.dim)
+            with bind(self.binding):
+                self.copy = torch.ops.autopar.all_gather(self.shard, self.axis, self.dim)  # (of a detached shard)
         return self.copy
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core import weight_grad
-from autopar.core.graph import Boundary, StageGraph
+from autopar.core.graph import Boundary, SlotKind, StageGraph
 from autopar.core.schedule import (
     B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, W, RECV_B, RECV_F, REDUCE_GRAD, REDUCE_SHARED, RESHARD, SEND_B,
     SEND_F, UNSHARD, Action,
@@ -136,8 +136,8 @@ class Executor:
     def _args(self, stage: StageGraph, state: dict, constants: dict, flat_inputs: list, recv: list) -> list:
         it = iter(recv)
         return [
-            flat_inputs[int(s.name)] if s.kind == "input" else next(it) if s.kind == "recv"
-            else constants[s.name] if s.kind == "constant" else state[s.name]
+            flat_inputs[s.index] if s.kind is SlotKind.INPUT else next(it) if s.kind is SlotKind.RECV
+            else constants[s.name] if s.kind is SlotKind.CONSTANT else state[s.name]
             for s in stage.slots
         ]
 

@@ -7,7 +7,7 @@ all-reduced over its ``dp_replicate`` group (the ranks holding the same slice).
 ``ZeroRuntime`` acts only on the rank's own parameter tensors and its dp process
 group, so a pipeline rank (its stage's parameters) or a tensor-parallel rank
 (its parameter shards) uses it unchanged. It plugs into ``ParallelModel.step``
-where data parallelism's gradient sync does: ``enabled`` / ``finish()`` after the
+where data parallelism's gradient sync does: ``arm(last)`` before each backward, ``finish()`` after the
 microbatches, then the user's optimizer, built on the shards, steps; a step
 post-hook all-gathers the updated shards (stages 1-2) and takes the memory account.
 
@@ -20,14 +20,16 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
+from autopar.core.collectives import Binding
 from autopar.core.graph import tied_aliases
 from autopar.core.optimizers import OPTIMIZERS
 from autopar.core.zero_layout import ZeroLayout, zero_layout
-from autopar.runtime import zero_ops as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
+from autopar.runtime import zero_kernels as _kernels  # noqa: F401  (runs the autopar::zero_* ops of stage-3 graphs)
 from autopar.runtime.groups import Groups
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
@@ -61,16 +63,32 @@ def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
         )
 
 
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What ZeRO reads of the parallelization options."""
+
+    stage: int  # 1, 2 or 3
+    bucket_bytes: int  # gradients reduced in buckets of about this size (``core/buckets.py``)
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None  # the user's factory, built on the shards
+    reduce_dtype: torch.dtype | None = None  # mixed precision: gradients reduced in this dtype
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {self.stage!r}: pass zero=1, 2 or 3 (or zero=0 for no sharding)")
+
+
 class ZeroRuntime:
     """The ZeRO state of one rank; see the module docstring for how ``ParallelModel`` drives it."""
 
-    def __init__(self, model: torch.nn.Module, groups: Groups, options: Any, params: list[torch.nn.Parameter],
-                 alone: set[str] | frozenset[str] = frozenset(),
-                 values: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
+                 params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
+                 values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
 
         Each parameter named in ``alone`` (held by several pipeline ranks) gets a flat group of its own.
+        ``binding``: the rank's (``core/collectives.py``), which counts ZeRO's collectives and through which the
+        stage-3 graph ops find each shard's group.
         ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
         is cut for the optimizer to step (``runtime/master.py``).
         """
@@ -78,26 +96,24 @@ class ZeroRuntime:
         axis = mesh.zero_axis
         self.model = model
         self.groups = groups
-        self.stage = options.zero
-        self.enabled = True  # set by ParallelModel.step: True on the last microbatch
+        self.stage = settings.stage
+        self._armed = True  # stage 1: reduce the gradients of the stage's last microbatch only (``arm``)
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
-                                              n=mesh[axis], bucket_bytes=options.bucket_bytes, alone=alone)
-        check_optimizer(options.optimizer, [p for _, p in named], self.stage)
+                                              n=mesh[axis], bucket_bytes=settings.bucket_bytes, alone=alone)
+        check_optimizer(settings.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
         self.queue = ReduceQueue(trace=self.trace)
         by_name = dict(named)
         ranks = mesh.group_of(groups.rank, axis)
-        policy = getattr(options, "policy", None)  # mixed precision: gradients reduced in its reduce dtype
-        reduce_dtype = policy.reduce if policy is not None else None
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
             fs = FlatShard(spec, index=groups.coord(axis), group=groups[axis], ranks=ranks, device=groups.device,
-                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=reduce_dtype,
-                           trace=self.trace, axis=axis)
+                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype,
+                           trace=self.trace, axis=axis, binding=binding)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)
@@ -107,12 +123,14 @@ class ZeroRuntime:
         if self.stage == 3:
             for fs in self.shards:
                 self.state.update(dict.fromkeys(fs.spec.params, fs.shard))
+        if binding is not None:
+            binding.shards.update({id(fs.shard): fs for fs in self.shards})
         self.params = [fs.shard for fs in self.shards]
         self.masters: Masters | None = None
         if values is not None:  # (kept without an optimizer too: the state is the fp32 values)
             self.masters = Masters(self.params, [fs.local_flat([values[n] for n in fs.spec.params], torch.float32)
                                                  for fs in self.shards])
-        self.optimizer = build_optimizer(options.optimizer, self.params, self.masters)
+        self.optimizer = build_optimizer(settings.optimizer, self.params, self.masters)
         if self.optimizer is not None:
             self.optimizer.register_step_post_hook(self._after_step)
         self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
@@ -146,10 +164,15 @@ class ZeroRuntime:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     # gradient sync (the interface of runtime.grad_sync.BucketedAllReduce) ----------
+    def arm(self, last: bool) -> None:
+        """Stage 1: whether the gradients the next backward completes are reduced (``last``: its stage's last
+        microbatch; full gradients accumulate until then). Stages 2-3 reduce every microbatch's."""
+        self._armed = last
+
     def _on_grad(self, p: torch.Tensor) -> None:
         fs = self._group_of[id(p)]
         self._hits[fs] += 1
-        if self.stage == 1 and not self.enabled:
+        if self.stage == 1 and not self._armed:
             return  # stage 1 keeps full gradients: reduce once, after the last microbatch
         self._ready[fs] += 1
         if self._ready[fs] >= len(self.members[fs]):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import record
+from autopar.core.collectives import Binding
 from autopar.core.mesh import DP_SUBAXES
 from autopar.core.zero_layout import FlatGroup
 from autopar.runtime.zero_trace import Span, ZeroEvent, ZeroTrace
@@ -67,7 +67,6 @@ def reduce_scatter_async(out: torch.Tensor | None, flat: torch.Tensor, index: in
     allocated and the work's ``result`` is a view of ``flat``. Other backends
     need ``out``.
     """
-    record("zero_reduce_scatter", axis, flat)
     if dist.get_backend(group) != "gloo":
         if out is None:
             raise ValueError(f"reduce_scatter_async on {dist.get_backend(group)} needs an output tensor")
@@ -109,12 +108,15 @@ class _Prefetch:
 
 class FlatShard:
     """The state of one ``FlatGroup`` on rank ``index`` of ``group``, the ranks ``ranks`` of mesh axis ``axis``
-    (``dp``, or ``dp_shard`` under hybrid sharding; ``group`` is ``None`` when the axis has one rank)."""
+    (``dp``, or ``dp_shard`` under hybrid sharding; ``group`` is ``None`` when the axis has one rank). Its
+    collectives are counted on ``binding`` (the rank's, ``pm.communication()``), whatever thread runs them."""
 
     def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
                  device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue,
-                 reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None, axis: str = "dp") -> None:
+                 reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None, axis: str = "dp",
+                 binding: Binding | None = None) -> None:
         self.spec = spec
+        self.binding = binding
         self.axis = axis
         self.trace = trace
         self.reduce_dtype = reduce_dtype or spec.dtype
@@ -128,7 +130,6 @@ class FlatShard:
         self.full = torch.zeros(spec.padded, dtype=spec.dtype, device=device) if stage < 3 else None
         data = self.full[lo:hi] if self.full is not None else torch.zeros(spec.shard, dtype=spec.dtype, device=device)
         self.shard = torch.nn.Parameter(data)
-        self.shard._zero = self  # the stage-3 graph ops find their group through the shard they are given
         self.grad_full = torch.zeros_like(self.full) if stage == 1 else None
         # stage 1: a view of the full gradient; stages 2-3: allocated by the step's first reduction, dropped after it
         self.grad: torch.Tensor | None = self.grad_full[lo:hi] if self.grad_full is not None else None
@@ -138,6 +139,11 @@ class FlatShard:
     def __repr__(self) -> str:
         spec = self.spec
         return f"FlatShard({spec.name!r}, {spec.numel} elements, shard {spec.shard} on rank {self.index})"
+
+    def record(self, op: str, axis: str, t: torch.Tensor) -> None:
+        """Counts one of this group's collectives on the rank's binding."""
+        if self.binding is not None:
+            self.binding.record(op, axis, t)
 
     # parameters ---------------------------------------------------------------
     def views(self, base: torch.Tensor) -> list[torch.Tensor]:
@@ -175,7 +181,7 @@ class FlatShard:
         """Stages 1-2: every rank's updated shard into ``full``; returns the work (None when done)."""
         if self.group is None:
             return None
-        record("zero_all_gather", self.axis, self.shard)
+        self.record("zero_all_gather", self.axis, self.shard)
         return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
 
     # stage 3 ------------------------------------------------------------------
@@ -190,7 +196,7 @@ class FlatShard:
         mine.copy_(self.shard.detach())
         if self.group is None:
             return _Prefetch(None, full, self.shard._version, span)
-        record("zero_all_gather", self.axis, mine)
+        self.record("zero_all_gather", self.axis, mine)
         work = all_gather_flat(full, mine, group=self.group, async_op=True)
         return _Prefetch(work, full, self.shard._version, span)
 
@@ -262,7 +268,7 @@ def average_over_replicas(shards: list[FlatShard], group: dist.ProcessGroup | No
         if fs.fresh or fs.grad is None:
             continue
         buf = fs.grad if fs.grad.dtype == fs.reduce_dtype else fs.grad.to(fs.reduce_dtype)
-        record("zero_all_reduce", DP_SUBAXES[0], buf)
+        fs.record("zero_all_reduce", DP_SUBAXES[0], buf)
         works.append((fs, buf, dist.all_reduce(buf, group=group, async_op=True)))
     with torch.no_grad():
         for fs, buf, work in works:
@@ -323,6 +329,7 @@ class ReduceQueue:
         # gloo reduces in place and its slice is read when the work completes: no output buffer while in flight
         out = None if gloo else torch.empty(shard.spec.shard, dtype=flat.dtype, device=flat.device)
         span = self._open(shard)
+        shard.record("zero_reduce_scatter", shard.axis, flat)
         work = reduce_scatter_async(out, flat, shard.index, shard.group, shard.axis)
         self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned, span=span))
         if wait:
@@ -338,6 +345,7 @@ class ReduceQueue:
             self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
             return
         span = self._open(shard)
+        shard.record("zero_reduce_scatter", shard.axis, shard.grad_full)
         work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group, shard.axis)
         self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False, span=span))
         self.limit()

@@ -8,6 +8,8 @@ from torch.utils import _pytree as pytree
 import models
 from autopar import CaptureError, Mesh, parallelize
 from autopar.capture import capture
+from autopar.core.graph import Slot, SlotKind
+from autopar.passes.stage_cuts import split_stages
 
 IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
 
@@ -140,3 +142,18 @@ def test_only_causal_or_input_independent_masks_are_folded() -> None:
     for model, inputs in [(causal, (x,)), (window, (x,)), (causal, (x, given))]:
         cap = capture(model, inputs, {})
         torch.testing.assert_close(cap.run(dict(model.named_parameters()), list(inputs), cap.gm), model(*inputs))
+
+
+def test_input_slots_carry_their_index_into_every_stage() -> None:
+    """An input's slot holds its position among the flat user inputs (the target's included), in the captured
+    graph and in each pipeline stage that reads it: the executor feeds it from there."""
+    model = models.mlp((8, 16, 16, 4))
+    cap = capture(model, (torch.randn(4, 8, dtype=torch.float64),), {}, with_loss=True, loss_fn=models.mse,
+                  target=torch.randn(4, 4, dtype=torch.float64))
+    inputs = [s for s in cap.slots if s.kind is SlotKind.INPUT]
+    assert [s.index for s in inputs] == [0, 1]
+    stages = split_stages(cap, ["2"], {n for n, _ in model.named_parameters()})
+    fed = [[(s.name, s.index) for s in st.slots if s.kind is SlotKind.INPUT] for st in stages]
+    assert fed == [[(inputs[0].name, 0)], [(inputs[1].name, 1)]]  # the features first, the target last
+    with pytest.raises(ValueError, match="an input slot has its index"):
+        Slot(SlotKind.INPUT, "x")

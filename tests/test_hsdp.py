@@ -51,7 +51,7 @@ def test_shard_and_replicate_groups_cut_each_dp_group_into_a_grid(replicate: int
         assert set(shard_group) & set(replicas) == {rank}
         assert set(shard_group) | set(replicas) <= set(mesh.group_of(rank, "dp"))
         assert shard_group[mesh.coord(rank, "dp_shard")] == rank == replicas[mesh.coord(rank, "dp_replicate")]
-        assert mesh.coords(rank)["dp"] == mesh.coord(rank, "dp_replicate") * shard + mesh.coord(rank, "dp_shard")
+        assert mesh.coords(rank).dp == mesh.coord(rank, "dp_replicate") * shard + mesh.coord(rank, "dp_shard")
 
 
 @pytest.mark.parametrize("make, message", [

@@ -2,6 +2,8 @@
 
 Every module's imports (module level and inside functions) are read with ``ast``;
 an import that crosses the layering fails with the file, the line and the rule.
+In passes and runtime a parameter named ``program`` or ``options`` has a type
+(never ``Any``): what a function reads of them is visible in its signature.
 """
 from __future__ import annotations
 
@@ -114,14 +116,24 @@ def test_api_uses_the_installed_names() -> None:
     assert not found, "import autopar.passes / autopar.runtime instead:\n" + "\n".join(found)
 
 
+def test_no_two_layers_share_a_module_name() -> None:
+    """A module's name says its layer's role: ``passes/zero_graphs.py`` rewrites graphs, ``runtime/zero.py`` runs."""
+    by_name: dict[str, list[str]] = {}
+    for p in sources():
+        if p.stem != "__init__":
+            by_name.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"modules of one name in several places: {shared}"
+
+
 def test_the_checker_catches_a_crossing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "runtime"
     folder.mkdir()
     bad = folder / "bad.py"
-    bad.write_text("import torch\n\ndef f():\n    from autopar.passes.zero import insert_gathers\n")
+    bad.write_text("import torch\n\ndef f():\n    from autopar.passes.zero_graphs import insert_gathers\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setitem(FOLDERS, "runtime", folder)
-    assert violations(bad) == [f"{Path('runtime/bad.py')}:4: imports autopar.passes.zero: {RULES['runtime']}"]
+    assert violations(bad) == [f"{Path('runtime/bad.py')}:4: imports autopar.passes.zero_graphs: {RULES['runtime']}"]
 
 
 def test_every_package_is_installed() -> None:
@@ -132,6 +144,47 @@ def test_every_package_is_installed() -> None:
     expected = {package_of(f / "__init__.py") for f in folders}
     assert set(config["packages"]) == expected
     assert config["package-dir"] == {"autopar.passes": "passes", "autopar.runtime": "runtime"}
+
+
+TYPED = ("program", "options")  # parameters passes and runtime must type (never Any, never unannotated)
+
+
+def untyped_parameters(path: Path) -> list[str]:
+    """``file:line: parameter`` for each parameter named in ``TYPED`` that is unannotated or typed ``Any``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = fn.args
+        for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]:
+            if arg.arg in TYPED and (arg.annotation is None or _mentions_any(arg.annotation)):
+                typed = "unannotated" if arg.annotation is None else f"typed {ast.unparse(arg.annotation)}"
+                found.append(f"{path.relative_to(ROOT)}:{arg.lineno}: {fn.name}({arg.arg}) is {typed}; give it "
+                             f"the record it reads (a Program, or the fields of Options it needs)")
+    return found
+
+
+def _mentions_any(annotation: ast.expr) -> bool:
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted annotation
+        annotation = ast.parse(annotation.value, mode="eval").body
+    return any(isinstance(n, ast.Name) and n.id == "Any" or isinstance(n, ast.Attribute) and n.attr == "Any"
+               for n in ast.walk(annotation))
+
+
+@pytest.mark.parametrize("layer", ["passes", "runtime"])
+def test_program_and_options_are_typed(layer: str) -> None:
+    found = [v for p in sources() if layer_of_file(p) == layer for v in untyped_parameters(p)]
+    assert not found, "parameters read through Any:\n" + "\n".join(found)
+
+
+def test_the_typing_check_catches_any(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from typing import Any\n\ndef f(x: int, program: Any) -> None: ...\n\n"
+                   "def g(*, options) -> None: ...\n\ndef h(options: 'Any | None', program: int) -> None: ...\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [v.split(" is ")[0] for v in untyped_parameters(bad)] == ["bad.py:3: f(program)", "bad.py:5: g(options)",
+                                                                     "bad.py:7: h(options)"]
 
 
 def module_of(path: Path) -> str:

@@ -3,7 +3,7 @@
 The first half of the batch has most labels set to ``ignore_index`` (padding, or a prompt left out of
 supervised fine-tuning), so the parts of the batch count different numbers of tokens. Averaging each
 part's mean with equal weight (what a mean of means does) is 6e-3 off on the first loss here; autopar
-divides each part's sum by the whole batch's count (``passes/loss_count.py``), so loss, output and every
+divides each part's sum by the whole batch's count (``passes/global_count.py``), so loss, output and every
 parameter equal single-device training in float64.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ import sympy
 import torch
 
 import models
-from autopar import Mesh, parallelize
+from autopar import Mesh, Parallelism, parallelize
 from autopar.cli import main
 from autopar.core.schedules import make_schedule
 from autopar.planner import gpt, gpt3_175b, plan
@@ -283,7 +283,7 @@ def _parameter_heavy_llama() -> torch.nn.Module:
 
 
 def _run_meshes(factory: Callable[[], torch.nn.Module], shape: tuple[int, int, int],
-                configs: list[tuple[dict, dict]], steps: int) -> list[tuple[float, dict]]:
+                configs: list[Parallelism], steps: int) -> list[tuple[float, dict]]:
     """Every configuration on this rank: fastest step time, memory account after training.
 
     ``shape``: batch, sequence, vocabulary. One compiled model at a time (a
@@ -300,9 +300,8 @@ def _run_meshes(factory: Callable[[], torch.nn.Module], shape: tuple[int, int, i
     accounts: dict[int, dict] = {}
     order = [*range(len(configs)), *reversed(range(len(configs)))] if steps else range(len(configs))
     for i in order:
-        mesh, options = configs[i]
         torch.manual_seed(0)
-        pm = parallelize(factory(), Mesh(**mesh), loss_fn=models.lm_loss, optimizer=models.adamw, **options)
+        pm = parallelize(factory(), configs[i], loss_fn=models.lm_loss, optimizer=models.adamw)
         start = time.perf_counter()
         pm.step(ids, target=ids)
         if not steps:
@@ -329,11 +328,11 @@ def test_predicted_memory_matches_the_account_on_local_ranks(launcher) -> None:
                   optimizer="adam", recompute=(False,), runnable_only=True)
     chosen = _best_of_each_mesh(result)
     assert len(chosen) >= 4
-    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    configs = [c.parallelism for c in chosen]
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(chosen):
         for rank in range(4):
-            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            predicted = c.estimate.per_rank[c.mesh.coords(rank).pp]
             account = runs[rank][i][1]
             for key in ("parameters", "gradients", "optimizer"):
                 assert account[key] == pytest.approx(float(predicted[key]), rel=0.10), (c.config.describe(), rank, key)
@@ -350,7 +349,7 @@ def test_predictions_match_measured_runs_on_local_ranks(launcher) -> None:
                   optimizer="adam", recompute=(False,), runnable_only=True)
     chosen = _best_of_each_mesh(result)
     assert len(chosen) >= 4
-    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    configs = [c.parallelism for c in chosen]
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 5)
     measured = [max(runs[rank][i][0] for rank in range(4)) for i in range(len(chosen))]
     # Every mesh's predicted time is within 2x of its measured one (docs/planner.md: 0.75-1.0x on this model).
@@ -385,7 +384,7 @@ def test_the_planners_top_mesh_is_the_measured_fastest(launcher) -> None:
                   optimizer="adam", recompute=(False,), runnable_only=True, zero=(0,))
     chosen = _best_of_each_mesh(result)
     assert len(chosen) == 6
-    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in chosen]
+    configs = [c.parallelism for c in chosen]
     runs = launcher(_run_meshes, 4, _parameter_heavy_llama, (batch, seq, 8192), configs, 3)
     measured = [max(runs[rank][i][0] for rank in range(4)) for i in range(len(chosen))]
     report = [(c.config.describe(), f"predicted {c.step_time * 1e3:.1f} ms, measured {t * 1e3:.1f} ms")
@@ -405,11 +404,11 @@ def test_zero_on_pp_and_tp_meshes_predicted_memory_matches_the_measured_account(
             chosen.setdefault((c.config.pp, c.config.tp, c.config.zero), c)
     assert {(pp, tp) for pp, tp, _ in chosen} == {(2, 1), (1, 2)} and len(chosen) == 6, sorted(chosen)
     cands = list(chosen.values())
-    configs = [({k: v for k, v in c.mesh.axes}, c.parallelize_options()) for c in cands]
+    configs = [c.parallelism for c in cands]
     runs = launcher(_run_meshes, 4, _small_gpt2, (BATCH, SEQ, 128), configs, 0)
     for i, c in enumerate(cands):
         for rank in range(4):
-            predicted = c.estimate.per_rank[c.mesh.coords(rank)["pp"]]
+            predicted = c.estimate.per_rank[c.mesh.coords(rank).pp]
             for key in ("parameters", "gradients", "optimizer"):
                 assert runs[rank][i][1][key] == pytest.approx(float(predicted[key]), rel=0.10), \
                     (c.config.describe(), rank, key, runs[rank][i][1], predicted)
@@ -442,3 +441,15 @@ def test_parallelize_auto_runs_the_best_runnable_plan(launcher) -> None:
     ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
     want = float(models.lm_loss(model(ids), ids))  # the first step's loss is the single-device loss
     assert results[0][1] == pytest.approx(want, rel=1e-4)
+
+
+def test_parallelize_takes_the_planners_choice() -> None:
+    """A ``Parallelism`` (what ``Candidate.parallelism`` holds) in place of the mesh runs that configuration;
+    a ``recompute=`` given alongside it wins."""
+    choice = Parallelism(Mesh(dp=2, pp=2), zero=1, schedule="gpipe", microbatches=2, recompute="full")
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(example_inputs=(ids,), example_target=ids, loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm = parallelize(models.gpt2(), choice, **kw)
+    assert pm.mesh == choice.mesh and pm.plan.microbatches == 2 and pm.plan.recompute is not None
+    assert (pm.options.zero, pm.options.schedule, pm.options.recompute) == (1, "gpipe", "full")
+    assert parallelize(models.gpt2(), choice, recompute="none", **kw).options.recompute == "none"

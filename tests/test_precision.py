@@ -130,7 +130,7 @@ def test_tp_collectives_and_pipeline_hops_are_bf16_with_the_fp32_plan() -> None:
                  if getattr(nd.target, "namespace", None) == "autopar" and nd.target._opname in COLLECTIVES]
         assert nodes and {nd.meta["val"].dtype for nd in nodes} == {torch.bfloat16}, rank
     program = pm.compile((IDS,), target=TARGET)
-    assert {b.dtype for st in program.stages for b in st.send} == {torch.bfloat16}
+    assert {b.dtype for st in program.pipeline_stages for b in st.send} == {torch.bfloat16}
     assert [sp.dtypes for sp in pm.plan.pipeline.stages][0] and "sends 1 tensors (bf16," in str(pm.plan)
     bf16 = {(c.direction, c.op): c.bytes for c in pm.plan.collectives if c.axis == "tp"}
     fp32 = {(c.direction, c.op): c.bytes for c in pm32.plan.collectives if c.axis == "tp"}

@@ -41,7 +41,7 @@ def activation_bytes(model: torch.nn.Module) -> dict[str, int]:
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     out = {}
     for mode in ("none", "selective", "full"):
-        gm = recompute(program.graphs[0], lambda layer: mode).gm  # every layer recomputed with mode
+        gm = recompute(program.graph(0), lambda layer: mode).gm  # every layer recomputed with mode
         gc.collect()
         with NewStorages(track_peak=False) as new:
             loss = program.captured.run(state, [IDS, IDS], gm)
@@ -100,7 +100,7 @@ def test_the_last_layer_is_kept_only_where_the_measured_peak_stays(kw: dict, sha
     grads = [slot.kind == "param" for slot in program.captured.slots]
     peaks, simulated = [], []
     for choice in (lambda layer: "full", lambda layer: "none" if layer == last else "full"):
-        gm = recompute(program.graphs[0], choice).gm
+        gm = recompute(program.graph(0), choice).gm
         peaks.append(_measured_peak(model, program, gm, ids))
         simulated.append(simulated_peak(gm, grads, len(program.captured.mutated_buffers), {"dp": 1}))
     assert (peaks[1] <= peaks[0]) == kept, peaks

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 import models
 from autopar import Mesh, parallelize
 from autopar.core.buckets import bucket_sizes
+from autopar.core.collectives import bind
 from autopar.core.optimizers import state_elements
 from autopar.core.zero_layout import layer_of, zero_layout
 from autopar.options import Options
@@ -226,9 +227,10 @@ def _overlap(zero: int) -> list:
                      bucket_mb=16 * 17 * 8 / 2**20, example_inputs=(x,), example_target=y)
     pm.step(x, target=y)
     rt, program = pm.runtime, pm.compile((x,), {}, y)
-    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coord("dp")]  # this rank's microbatch
+    part = split_batch(((x,), {}, y), 2, dp=2, microbatches=1)[rt.groups.coords.dp]  # this rank's microbatch
     before = rt.zero.queue.launched
-    program.captured.run(rt.state, pytree.tree_leaves(part), program.graphs[rt.groups.rank]).backward()
+    with bind(rt.binding):  # the graph's ops run on the rank's groups, as in pm.step
+        program.captured.run(rt.state, pytree.tree_leaves(part), program.graph(rt.groups.rank)).backward()
     launched = rt.zero.queue.launched - before
     full_grads = [p.grad for p in rt.zero.owned_parameters() if p.grad is not None]
     rt.zero.finish()

@@ -235,7 +235,7 @@ def _reduce_scatters(schedule: str) -> tuple[int, int, int]:
                      optimizer=models.adamw, schedule=schedule, microbatches=2, zero=3)
     pm.step(IDS, target=TARGET)
     op = "zero_reduce_scatter@dp"
-    return pm.mesh.coords(torch.distributed.get_rank())["pp"], pm.communication(calls=True)[op], \
+    return pm.mesh.coords(torch.distributed.get_rank()).pp, pm.communication(calls=True)[op], \
         pm.communication()[op]
 
 

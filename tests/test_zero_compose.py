@@ -97,7 +97,7 @@ def test_each_rank_gathers_its_own_stage_layers_over_its_dp_group() -> None:
     for rank in range(mesh.size):
         code = pm.graph(rank).code
         dp_ranks = mesh.group_of(rank, "dp")
-        assert f"zero_all_gather.default(zero_shard_transformer_h_{2 * mesh.coords(rank)['pp']}" in code
+        assert f"zero_all_gather.default(zero_shard_transformer_h_{2 * mesh.coords(rank).pp}" in code
         assert str(dp_ranks) in code and "autopar.all_reduce" in code  # ZeRO over dp, Megatron's all-reduce on tp
     text = str(pm.plan)
     assert "zero=3: stored sharded over dp" in text and "dp: Shard(flat)" in text and "tp: S(1)" in text and "largest on rank" in text

@@ -7,23 +7,22 @@ its tp shard. ``draw_plan`` renders that grid as a PNG (matplotlib).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.tensor import Shard
 
 from autopar.core.mesh import Mesh
 from autopar.core.zero_layout import layer_of
+from autopar.program import Program
 
 
-def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int], dict[str, str]]]:
+def plan_grid(program: Program, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int], dict[str, str]]]:
     """(layers in model order, {(pp, tp): {layer: "shard i/n" | "full" | "mixed i/n"}})."""
     names = list(program.param_of.values())
     layers = list(dict.fromkeys(layer_of(n) for n in names))
     grid: dict[tuple[int, int], dict[str, str]] = {}
     for pp in range(mesh.pp):
         for tp in range(mesh.tp):
-            own = program.own_stages(mesh.rank_of(pp=pp, tp=tp))
-            held = names if own is None else [n for st in own for n in st.params]
+            held = [n for st in program.own_stages(mesh.rank_of(pp=pp, tp=tp)) for n in st.params]
             cells: dict[str, set[bool]] = {}
             for n in held:
                 cells.setdefault(layer_of(n), set()).add(isinstance(program.placements.get(n), Shard))
@@ -32,7 +31,7 @@ def plan_grid(program: Any, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int]
     return layers, grid
 
 
-def draw_plan(program: Any, mesh: Mesh, path: str | Path) -> Path:
+def draw_plan(program: Program, mesh: Mesh, path: str | Path) -> Path:
     try:
         import matplotlib
 

@@ -19,9 +19,12 @@ Shard(d)):
 
 The same facts as data, for the solver, the lowering and the plan: ``OPS`` in ``autopar/core/comm.py``.
 
-The process group of each axis comes from ``bind(groups)``, which the runtime
-enters around every graph call; counts and bytes of every collective are kept
-on the binding for tests and plans.
+The process group of each axis comes from ``bind(binding)``, which the runtime
+enters around every step; counts and bytes of every collective are kept on the
+binding for tests and plans. Backward may run on autograd's own threads (CUDA's
+device threads), where no ``bind`` block is active: what runs there carries the
+binding its forward ran under (these ops' backward, a recomputed region,
+re-gathered activations) and binds it again.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import contextlib
 import contextvars
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,11 +40,13 @@ import torch.distributed as dist
 
 @dataclass
 class Binding:
-    """The process group of each axis for the running rank, and what was communicated."""
+    """What the graph ops of the running rank reach: the process group of each axis, the ZeRO-3 group of each
+    shard it feeds them, and what was communicated."""
 
     groups: dict[str, dist.ProcessGroup | None]
     counts: Counter = field(default_factory=Counter)  # (op, axis) -> calls
     bytes: Counter = field(default_factory=Counter)  # (op, axis) -> bytes sent per rank (payload size)
+    shards: dict[int, Any] = field(default_factory=dict)  # id of a ZeRO-3 shard -> its flat group (the runtime's)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         g = self.groups.get(axis)
@@ -58,7 +63,11 @@ _BINDING: contextvars.ContextVar[Binding | None] = contextvars.ContextVar("autop
 
 
 @contextlib.contextmanager
-def bind(binding: Binding) -> Iterator[Binding]:
+def bind(binding: Binding | None) -> Iterator[Binding | None]:
+    """The autopar ops inside the block run on ``binding`` (``None``: on whatever is bound already)."""
+    if binding is None:
+        yield None
+        return
     token = _BINDING.set(binding)
     try:
         yield binding
@@ -66,18 +75,16 @@ def bind(binding: Binding) -> Iterator[Binding]:
         _BINDING.reset(token)
 
 
-_PROCESS: list[Binding] = []  # the binding of the runtime started last in this process (autograd threads)
-
-
-def set_process_binding(binding: Binding) -> None:
-    """The binding used where no ``bind`` block is active (backward may run on autograd's own threads)."""
-    _PROCESS[:] = [binding]
+def bound() -> Binding | None:
+    """The binding active here, if any: what a forward hands to the backward work it leaves (module doc)."""
+    return _BINDING.get()
 
 
 def current() -> Binding:
-    b = _BINDING.get() or (_PROCESS[0] if _PROCESS else None)
+    b = _BINDING.get()
     if b is None:
-        raise RuntimeError("an autopar collective ran outside a bound runtime (no process groups)")
+        raise RuntimeError("an autopar collective ran outside a bound runtime (no process groups); run the graph "
+                           "through ParallelModel (pm.step / pm(...)), or inside autopar.core.collectives.bind()")
     return b
 
 
@@ -93,13 +100,6 @@ def observe_gathers(observer: Callable[[torch.Tensor, torch.Tensor, str, int], N
         yield
     finally:
         _GATHER_OBSERVER.reset(token)
-
-
-def record(op: str, axis: str, t: torch.Tensor) -> None:
-    """Counts a collective the runtime runs outside these ops (ZeRO's) on the current binding, if any."""
-    b = _BINDING.get() or (_PROCESS[0] if _PROCESS else None)
-    if b is not None:
-        b.record(op, axis, t)
 
 
 def _size_index(axis: str) -> tuple[int, int, dist.ProcessGroup]:  # noqa: D103
@@ -273,16 +273,27 @@ reduce_scatter.register_fake(lambda x, axis, dim: _fake(x, axis, chunked=dim))
 
 
 # -- backward: forward placement decides it ---------------------------------------------------------
-def _setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.args = inputs[1:]
+    ctx.binding = _BINDING.get()  # backward binds it again (it may run on another thread)
 
 
-all_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
-grad_all_reduce.register_autograd(lambda ctx, g: (all_reduce(g, ctx.args[0]), None), setup_context=_setup)
-to_partial.register_autograd(lambda ctx, g: (g, None), setup_context=_setup)
-all_gather.register_autograd(lambda ctx, g: (chunk(g, *ctx.args), None, None), setup_context=_setup)
-all_gather_rs.register_autograd(lambda ctx, g: (reduce_scatter(g, *ctx.args), None, None), setup_context=_setup)
-chunk.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
-all_to_all.register_autograd(lambda ctx, g: (all_to_all(g, ctx.args[0], ctx.args[2], ctx.args[1]), None, None, None),
-                             setup_context=_setup)
-reduce_scatter.register_autograd(lambda ctx, g: (all_gather(g, *ctx.args), None, None), setup_context=_setup)
+def _bound_backward(formula: Callable[[Any, torch.Tensor], tuple]) -> Callable[[Any, torch.Tensor], tuple]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        with bind(ctx.binding):
+            return formula(ctx, g)
+    return backward
+
+
+BACKWARD: dict[Callable, Callable[[Any, torch.Tensor], tuple]] = {  # op -> gradients of its arguments
+    all_reduce: lambda ctx, g: (g, None),
+    grad_all_reduce: lambda ctx, g: (all_reduce(g, ctx.args[0]), None),
+    to_partial: lambda ctx, g: (g, None),
+    all_gather: lambda ctx, g: (chunk(g, *ctx.args), None, None),
+    all_gather_rs: lambda ctx, g: (reduce_scatter(g, *ctx.args), None, None),
+    chunk: lambda ctx, g: (all_gather(g, *ctx.args), None, None),
+    all_to_all: lambda ctx, g: (all_to_all(g, ctx.args[0], ctx.args[2], ctx.args[1]), None, None, None),
+    reduce_scatter: lambda ctx, g: (all_gather(g, *ctx.args), None, None),
+}
+for _op, _formula in BACKWARD.items():
+    _op.register_autograd(_bound_backward(_formula), setup_context=_setup)

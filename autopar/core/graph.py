@@ -10,6 +10,7 @@ under one of them (``tied_aliases``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -21,12 +22,31 @@ from autopar.core.loss_count import LossCounts
 PREFIX = "model."  # the attribute capture's wrappers keep the user's model under
 
 
+class SlotKind(str, Enum):
+    """What feeds a placeholder. A kind equals its value as a string (``SlotKind.PARAM == "param"``)."""
+
+    PARAM = "param"  # a parameter of the model, by state-dict key
+    BUFFER = "buffer"  # a buffer of the model, by state-dict key
+    CONSTANT = "constant"  # a tensor the capture lifted out of the model (``Captured.constants``)
+    INPUT = "input"  # one of the flat user inputs, by its index among them
+    RECV = "recv"  # a value a pipeline stage receives from the stage before, by the value's name
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Slot:
-    """One placeholder of a captured graph: what feeds it."""
+    """One placeholder of a captured graph or stage: what feeds it."""
 
-    kind: str  # "param" | "buffer" | "constant" | "input"
-    name: str  # the model's state-dict key (param/buffer/constant) or the placeholder name
+    kind: SlotKind
+    name: str  # the model's state-dict key (param/buffer/constant), the placeholder's (input), the value's (recv)
+    index: int | None = None  # an input's position in the flat user inputs (inputs only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", SlotKind(self.kind))
+        if (self.kind is SlotKind.INPUT) != (self.index is not None):
+            raise ValueError(f"{self}: an input slot has its index in the flat user inputs; no other slot has one")
 
 
 @dataclass
@@ -34,7 +54,7 @@ class Captured:
     """A functional graph and the signature of its placeholders and outputs."""
 
     gm: fx.GraphModule
-    slots: list[Slot]
+    slots: list[Slot]  # the inputs' indices are 0, 1, ... in placeholder order
     mutated_buffers: list[str]  # the graph's first outputs are new values of these buffers
     out_spec: pytree.TreeSpec  # unflattens the remaining outputs
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -44,9 +64,9 @@ class Captured:
 
     @property
     def param_names(self) -> list[str]:
-        return [s.name for s in self.slots if s.kind == "param"]
+        return [s.name for s in self.slots if s.kind is SlotKind.PARAM]
 
-    def placeholders(self, kind: str) -> list[fx.Node]:
+    def placeholders(self, kind: SlotKind) -> list[fx.Node]:
         nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         return [n for n, s in zip(nodes, self.slots) if s.kind == kind]
 
@@ -54,12 +74,13 @@ class Captured:
         """Runs ``gm`` (default: the captured graph) with ``state`` for params/buffers; returns the outputs.
 
         ``inputs`` are the flat user inputs; the loss's counts (if any) are those of ``inputs`` unless given."""
-        if self.counts is not None and len(inputs) < sum(s.kind == "input" for s in self.slots):
+        if self.counts is not None and len(inputs) < sum(s.kind is SlotKind.INPUT for s in self.slots):
             device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
             inputs = [*inputs, *self.counts.inputs([list(inputs)], device)]
         it = iter(inputs)
         args = [
-            next(it) if s.kind == "input" else self.constants[s.name] if s.kind == "constant" else state[s.name]
+            next(it) if s.kind is SlotKind.INPUT else self.constants[s.name] if s.kind is SlotKind.CONSTANT
+            else state[s.name]
             for s in self.slots
         ]
         flat = (gm or self.gm)(*args)
@@ -84,7 +105,7 @@ class Boundary:
 class StageGraph:
     index: int
     gm: fx.GraphModule
-    slots: list[Slot]  # placeholders: param/buffer/constant by name, "input" by flat index, "recv" by value name
+    slots: list[Slot]  # its placeholders
     recv: list[Boundary]
     send: list[Boundary]
     is_last: bool

@@ -4,7 +4,7 @@ A mean over a data-dependent number of items (cross-entropy with ``ignore_index`
 a masked mean ``(x * mask).sum() / mask.sum()``, Hugging Face's ``labels=`` loss)
 cannot be split over microbatches and data-parallel ranks as a mean of means:
 parts with fewer counted items would weigh as much as full ones. The capture
-pass ``passes/loss_count.py`` rewrites each such term ``num / count`` into
+pass ``passes/global_count.py`` rewrites each such term ``num / count`` into
 ``num / c`` where ``c`` is a new input of the graph, and keeps the graph that
 computes ``count`` from the user inputs as ``LossCounts``. The runtime feeds
 every part ``c = (count summed over all parts) / parts``: the parts' losses,

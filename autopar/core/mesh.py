@@ -18,6 +18,7 @@ the routed experts between them and exchange tokens) of group ``g`` (sub-axis ``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,25 @@ from typing import Any
 AXES = ("dp", "pp", "tp")
 DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, shard)
 EP_SUBAXES = ("ep", "ep_replicate")  # expert parallelism folded onto dp: dp = ep_replicate x ep
+
+
+@dataclass(frozen=True)
+class Coords:
+    """A rank's index on every axis of ``AXES`` (0 on an axis the mesh does not name)."""
+
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+
+    def on(self, axis: str) -> int:
+        """The index on ``axis`` when the axis is a variable (``coords.pp`` when it is not)."""
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
+        return getattr(self, axis)
+
+    def replace(self, **moved: int) -> Coords:
+        """These coordinates moved along the axes named: ``coords.replace(pp=0)``."""
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass(frozen=True, init=False)
@@ -157,31 +177,35 @@ class Mesh:
         """``rank``'s index on ``axis`` or on a dp sub-axis."""
         d = self.coords(rank)
         if axis in DP_SUBAXES:
-            r, s = divmod(d["dp"], self.dp_shard)
+            r, s = divmod(d.dp, self.dp_shard)
             return r if axis == DP_SUBAXES[0] else s
         if axis in EP_SUBAXES:
-            g, i = divmod(d["dp"], self.ep)
+            g, i = divmod(d.dp, self.ep)
             return i if axis == "ep" else g
-        return d[axis]
+        return d.on(axis)
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{axis: index}`` of ``rank``, every axis of ``AXES`` included (0 where absent)."""
+    def coords(self, rank: int) -> Coords:
+        """``rank``'s index on every axis of ``AXES`` (0 where absent)."""
         self._check_rank(rank)
-        out = dict.fromkeys(AXES, 0)
+        out = {}
         for name, size in reversed(self.axes):
             out[name] = rank % size
             rank //= size
-        return out
+        return Coords(**out)
 
-    def rank_of(self, **coords: int) -> int:
-        """The rank at ``coords`` (absent axes are 0)."""
+    def rank_at(self, coords: Coords) -> int:
+        """The rank at ``coords``."""
         rank = 0
         for name, size in self.axes:
-            i = coords.get(name, 0)
+            i = coords.on(name)
             if not 0 <= i < size:
                 raise ValueError(f"coordinate {name}={i} is outside the mesh axis of size {size}")
             rank = rank * size + i
         return rank
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at ``coords`` (absent axes are 0): ``mesh.rank_of(pp=1, tp=0)``."""
+        return self.rank_at(Coords(**coords))
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
@@ -203,14 +227,14 @@ class Mesh:
         c = self.coords(rank)
         if axis in DP_SUBAXES:
             n = self.dp_shard
-            r, s = divmod(c["dp"], n)
+            r, s = divmod(c.dp, n)
             dps = range(r * n, (r + 1) * n) if axis == DP_SUBAXES[1] else range(s, self.dp, n)
-            return [self.rank_of(**{**c, "dp": d}) for d in dps]
+            return [self.rank_at(c.replace(dp=d)) for d in dps]
         if axis in EP_SUBAXES:
-            g, i = divmod(c["dp"], self.ep)
+            g, i = divmod(c.dp, self.ep)
             dps = range(g * self.ep, (g + 1) * self.ep) if axis == "ep" else range(i, self.dp, self.ep)
-            return [self.rank_of(**{**c, "dp": d}) for d in dps]
-        return [self.rank_of(**{**c, axis: i}) for i in range(self[axis])]
+            return [self.rank_at(c.replace(dp=d)) for d in dps]
+        return [self.rank_at(c.replace(**{axis: i})) for i in range(self[axis])]
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.size:

@@ -263,7 +263,7 @@ class Plan:
     tensor_parallel: LayerLayout | None = None  # one layer's tensor-parallel layout
     precision: str | None = None  # mixed precision: what each dtype is (None: the model's own dtype throughout)
     recompute: RecomputePlan | None = None  # None: every activation is kept for backward
-    loss_counts: tuple[str, ...] = ()  # loss nodes divided by the whole batch's count (``passes/loss_count.py``)
+    loss_counts: tuple[str, ...] = ()  # loss nodes divided by the whole batch's count (``passes/global_count.py``)
     experts: tuple[ExpertLayer, ...] = ()  # expert parallelism: each layer's routed experts over ep
     expert_params: dict[str, ExpertParam] = field(default_factory=dict)  # where each expert parameter lives
 

@@ -20,7 +20,9 @@ the region dispatches (``keeps``; ``keep_contexts`` applies it while the region 
 An operator that draws random numbers is never kept (a fused attention with
 dropout is recomputed), so the recomputation draws the same numbers in the same
 order. ZeRO-3's parameter all-gather is recomputed: backward gathers the layer
-again, as ZeRO-3 does without recomputation.
+again, as ZeRO-3 does without recomputation. The recomputation runs on the
+binding the forward ran under (``core/collectives.py``), on whichever thread
+backward runs.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from autopar.core import collectives as _declared  # noqa: F401  (declares torch.ops.autopar.*)
+from autopar.core.collectives import Binding, bind, bound
 from autopar.core.comm import OPS
 
 MODES = ("none", "selective", "full")
@@ -207,10 +209,12 @@ class Recompute(torch.nn.Module):
         kwargs = {}
         if self.policy:
             kwargs["context_fn"] = functools.partial(keep_contexts, self.mode)
-        return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        run = functools.partial(self._run, bound())  # the recomputation runs on the forward's binding
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
-    def _run(self, *args: Any) -> Any:
-        return self.region(*(a.value if isinstance(a, _Ref) else a for a in args))
+    def _run(self, binding: Binding | None, *args: Any) -> Any:
+        with bind(binding):
+            return self.region(*(a.value if isinstance(a, _Ref) else a for a in args))
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, layer={self.layer!r}"

@@ -2,7 +2,7 @@
 
 The layout (``zero_layout``) is a pure function of the rank's trainable
 parameters (names, local shapes, dtypes), the stage and the dp size, so the
-compiler (``passes.zero``) and every rank's runtime (``runtime.zero``) compute
+compiler (``passes.zero_graphs``) and every rank's runtime (``runtime.zero``) compute
 the same one. Each ``FlatGroup`` lays its parameters end to end, padded to a
 multiple of the dp size ``n``; dp rank ``i`` owns elements
 ``[i * shard, (i + 1) * shard)``. Stages 1 and 2 group by gradient bucket

@@ -1,6 +1,6 @@
 """The stage-3 graph ops ``torch.ops.autopar.zero_*``: their schemas and shapes.
 
-``passes.zero.insert_gathers`` writes these ops into graphs; ``runtime.zero_ops``
+``passes.zero_graphs.insert_gathers`` writes these ops into graphs; ``runtime.zero_kernels``
 runs them (each rank's flat shards and process groups live there) and gives
 ``zero_all_gather`` its backward, which reduce-scatters the layer's gradient
 through the runtime's reduce queue. Declaring them here lets a pass build, print

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import capture
 from autopar.core.comm import OPS
-from autopar.core.graph import tied_aliases
+from autopar.core.graph import SlotKind, tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.core.recompute_modes import COMMUNICATING
@@ -296,7 +296,7 @@ class _Analysis:
         tokens = b_sym * (s_sym if self.sequence and first.dim() >= 2 else 1) / sympy.Integer(static_tokens)
         by_key = by_segment(lowered, {nd.name: key for nd, key in static_seg.items()})
         trainable = {ph for ph, slot in zip([nd for nd in lowered.graph.nodes if nd.op == "placeholder"], cap.slots)
-                     if slot.kind == "param" and self.requires.get(slot.name)}
+                     if slot.kind is SlotKind.PARAM and self.requires.get(slot.name)}
         grads = requires_grad(lowered, trainable)
         for key, seg in zip(self.keys, self.segments):
             params = {name: (e // n if isinstance(tp.placements.get(name), Shard) else e)

@@ -24,6 +24,7 @@ import sympy
 import torch
 
 from autopar.core.mesh import Mesh
+from autopar.options import Parallelism
 from autopar.planner.bound import rank_key, timed_candidates
 from autopar.planner.cluster import Cluster, gb
 from autopar.core.dualpipe import min_microbatches
@@ -78,13 +79,19 @@ class Candidate:
     def step_time(self) -> float:
         return float(self.estimate.step_time)
 
-    def parallelize_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``autopar.parallelize`` that run this configuration."""
+    @property
+    def parallelism(self) -> Parallelism:
+        """This configuration as ``autopar.parallelize(model, candidate.parallelism)`` runs it."""
         c = self.config
-        return {"zero": c.zero, "schedule": c.schedule, "microbatches": c.microbatches,
-                "stages_per_rank": c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
-                "precision": self.precision if self.precision in ("bf16", "mixed") else "fp32",
-                "recompute": self.recompute, "sequence_parallel": c.sequence_parallel}
+        return Parallelism(self.mesh, zero=c.zero, schedule=c.schedule, microbatches=c.microbatches,
+                           stages_per_rank=c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
+                           precision=self.precision if self.precision in ("bf16", "mixed") else "fp32",
+                           recompute=self.recompute, sequence_parallel=c.sequence_parallel)
+
+    def parallelize_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``autopar.parallelize`` that run this configuration on its mesh."""
+        chosen = self.parallelism
+        return {f.name: getattr(chosen, f.name) for f in dataclasses.fields(chosen) if f.name != "mesh"}
 
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate

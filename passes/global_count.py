@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Captured, Slot
+from autopar.core.graph import Captured, Slot, SlotKind
 from autopar.core.loss_count import LossCounts
 
 aten = torch.ops.aten
@@ -63,7 +63,7 @@ def normalize_by_global_count(captured: Captured) -> LossCounts | None:
         return None
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     counts = fx.Graph()
-    env = {ph: counts.placeholder(ph.name) for ph, kind in kinds.items() if kind == "input"}
+    env = {ph: counts.placeholder(ph.name) for ph, kind in kinds.items() if kind is SlotKind.INPUT}
     results, dtypes = [], []
     for i, term in enumerate(terms):
         dtype = term.meta["val"].dtype
@@ -72,7 +72,7 @@ def normalize_by_global_count(captured: Captured) -> LossCounts | None:
         c.meta["val"] = term.meta["val"].new_empty(())
         results.append(_rewrite(graph, term, c, counts, env))
         dtypes.append(dtype)
-        captured.slots.append(Slot("input", c.name))
+        captured.slots.append(Slot(SlotKind.INPUT, c.name, index=sum(s.kind is SlotKind.INPUT for s in captured.slots)))
         captured.input_dtypes.append(dtype)
     counts.output(tuple(results))
     graph.lint()

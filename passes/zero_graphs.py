@@ -13,7 +13,7 @@ there. fx's generated code drops each value after its last use, so a gathered
 layer is freed after its last forward use; ``zero_begin``/``zero_end`` bracket
 the graph so that autograd keeps only a handle to a gathered parameter it saves
 for backward and re-gathers it there (the ops are declared in ``core/zero_ops.py``,
-run by ``runtime/zero_ops.py``).
+run by ``runtime/zero_kernels.py``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
-from autopar.core.graph import Slot, copy_module
+from autopar.core.graph import Slot, SlotKind, copy_module
 from autopar.core.plan import Collective, FlatShard, ParamPlan, ZeroShard
 from autopar.core.zero_layout import FlatGroup, ZeroLayout
 from autopar.passes.mixed_precision import CAST, COMPUTE, retyped
@@ -48,7 +48,7 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(slots):
         raise ValueError(f"the graph has {len(placeholders)} placeholders but the signature has {len(slots)} slots")
-    by_name = {s.name: node for node, s in zip(placeholders, slots) if s.kind == "param"}
+    by_name = {s.name: node for node, s in zip(placeholders, slots) if s.kind is SlotKind.PARAM}
     firsts = _first_uses(graph, layout, by_name)
     if firsts:
         with graph.inserting_before(firsts[0][0]):

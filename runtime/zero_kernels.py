@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
+from autopar.core.collectives import bound
 from autopar.runtime import regather
 from autopar.runtime.zero_group import FlatShard
 from autopar.runtime.zero_trace import Span, ZeroEvent
@@ -52,8 +53,9 @@ _ACTIVE = threading.local()  # per thread: the stack of forward runs between zer
 
 
 def owner(shard: torch.Tensor, axis: str, ranks: list[int]) -> FlatShard:
-    """The ``FlatShard`` a graph op's shard argument belongs to, checked against the graph's ranks."""
-    state = getattr(shard, "_zero", None)
+    """The ``FlatShard`` a graph op's shard argument belongs to (the binding's), checked against the graph's ranks."""
+    binding = bound()
+    state = binding.shards.get(id(shard)) if binding is not None else None
     if not isinstance(state, FlatShard):
         raise RuntimeError(
             f"autopar.zero_all_gather got a plain tensor of shape {tuple(shard.shape)}, not a ZeRO-3 shard; "
