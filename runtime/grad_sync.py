@@ -173,14 +173,9 @@ class GradSyncs:
     def __init__(self, parts: list[BucketedAllReduce]) -> None:
         self.parts = parts
 
-    @property
-    def enabled(self) -> bool:
-        return all(p.enabled for p in self.parts)
-
-    @enabled.setter
-    def enabled(self, value: bool) -> None:
+    def arm(self, last: bool) -> None:
         for p in self.parts:
-            p.enabled = value
+            p.arm(last)
 
     def finish(self) -> None:
         for p in self.parts:
