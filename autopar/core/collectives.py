@@ -46,7 +46,9 @@ class Binding:
     groups: dict[str, dist.ProcessGroup | None]
     counts: Counter = field(default_factory=Counter)  # (op, axis) -> calls
     bytes: Counter = field(default_factory=Counter)  # (op, axis) -> bytes sent per rank (payload size)
-    shards: dict[int, Any] = field(default_factory=dict)  # id of a ZeRO-3 shard -> its flat group (the runtime's)
+    # id of a ZeRO-3 shard -> its flat group: a runtime record the core layer holds without knowing its type
+    # (runtime/zero_kernels.py checks it with isinstance when it reads it back)
+    shards: dict[int, object] = field(default_factory=dict)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         g = self.groups.get(axis)
