@@ -393,19 +393,23 @@ H100_500W_EFFICIENCY = 0.436
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
 _CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5, p2p_latency=6e-5)
 
+
+def _h100(name: str, memory: float, efficiency: float, memory_bandwidth: float) -> Cluster:
+    """A node of 8 H100s on NVLink 4 (450 GB/s) with 400 Gb/s InfiniBand per GPU."""
+    return Cluster(name=name, devices_per_node=8, memory=memory, peak_flops=989e12, peak_flops_fp32=67e12,
+                   intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6), efficiency=efficiency, narrow=A100_NARROW,
+                   memory_bandwidth=memory_bandwidth)
+
+
 PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
         name="DGX-A100 (8 x A100 80GB per node)", devices_per_node=8, memory=80 * GB,
         peak_flops=312e12, peak_flops_fp32=19.5e12, intra=Link(300 * GB, 5e-6), inter=Link(25 * GB, 10e-6),
         efficiency=A100_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=2039 * GB),
-    "dgx-h100": Cluster(
-        name="DGX-H100 (8 x H100 80GB per node)", devices_per_node=8, memory=80 * GB,
-        peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
-        efficiency=A100_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=3350 * GB),
-    "grand-teton-h100": Cluster(
-        name="Grand Teton (8 x H100 96GB HBM2e at 500 W per node)", devices_per_node=8, memory=90 * GB,
-        peak_flops=989e12, peak_flops_fp32=67e12, intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6),
-        efficiency=H100_500W_EFFICIENCY, narrow=A100_NARROW, memory_bandwidth=2400 * GB),
+    "dgx-h100": _h100("DGX-H100 (8 x H100 80GB per node)", memory=80 * GB, efficiency=A100_EFFICIENCY,
+                      memory_bandwidth=3350 * GB),
+    "grand-teton-h100": _h100("Grand Teton (8 x H100 96GB HBM2e at 500 W per node)", memory=90 * GB,
+                              efficiency=H100_500W_EFFICIENCY, memory_bandwidth=2400 * GB),
     # this machine's CPU ranks (2 cores, gloo over loopback), as Cluster.measure_local(4) measured them
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,
