@@ -18,7 +18,10 @@ be interrupted); the others see their peer's connection close, and ``Progress.ca
 same reason. ``autopar.launch`` reads the reason for the rank it names, and also checks the ranks whose jobs
 returned against those still inside a call.
 
-A rank that is slow to come back (data loading) is never called out: only the two definite cases above.
+A rank that is slow to come back (data loading) is not called out by those checks. One that stays away is:
+where a waiting rank has seen a peer's record unchanged, outside the call it waits in, for ``AUTOPAR_STALL_S``
+seconds (default nine tenths of the collectives' timeout, ``AUTOPAR_TIMEOUT_S``), it stops the job naming that
+peer and where it was last seen (``stalled``), before the collective's timeout would have stopped it without.
 """
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ KEY = "progress/{index}/{rank}"  # (index: the how-manieth runtime of the job on
 RUNTIMES = "runtimes/{rank}"
 FAILURE = "failure"
 CHECK_S = float(os.environ.get("AUTOPAR_DESYNC_CHECK_S", "5"))
+
+
+def stall_s() -> float:
+    """Seconds a peer may stay away from the call another rank waits in before the job stops naming it."""
+    timeout = float(os.environ.get("AUTOPAR_TIMEOUT_S", "300"))
+    return float(os.environ.get("AUTOPAR_STALL_S", str(0.9 * timeout)))
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,29 @@ def desync(rank: int, mine: State, others: dict[int, State | None], ended: set[i
                     f"{peer} is in {_call(theirs.kind)} (its call {theirs.calls}, after {theirs.steps} steps): every "
                     f"rank must make the same calls in the same order. A rank that left its loop early (loaders of "
                     f"different lengths) does this; iterate with `for batch in pm.batches(loader)`")
+    return None
+
+
+def stalled(rank: int, mine: State, others: dict[int, State | None], unchanged_s: dict[int, float],
+            waited_s: float, limit_s: float) -> str | None:
+    """The first peer that ``rank``, inside call ``mine`` for ``waited_s`` seconds, has seen outside that call with
+    the same record for ``unchanged_s[peer]`` >= ``limit_s`` seconds, as a reason; or None."""
+    if mine.where != "in" or waited_s < limit_s:
+        return None
+    by_calls = sorted(others.items(), key=lambda kv: (kv[1].calls if kv[1] is not None else 0, kv[0]))
+    for peer, theirs in by_calls:  # the peer furthest behind first: those ahead may wait on it too
+        if peer == rank or unchanged_s.get(peer, 0.0) < limit_s:
+            continue
+        if theirs is not None and theirs.calls == mine.calls and theirs.where == "in":
+            continue  # waiting with us: another peer holds both up
+        last = ("made no call yet" if theirs is None else
+                f"was last seen {'inside' if theirs.where == 'in' else 'after'} its call {theirs.calls} "
+                f"({_call(theirs.kind)}, after {theirs.steps} steps)")
+        return (f"rank {rank} has waited {waited_s:.0f} s in its call {mine.calls} ({_call(mine.kind)}, after "
+                f"{mine.steps} steps) for rank {peer}, which {last} and has not moved for {unchanged_s[peer]:.0f} s: "
+                f"a rank that stops calling (stuck loading data, in its own code or in a deadlock) does this. "
+                f"AUTOPAR_STALL_S={limit_s:g} sets how long a rank may stay away (AUTOPAR_TIMEOUT_S, the "
+                f"collectives' timeout, must be longer)")
     return None
 
 
@@ -149,24 +181,31 @@ class Progress:
 
 
 def _watch(ref: "weakref.ref[Progress]", stop: threading.Event) -> None:
-    """Every second: a rank inside one call for ``CHECK_S`` seconds reads the others' records (then less often)."""
-    wait = CHECK_S
+    """Every second: a rank inside one call for ``CHECK_S`` seconds reads the others' records (then less often,
+    but at least four times within the stall limit), and stops the job on a desync or a stalled peer."""
+    wait, limit = CHECK_S, stall_s()
+    seen: dict[int, tuple[State | None, float]] = {}  # peer -> (its record, when this rank first saw it)
     while not stop.wait(1.0):
         progress = ref()
         if progress is None:
             return
-        if progress.state.where != "in" or time.monotonic() - progress.entered < wait:
+        now = time.monotonic()
+        if progress.state.where != "in" or now - progress.entered < wait:
             wait = CHECK_S
             del progress
             continue
-        reason = desync(progress.rank, progress.state, progress.others())
+        others = progress.others()
+        seen = {r: (st, seen[r][1] if r in seen and seen[r][0] == st else now) for r, st in others.items()}
+        reason = desync(progress.rank, progress.state, others) or stalled(
+            progress.rank, progress.state, others, {r: now - t for r, (_, t) in seen.items()},
+            now - progress.entered, limit)
         if reason is not None:
             with contextlib.suppress(Exception):
                 progress.store.set(FAILURE, reason)
             print(f"autopar: {reason}", file=sys.stderr, flush=True)
             os._exit(1)  # the collective it waits in cannot be interrupted; the others see the connection close
-        wait = min(2 * wait, 300.0)  # (a long wait is read less often: many ranks share one store)
-        del progress
+        wait = min(2 * wait, 300.0, max(limit / 4, CHECK_S))  # (a long wait is read less often: many ranks
+        del progress  # share one store)
 
 
 def _exited(ref: "weakref.ref[Progress]") -> None:

@@ -87,3 +87,39 @@ def test_under_torchrun_a_rank_that_exited_early_is_named(tmp_path: Path) -> Non
                             {**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=240)
     assert codes[0] != 0, text
     assert "rank 0 waits in its call 3 (pm.step, after 2 steps) for rank 1, which ended after 2 calls" in text, text
+
+
+def _stalling_rank(stall_s: float, away_s: float) -> None:
+    """Rank 1 stays away (sleeps) before its second step while rank 0 waits in it."""
+    import time
+
+    os.environ["AUTOPAR_STALL_S"] = str(stall_s)
+    try:
+        pm = parallelize(models.mlp((4, 2)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd)
+        pm.step(X, target=Y)
+        if dist.get_rank() == 1:
+            time.sleep(away_s)
+        pm.step(X, target=Y)
+    finally:
+        del os.environ["AUTOPAR_STALL_S"]
+
+
+def test_a_rank_that_stays_away_is_named(own_pool) -> None:
+    """A rank alive but not calling is named after AUTOPAR_STALL_S, not left to the collective's timeout."""
+    with pytest.raises(RankError, match=r"rank 0 has waited \d+ s in its call 2 \(pm.step, after 1 steps\) for rank "
+                                        r"1, which was last seen after its call 1 \(pm.step, after 1 steps\) and has "
+                                        r"not moved for \d+ s.*AUTOPAR_STALL_S=2"):
+        own_pool.launch(_stalling_rank, 2, 2.0, 8.0)
+
+
+def test_a_stall_is_only_a_peer_away_for_the_limit() -> None:
+    from autopar.runtime.progress import stalled
+
+    waiting, away = State(3, "step", "in", 2), {1: State(2, "step", "out", 2)}
+    assert stalled(0, waiting, away, {1: 9.0}, waited_s=9.0, limit_s=10.0) is None  # not yet
+    assert stalled(0, waiting, away, {1: 10.0}, waited_s=10.0, limit_s=10.0) is not None
+    assert stalled(0, waiting, away, {1: 5.0}, waited_s=30.0, limit_s=10.0) is None  # it moved 5 s ago
+    assert stalled(0, waiting, {1: State(3, "step", "in", 2)}, {1: 60.0}, 60.0, 10.0) is None  # waits with us
+    assert stalled(0, State(3, "step", "out", 3), away, {1: 60.0}, 60.0, 10.0) is None  # not waiting
+    both = {1: State(3, "step", "out", 3), 2: State(2, "step", "out", 2)}
+    assert "for rank 2" in stalled(0, waiting, both, {1: 60.0, 2: 60.0}, 60.0, 10.0)  # the one furthest behind
