@@ -51,6 +51,7 @@ from autopar.passes.rules import Strategy, strategies
 from autopar.passes.rules.base import R
 from autopar.passes.saved import saved_tensors
 from autopar.passes.sharding_program import Choice, Program, out_placement
+from autopar.passes.stage_cuts import node_layer
 
 KEY = "autopar.placement"
 ACTIVATION_SLACK = 0.01  # least_activations: communication time may buy back up to 1% more saved activations
@@ -194,8 +195,32 @@ def solve_sharding(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, str], 
             activation_budget = _least_activations(program, choices, saved, activation_budget, within, param_names)
         program.constraints.append(LinearConstraint(saved.reshape(1, -1), -np.inf, activation_budget))
         within += f" and {activation_budget:,} for saved activations"
-    _apply(program, choices, program.solve(program.seconds, within).x)
+    objective = program.seconds + _held_tie_break(program, choices, n, cost) if least_activations else program.seconds
+    _apply(program, choices, program.solve(objective, within).x)
     return choices
+
+
+def _held_tie_break(program: Program, choices: dict[fx.Node, Choice], n: int, cost: LinkCost) -> np.ndarray:
+    """Among plans of equal time, the one whose values that cross a layer boundary (what a pipeline cut sends)
+    hold the fewest bytes per rank: such a value sharded costs 1/n of its bytes, a replicated or partial one all
+    of them. Weighted so that all of it together is a hundredth of one collective call: it only breaks ties.
+    Under sequence parallelism this keeps the residual stream sharded between layers where reducing it before
+    or after a residual add costs the same, so a pipeline sends shards, not partial sums (as Megatron-LM's
+    sequence parallelism does)."""
+    held = np.zeros(len(program.seconds))
+    for node, ch in choices.items():
+        if all(node_layer(u) == node_layer(node) for u in node.users):
+            continue
+        val = node.meta.get("val")
+        outs = val if isinstance(val, (tuple, list)) else (val,)
+        for k, st in enumerate(ch.strategies):
+            placed = st.output if isinstance(st.output, tuple) else (st.output,) * len(outs)
+            held[program.offset[node] + k] = sum(tensor_bytes(v) / (n if isinstance(p, Shard) else 1)
+                                                 for v, p in zip(outs, placed))
+    top = sum(float(held[program.offset[nd] : program.offset[nd] + len(ch.strategies)].max(initial=0.0))
+              for nd, ch in choices.items())  # the most any plan holds there
+    step = (cost.launch + cost.latency or 1e-6) * 1e6  # one collective call's fixed time, in the objective's unit
+    return held * (0.01 * step / top) if top else held
 
 
 def _regathered(saved_rows: list[tuple[fx.Node, int | None, int, list[float]]]) -> dict[tuple[fx.Node, int], int]:

@@ -204,3 +204,32 @@ def test_the_planner_chooses_it_where_memory_is_short(profile) -> None:
     assert "+sp" in result.table(1).splitlines()[1] and "sequence parallelism: the values between" in str(result)
     roomy = plan(None, 2, cluster=cpu, **options)  # where everything fits, it is not worth its extra calls
     assert not roomy.best.config.sequence_parallel
+
+
+def test_values_between_layers_stay_sharded() -> None:
+    """The residual stream crosses each layer boundary (what a pipeline cut sends) as sequence shards, not as
+    partial sums of the whole activation: reducing before or after a residual add costs the same, and the
+    solver breaks that tie toward the fewer bytes (a GPT-3 530B-wide 2-layer model at tp=8, where it once
+    picked the partial sums)."""
+    from autopar.capture import capture
+    from autopar.passes.stage_cuts import node_layer
+    from autopar.passes.tensor_parallel import tensor_parallel
+    from autopar.planner.fake_cpu import as_fake_cpu
+    from autopar.planner.gpt import gpt
+    from autopar.planner.profile_graph import ORIGIN
+
+    model = gpt(2, 20480, 128)
+    with as_fake_cpu(model):
+        cap = capture(model, (torch.randint(0, 51200, (2, 16)),), {})
+    by_name = {nd.name: nd for nd in cap.gm.graph.nodes}
+    for nd in cap.gm.graph.nodes:
+        nd.meta[ORIGIN] = nd.name  # (the lowering keeps it on the node it makes from each captured one)
+    crossing = {nd.name for nd in cap.gm.graph.nodes if nd.op == "call_function" and "val" in nd.meta
+                and any(node_layer(u) != node_layer(nd) for u in nd.users) and node_layer(nd) is not None}
+    assert crossing
+    lowered = tensor_parallel(cap, 8, {n for n, _ in model.named_parameters()}, sequence_parallel=True).graphs[0]
+    checked = [nd for nd in lowered.graph.nodes if nd.meta.get(ORIGIN) in crossing]
+    assert len(checked) == len(crossing), sorted(crossing - {nd.meta.get(ORIGIN) for nd in checked})
+    for nd in checked:
+        whole = by_name[nd.meta[ORIGIN]].meta["val"].numel()
+        assert nd.meta["val"].numel() * 8 == whole, (nd.name, tuple(nd.meta["val"].shape))
