@@ -5,7 +5,8 @@ and options fixed and prints, per run, the published figure, the planner's,
 the error, whether a constant was fitted to it, and the configuration the
 planner timed. ``--fit`` first fits the H100 preset's ``efficiency`` to the
 ``FITTED`` runs (bisection on the log ratio; every other constant fixed) and
-prints it; the preset holds the result (``H100_500W_EFFICIENCY``).
+prints it; the preset holds the result (``H100_500W_EFFICIENCY``), and the efficiency of compiled runs
+fitted to the compiled one (``H100_500W_COMPILED_EFFICIENCY``).
 ``--markdown`` prints the table as docs/planner.md has it.
 Run: python benchmarks/calibrate_published.py [--fit] [--markdown] [--runs NAME ...] (a few minutes on 2 cores)
 """
@@ -21,9 +22,10 @@ from autopar.planner.published import FITTED, RUNS, build, error, predict, run_n
 UNITS = {"tflops": "TFLOP/s per GPU", "seconds": "s per step", "tokens": "tokens/s per GPU"}
 
 
-def fit_h100(profiles: dict) -> float:
-    """The efficiency at which the FITTED runs' predictions meet the published figures (geometric mean)."""
-    runs = [run_named(n) for n in FITTED]
+def fit_h100(profiles: dict, compiled: bool = False) -> float:
+    """The efficiency at which the FITTED runs (eager, or ``compiled``) meet the published figures (geometric
+    mean)."""
+    runs = [r for r in map(run_named, FITTED) if r.compiled == compiled]
     base = Cluster.preset(runs[0].cluster)
     lo, hi = 0.2, 1.0
     for _ in range(30):
@@ -48,7 +50,8 @@ def main() -> None:
             sizes = tuple(sorted({x.tp for x in RUNS if x.model == key}))
             profiles[key] = profile_model(build(key), tp_sizes=sizes)
     if a.fit:
-        print(f"fitted H100 efficiency: {fit_h100(profiles):.3f}")
+        print(f"fitted H100 efficiency: {fit_h100(profiles):.3f} eager (H100_500W_EFFICIENCY), "
+              f"{fit_h100(profiles, compiled=True):.3f} compiled (H100_500W_COMPILED_EFFICIENCY)")
     if a.markdown:
         print("| run | source | GPUs | tp x pp | ZeRO | recompute | sp | published | planner | error | |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

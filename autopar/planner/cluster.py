@@ -388,6 +388,10 @@ A100_NARROW = 500.0
 # torchtitan's eager Llama 3.1 8B FSDP run on 8 GPUs alone (autopar/planner/published.py, FITTED); narrow: the
 # A100 fit's.
 H100_500W_EFFICIENCY = 0.436
+# The same hosts running torch.compile'd steps, which fuse the memory-bound operators the model charges one by
+# one: the efficiency fitted to torchtitan's compiled 8B FSDP run on 8 GPUs alone (6,667 tokens/s per GPU against
+# 5,762 eager, Table 1). Runs marked compiled are planned with it (published.py); autopar itself runs eager.
+H100_500W_COMPILED_EFFICIENCY = 0.518
 
 # gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
