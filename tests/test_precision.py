@@ -48,6 +48,7 @@ SLOW_CASES = [(name, mesh, opts, models.sgd)
                                  (dict(dp=2, pp=2, tp=2), dict(microbatches=2, zero=3))]]
 SLOW_CASES += [("gpt2", dict(dp=2), dict(zero=stage, reduce_dtype="bf16"), optimizer)
                for stage in (0, 1, 2, 3) for optimizer in (models.sgd, models.adamw)]
+SLOW_CASES += [("gpt2", dict(dp=(2, 2)), dict(zero=stage), models.sgd) for stage in (1, 2, 3)]  # hybrid sharding
 
 
 @pytest.mark.parametrize("name, mesh, options, optimizer", DEFAULT_CASES)

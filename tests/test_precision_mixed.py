@@ -41,6 +41,7 @@ SLOW_CASES = [(name, mesh, opts, models.adamw if name == "llama" and "tp" not in
 SLOW_CASES += [("gpt2", dict(pp=2), dict(microbatches=2, schedule="zb-h1", zero=1, recompute="selective",
                                          max_grad_norm=0.5), models.adamw),
                ("llama", dict(dp=2), dict(zero=3, recompute="full", reduce_dtype="fp32"), models.adamw)]
+SLOW_CASES += [("gpt2", dict(dp=(2, 2)), dict(zero=stage), models.sgd) for stage in (1, 3)]  # hybrid sharding
 
 
 @pytest.mark.parametrize("name, mesh, options, optimizer", DEFAULT_CASES)
