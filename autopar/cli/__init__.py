@@ -115,9 +115,25 @@ def inspect(argv: list[str]) -> int:
                                                        "captured", f"rank {args.rank}"))
         else:
             print(f"\nrank {args.rank} runs:")
+            calls = expert_calls(pm.graph(args.rank), mesh, args.rank)
             for line in code.splitlines():
-                print((">> " if "torch.ops.autopar" in line else "   ") + line)
+                note = next((n for name, n in calls.items() if f"self.{name}(" in line), "")
+                print((">> " if "torch.ops.autopar" in line or note else "   ") + line + (f"  # {note}" if note else ""))
     return 0
+
+
+def expert_calls(gm: torch.fx.GraphModule, mesh: Mesh, rank: int) -> dict[str, str]:
+    """The graph's expert-parallel submodules (one per mixture-of-experts layer), each with what rank ``rank``
+    runs in it: the experts it holds and the all-to-alls over ep that dispatch and combine the tokens."""
+    from autopar.core.expert_ops import ExpertParallel
+
+    out = {}
+    for name, module in gm.named_children():
+        if isinstance(module, ExpertParallel):
+            held = module.held_by(mesh.coord(rank, "ep"))
+            out[name] = (f"{module.name}: this rank's experts {held.start}-{held.stop - 1} of {len(module.experts)}; "
+                         f"row counts all_to_all, dispatch and combine all_to_all_v over ep (both again in backward)")
+    return out
 
 
 def demo(argv: list[str]) -> int:
