@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import autopar
+from dp_vs_ddp import time_interleaved  # benchmarks/: each contender first on every other step
 
 BATCH, SEQ, VOCAB = 8, 64, 512
 
@@ -53,20 +52,6 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids
 
 
-def _time(steps: dict[str, Callable[[], None]], n: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds of ``n`` interleaved steps of each contender after ``warmup`` untimed ones."""
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    order = list(steps.items())
-    for i in range(warmup + n):
-        for name, fn in order if i % 2 == 0 else reversed(order):
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t)
-    return times
-
-
 def _rank(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     x, y = batch()
@@ -76,7 +61,7 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
     steps = {name: (lambda pm=pm: pm.step(x, target=y)) for name, pm in pms.items()}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
-        for k, v in _time(steps, args.steps, args.warmup).items():
+        for k, v in time_interleaved(steps, args.steps, args.warmup).items():
             times[k] += v
     taken = args.rounds * (args.steps + args.warmup)
     return {"times": times, "steps": taken, "memory": {k: pm.memory() for k, pm in pms.items()},

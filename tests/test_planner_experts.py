@@ -153,3 +153,13 @@ def test_ep_memory_and_all_to_all_bytes_are_the_measured_ones(launcher) -> None:
     sent = sum(comm["all_to_all_v@ep"] for _, comm in runs)
     assert sent == 2 * steps * (nbytes - counts)
     assert calls == 5 * len(experts.layers)
+
+
+def test_zero_shards_expert_state_over_the_ranks_holding_those_experts(big_profile) -> None:
+    """Under ZeRO an expert's state is sharded over the dp / ep ranks that hold it: ep x (dp / ep) = dp, so
+    ep leaves ZeRO-3's parameter, gradient and optimizer bytes per rank where they were (not divided twice)."""
+    result = plan(None, 8, cluster=_fast_node(), global_batch=64, seq_len=2048, precision="mixed", top=None,
+                  profile=big_profile, **{**ONLY_DP, "zero": (3,)})
+    alone, with_ep = (result.candidate(Config(dp=8, zero=3, ep=e, microbatch_size=8)) for e in (1, 2))
+    for key in ("parameters", "gradients", "optimizer"):
+        assert float(with_ep.memory[key]) == pytest.approx(float(alone.memory[key]), rel=1e-9), key

@@ -25,7 +25,7 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
-from autopar.planner.expert_cost import all_to_all_bytes, count_bytes, layers_in, routed
+from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
@@ -158,35 +158,20 @@ class CostModel:
         return self._per_stage[key]
 
     def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:
-        """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step (its own rows included):
-        per microbatch and experts layer, the dispatch and the combine forward and both again in backward, each
-        ``T k H`` activation elements, and the row-count exchange (``expert_cost.py``); (0, 0) without ep."""
+        """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step, its own rows included
+        (``expert_cost.all_to_all_step``); (0, 0) without ep."""
         if self.experts is None or config.ep == 1:
             return 0, 0
         units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
-        tokens = config.microbatch_size * self.seq_len
-        rows = sum(all_to_all_bytes(u, self.experts, tokens, self.precision.activation) for u in units)
-        counts = sum(count_bytes(u, self.experts, config.ep) for u in units)
-        layers = sum(len(layers_in(u, self.experts)) for u in units)
-        return 5 * layers * config.microbatches, config.microbatches * (4 * rows + counts)
+        return all_to_all_step(units, self.experts, config, self.seq_len, self.precision.activation)
 
     def _all_to_all_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
         """Seconds of one microbatch's ep all-to-alls on a rank holding ``stages``, on the link its ep group
-        spans (``ep`` consecutive dp ranks, ``ep * pp * tp`` ranks): the busiest rank's ``imbalance`` times
-        the balanced bytes, and a latency-bound count exchange per layer."""
+        spans (``ep`` consecutive dp ranks: ``ep * pp * tp`` ranks; ``expert_cost.all_to_all_seconds``)."""
         if self.experts is None or c.ep == 1:
             return 0
-        link = self.cluster.link(c.ep * c.pp * c.tp)
-        tokens = c.microbatch_size * self.seq_len
-        out: Any = 0
-        for u in (u for st in stages for u in st):
-            layers = layers_in(u, self.experts)
-            if layers:
-                rows = all_to_all_bytes(u, self.experts, tokens, self.precision.activation) / len(layers)
-                each = collective("all_to_all", c.ep * rows * self.imbalance, c.ep, link)
-                counts = collective("all_to_all", c.ep * count_bytes(u, self.experts, c.ep) / len(layers), c.ep, link)
-                out += len(layers) * (4 * each + counts)
-        return out
+        return all_to_all_seconds([u for st in stages for u in st], self.experts, c, self.seq_len,
+                                  self.precision.activation, self.cluster.link(c.ep * c.pp * c.tp), self.imbalance)
 
     def _intern(self, items: list) -> list:
         """One list object for each content (of interned or cached objects): the ranks of a pipeline that hold
@@ -206,6 +191,13 @@ class CostModel:
         key = ("state", id(stages))
         if key not in self._per_rank:
             self._per_rank[key] = state_elements([u for st in stages for u in st])
+        return self._per_rank[key]
+
+    def _expert_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
+        """``expert_cost.expert_elements`` of a rank's stages."""
+        key = ("expert state", id(stages))
+        if key not in self._per_rank:
+            self._per_rank[key] = expert_elements([u for st in stages for u in st], self.experts)
         return self._per_rank[key]
 
     def fits(self, config: Config, memory: float) -> bool:
@@ -243,8 +235,14 @@ class CostModel:
 
     def _memory(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> dict[str, Any]:
         total, trainable = self._state_elements(stages)
-        return {**state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks),
-                "activations": self._activations(c, stages, rank),
+        state = state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks)
+        if c.ep > 1 and c.zero:  # ZeRO shards an expert's state over the dp / ep ranks that hold that expert
+            ex_total, ex_trainable = self._expert_elements(stages)
+            over_dp = state_bytes(ex_total, ex_trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks)
+            over_holders = state_bytes(ex_total, ex_trainable, self.precision, self.states, zero=c.zero,
+                                       dp=c.zero_ranks // c.ep)
+            state = {k: v - over_dp[k] + over_holders[k] for k, v in state.items()}
+        return {**state, "activations": self._activations(c, stages, rank),
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> Any:

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from autopar.planner.cluster import Link
+from autopar.planner.comm_time import collective
+from autopar.planner.config import Config
 from autopar.planner.segment_values import SegmentValues
 
 COUNT_BYTES = 8  # an exchanged row count: int64
@@ -143,6 +147,41 @@ def all_to_all_bytes(values: SegmentValues, experts: ExpertProfile, tokens: obje
 def count_bytes(values: SegmentValues, experts: ExpertProfile, ep: int) -> int:
     """Bytes one rank sends in the row-count exchanges of a segment's experts (``ep x E/ep`` integers each)."""
     return sum(layer.experts for layer in layers_in(values, experts)) * COUNT_BYTES if ep > 1 else 0
+
+
+def all_to_all_step(units: list[SegmentValues], experts: ExpertProfile, c: Config, seq_len: int,
+                    act_bytes: int) -> tuple[int, Any]:
+    """(calls, bytes) of the ep all-to-alls a rank holding ``units`` (at ``c``'s microbatch size) sends in one
+    step, its own rows included: per microbatch and experts layer, the dispatch and the combine forward and both
+    again in backward, ``T k H`` activation elements each, and the row-count exchange."""
+    tokens = c.microbatch_size * seq_len
+    rows = sum(all_to_all_bytes(u, experts, tokens, act_bytes) for u in units)
+    counts = sum(count_bytes(u, experts, c.ep) for u in units)
+    layers = sum(len(layers_in(u, experts)) for u in units)
+    return 5 * layers * c.microbatches, c.microbatches * (4 * rows + counts)
+
+
+def all_to_all_seconds(units: list[SegmentValues], experts: ExpertProfile, c: Config, seq_len: int,
+                       act_bytes: int, link: Link, imbalance: float) -> Any:
+    """Seconds of one microbatch's ep all-to-alls on a rank holding ``units``: per layer four of the busiest
+    rank's ``imbalance`` times the balanced bytes, and a latency-bound row-count exchange."""
+    tokens = c.microbatch_size * seq_len
+    out: Any = 0
+    for u in units:
+        layers = layers_in(u, experts)
+        if layers:
+            rows = all_to_all_bytes(u, experts, tokens, act_bytes) / len(layers)
+            each = collective("all_to_all", c.ep * rows * imbalance, c.ep, link)
+            counts = collective("all_to_all", c.ep * count_bytes(u, experts, c.ep) / len(layers), c.ep, link)
+            out += len(layers) * (4 * each + counts)
+    return out
+
+
+def expert_elements(units: list[SegmentValues], experts: ExpertProfile) -> tuple[int, int]:
+    """(parameter, trainable parameter) elements of routed experts stored for ``units`` (each layer instance's,
+    as ``units`` hold them: divided by ep after ``routed``)."""
+    owned = [(e, k in u.trainable) for u in units for k, e in u.params.items() if experts.layer_of(k) is not None]
+    return sum(e for e, _ in owned), sum(e for e, t in owned if t)
 
 
 def layers_in(values: SegmentValues, experts: ExpertProfile) -> list[ExpertLayerProfile]:

@@ -55,8 +55,8 @@ def _compare(result: PlanResult, other: Candidate, best: Candidate) -> str:
     link = result.cluster.link(span)
     where = "inside a node" if span <= result.cluster.devices_per_node else "across nodes"
     state = [x.memory["parameters"] + x.memory["gradients"] + x.memory["optimizer"] for x in (other, best)]
-    line = (f"ep={o.ep} instead of {b.ep}: {verdict}; experts' compute {_seconds(_expert_seconds(result, o))} vs "
-            f"{_seconds(_expert_seconds(result, b))} per step, all-to-all "
+    line = (f"ep={o.ep} instead of {b.ep}: {verdict}; experts' compute {_seconds(expert_seconds(result, o))} vs "
+            f"{_seconds(expert_seconds(result, b))} per step, all-to-all "
             f"{_seconds(float(other.estimate.time['expert_parallel']))} vs "
             f"{_seconds(float(best.estimate.time['expert_parallel']))} (at ep={ep.ep}: {calls} calls, "
             f"{gb(float(nbytes))} sent per rank per step, {where} at {gb(link.bandwidth)}/s), parameters+gradients+"
@@ -66,7 +66,7 @@ def _compare(result: PlanResult, other: Candidate, best: Candidate) -> str:
     return line
 
 
-def _expert_seconds(result: PlanResult, c: Config) -> float:
+def expert_seconds(result: PlanResult, c: Config) -> float:
     """Seconds of the experts' forward and backward (3x the forward FLOPs) in one step on the busiest rank:
     every expert layer's FLOPs per token (``ExpertLayerProfile.flops_per_token``) over the rank's tokens, the
     layers divided over pp, at the cluster's peak times its efficiency."""
@@ -77,4 +77,4 @@ def _expert_seconds(result: PlanResult, c: Config) -> float:
 
 
 def _seconds(t: float) -> str:
-    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
