@@ -60,16 +60,18 @@ def report(key: str, imbalance: float) -> None:
           f"({sum(x.params for x in experts.layers) / 1e9:.1f}B in experts), {devices} A100s, batch {batch}x{seq}, "
           f"imbalance {imbalance:g}; planned in {time.perf_counter() - start:.0f} s, {result.considered} "
           "configurations")
-    print("| ep | best configuration with it | step | experts' compute | all-to-all | memory/device | autopar runs it |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print("| ep | best configuration with it | step | experts' compute | all-to-all | dp/ZeRO exposed | memory/device "
+          "| autopar runs it |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     best: dict[int, object] = {}
     for c in result.candidates:
         if c.fits:
             best.setdefault(c.config.ep, c)
     for ep, c in sorted(best.items()):
-        a2a = float(c.estimate.time["expert_parallel"])
+        t = {k: float(v) for k, v in c.estimate.time.items()}
         print(f"| {ep} | {c.config.describe()} | {c.step_time:.2f} s | {expert_seconds(result, c.config):.2f} s | "
-              f"{a2a:.2f} s | {gb(c.total_memory)} | {'yes' if c.runnable else 'no: ' + c.not_runnable} |")
+              f"{t['expert_parallel']:.2f} s | {t['data_parallel'] + t['contention']:.2f} s | {gb(c.total_memory)} | "
+              f"{'yes' if c.runnable else 'no: ' + c.not_runnable} |")
     print(f"best: {result.best.config.describe()}")
     for line in expert_reasons(result):
         print(f"- {line}")

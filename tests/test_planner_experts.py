@@ -59,6 +59,7 @@ def test_ep_wins_when_the_experts_dominate_and_the_link_is_fast(big_profile) -> 
                   profile=big_profile, top=None, **ONLY_DP)
     best = result.best
     assert best.config.ep > 1 and best.runnable, result.table(6)
+    assert f" 8 ep{best.config.ep} x 1 x 1 " in result.table(1)  # the mesh column names ep
     dense = result.candidate(dataclasses.replace(best.config, ep=1))
     assert dense.estimate.time["compute"] > 2 * best.estimate.time["compute"]  # dense dispatch: E/k = 4x
     assert float(best.estimate.time["expert_parallel"]) > 0

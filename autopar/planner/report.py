@@ -57,8 +57,9 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
         state = m["parameters"] + m["gradients"] + m["optimizer"]
+        mesh = f"{cfg.dp_label()}{_ep(cfg)} x {cfg.pp} x {cfg.tp}" + ("+sp" if cfg.sequence_parallel else "")
         lines.append(
-            f"{i:>3}  {f'{cfg.dp_label()} x {cfg.pp} x {cfg.tp}' + ('+sp' if cfg.sequence_parallel else ''):<18} "
+            f"{i:>3}  {mesh:<18} "
             f"{cfg.zero:>4}  {sched:<18} "
             f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
@@ -66,6 +67,11 @@ def render_table(result: PlanResult, top: int = 10) -> str:
             f"{c.estimate.flops_per_device / 1e12:>7.1f}"
             f"  {'yes' if c.runnable else 'no'}")
     return "\n".join(lines)
+
+
+def _ep(cfg: Config) -> str:
+    """The mesh column's expert parallelism: ``" ep4"`` (folded onto dp), nothing at ep=1."""
+    return f" ep{cfg.ep}" if cfg.ep > 1 else ""
 
 
 def render_plan(result: PlanResult, top: int = 10) -> str:
