@@ -164,3 +164,35 @@ def test_zero_shards_expert_state_over_the_ranks_holding_those_experts(big_profi
     alone, with_ep = (result.candidate(Config(dp=8, zero=3, ep=e, microbatch_size=8)) for e in (1, 2))
     for key in ("parameters", "gradients", "optimizer"):
         assert float(with_ep.memory[key]) == pytest.approx(float(alone.memory[key]), rel=1e-9), key
+
+
+def _experts_dominate() -> torch.nn.Module:
+    """A float32 Mixtral (eager experts) whose 8 experts of width 512 dominate: the planner picks ep=2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=96, max_position_embeddings=64, use_cache=False,
+                        pad_token_id=0, bos_token_id=0, eos_token_id=0, num_local_experts=8, num_experts_per_tok=2)
+    model = MixtralForCausalLM(cfg).train()
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def _auto_step() -> tuple[str, float]:
+    ids = torch.randint(3, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    pm = parallelize(_experts_dominate(), "auto", example_inputs=(ids,), example_target=ids,
+                     loss_fn=models.lm_loss, optimizer=models.adamw)
+    return repr(pm.mesh), float(pm.step(ids, target=ids))
+
+
+@pytest.mark.slow
+def test_parallelize_auto_picks_ep_where_it_wins_and_runs_it(launcher) -> None:
+    """``parallelize(model, "auto")`` on 2 CPU ranks chooses ``Mesh(dp=2, ep=2)`` for a model whose experts
+    dominate, and the runtime runs it on every rank (the loss equals one device's first-step loss)."""
+    results = launcher(_auto_step, 2)
+    assert {mesh for mesh, _ in results} == {"Mesh(dp=2, ep=2)"}, results
+    ids = torch.randint(3, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = _experts_dominate()(ids)
+    expected = float(models.lm_loss(out, ids))
+    assert all(loss == pytest.approx(expected, rel=1e-5) for _, loss in results), (results, expected)
