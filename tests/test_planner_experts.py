@@ -196,3 +196,19 @@ def test_parallelize_auto_picks_ep_where_it_wins_and_runs_it(launcher) -> None:
     out = _experts_dominate()(ids)
     expected = float(models.lm_loss(out, ids))
     assert all(loss == pytest.approx(expected, rel=1e-5) for _, loss in results), (results, expected)
+
+
+def test_routing_imbalance_scales_the_busiest_ranks_expert_work_and_all_to_alls(big_profile) -> None:
+    """``expert_imbalance``: the busiest rank's routed rows over the mean; ep's expert FLOPs and all-to-all
+    bytes scale with it (the latency does not), ep=1's dense dispatch does not."""
+    config = Config(dp=8, ep=2, microbatch_size=8)
+    runs = {f: plan(None, 8, cluster=_fast_node(), global_batch=64, seq_len=2048, precision="fp32", top=None,
+                    profile=big_profile, expert_imbalance=f, **ONLY_DP) for f in (1.0, 1.5)}
+    even, skewed = (runs[f].candidate(config).estimate.time for f in (1.0, 1.5))
+    assert 1.3 < float(skewed["expert_parallel"]) / float(even["expert_parallel"]) <= 1.5
+    assert float(skewed["compute"]) > float(even["compute"])
+    dense = [runs[f].candidate(Config(dp=8, microbatch_size=8)).estimate.time["compute"] for f in (1.0, 1.5)]
+    assert float(dense[0]) == float(dense[1])
+    with pytest.raises(ValueError, match="expert_imbalance=0.5"):
+        plan(None, 8, cluster=_fast_node(), global_batch=64, seq_len=2048, profile=big_profile,
+             expert_imbalance=0.5, **ONLY_DP)
