@@ -107,7 +107,7 @@ def _steps(shape: Shape, bucket_mb: float | None) -> dict[str, Callable[[], None
     return {"autopar": lambda: pm.step(x, target=y), "ddp": ddp_step}
 
 
-def _time(steps: dict[str, Callable[[], None]], n: int, warmup: int) -> dict[str, list[float]]:
+def time_interleaved(steps: dict[str, Callable[[], None]], n: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of ``n`` interleaved steps of each contender after ``warmup`` untimed ones."""
     times: dict[str, list[float]] = {k: [] for k in steps}
     order = list(steps.items())
@@ -128,7 +128,7 @@ def _rank(names: list[str], args: argparse.Namespace) -> dict[str, dict[str, lis
     out: dict[str, dict[str, list[float]]] = {name: {"autopar": [], "ddp": []} for name in names}
     for _ in range(args.rounds):
         for name in names:
-            for k, v in _time(contenders[name], args.steps, args.warmup).items():
+            for k, v in time_interleaved(contenders[name], args.steps, args.warmup).items():
                 out[name][k] += v
     return out
 

@@ -115,9 +115,25 @@ def inspect(argv: list[str]) -> int:
                                                        "captured", f"rank {args.rank}"))
         else:
             print(f"\nrank {args.rank} runs:")
+            calls = expert_calls(pm.graph(args.rank), mesh, args.rank)
             for line in code.splitlines():
-                print((">> " if "torch.ops.autopar" in line else "   ") + line)
+                note = next((n for name, n in calls.items() if f"self.{name}(" in line), "")
+                print((">> " if "torch.ops.autopar" in line or note else "   ") + line + (f"  # {note}" if note else ""))
     return 0
+
+
+def expert_calls(gm: torch.fx.GraphModule, mesh: Mesh, rank: int) -> dict[str, str]:
+    """The graph's expert-parallel submodules (one per mixture-of-experts layer), each with what rank ``rank``
+    runs in it: the experts it holds and the all-to-alls over ep that dispatch and combine the tokens."""
+    from autopar.core.expert_ops import ExpertParallel
+
+    out = {}
+    for name, module in gm.named_children():
+        if isinstance(module, ExpertParallel):
+            held = module.held_by(mesh.coord(rank, "ep"))
+            out[name] = (f"{module.name}: this rank's experts {held.start}-{held.stop - 1} of {len(module.experts)}; "
+                         f"row counts all_to_all, dispatch and combine all_to_all_v over ep (both again in backward)")
+    return out
 
 
 def demo(argv: list[str]) -> int:
@@ -144,6 +160,8 @@ def plan(argv: list[str]) -> int:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
     p.add_argument("--top", type=int, default=10, help="rows of the table (and of the JSON)")
     p.add_argument("--runnable", action="store_true", help="only configurations autopar runs today")
+    p.add_argument("--expert-imbalance", type=float, default=1.0, help="models with routed experts: the busiest "
+                   "rank's routed rows over the mean under expert parallelism (1: balanced routing)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
     args = p.parse_args(argv)
     for option, value, what in (("--devices", args.devices, "devices of the job"),
@@ -158,7 +176,7 @@ def plan(argv: list[str]) -> int:
     result = make_plan(model, args.devices, cluster=cluster, global_batch=args.global_batch or 2 * args.devices,
                        seq_len=args.seq if sequence_of(inputs, model) else None, precision=args.precision,
                        optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable,
-                       top=max(args.top, 20))
+                       expert_imbalance=args.expert_imbalance, top=max(args.top, 20))
     print(result.to_json(top=args.top) if args.json else result.render(top=args.top))
     return 0
 

@@ -43,6 +43,7 @@ class Config:
     full_layers: int = 0  # with recompute "none" or "selective": the first this many layers of each stage "full"
     sequence_parallel: bool = False  # tp > 1: the values between tensor-parallel regions sharded too
     dp_shard: int = 0  # hybrid sharding: ZeRO over this many dp ranks, dp // dp_shard replicas; 0: over all of dp
+    ep: int = 1  # expert parallelism folded onto dp: routed experts spread over groups of ep consecutive dp ranks
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -68,6 +69,8 @@ class Config:
             raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) needs zero >= 1 (got {self.zero}) and a "
                              f"shard size between 2 and dp={self.dp} that divides it; use dp_shard=0 for ZeRO over "
                              "all of dp")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} folds onto dp={self.dp}: it must be a divisor of dp")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
@@ -122,7 +125,8 @@ class Config:
 
     def describe(self) -> str:
         sp = " sequence-parallel" if self.sequence_parallel else ""
-        mesh = f"dp={self.dp_label()} pp={self.pp} tp={self.tp}{sp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        mesh = f"dp={self.dp_label()}{ep} pp={self.pp} tp={self.tp}{sp}"
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"

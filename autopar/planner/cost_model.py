@@ -25,6 +25,7 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
+from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number, smallest
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
@@ -38,8 +39,14 @@ class CostModel:
 
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
                  optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True,
-                 scatter_gather: bool = False, recompute_collectives: bool = False) -> None:
+                 scatter_gather: bool = False, recompute_collectives: bool = False,
+                 expert_imbalance: float = 1.0) -> None:
+        if expert_imbalance < 1:
+            raise ValueError(f"expert_imbalance={expert_imbalance} is the busiest rank's routed rows over the mean; "
+                             "it is at least 1 (1: balanced routing)")
         self.profile = profile
+        self.experts = profile.experts  # routed experts (``expert_cost.py``): their FLOPs, memory and all-to-alls by ep
+        self.imbalance = expert_imbalance
         self.cluster = cluster
         self.precision = precision
         self.seq_len = seq_len if profile.has_sequence else 1
@@ -129,14 +136,42 @@ class CostModel:
     def _rank_units(self, config: Config, b: Any) -> list[list[list[SegmentValues]]]:
         """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b`` (shared: not
         to be changed)."""
-        key = (config.tp, config.pp, config.stages_per_rank, config.schedule in V_SHAPED, b, config.sequence_parallel)
+        key = (config.tp, config.pp, config.stages_per_rank, config.schedule in V_SHAPED, b, config.sequence_parallel,
+               config.ep)
         if key not in self._ranks:
             seq, stages, placement = self.profile.sequence(), self.stages(config), self.placement(config)
-            units = [self._intern([self.values(seq[i], config.tp, b, config.sequence_parallel) for i in st])
+            units = [self._intern([self._routed(self.values(seq[i], config.tp, b, config.sequence_parallel), config.ep,
+                                                b) for i in st])
                      for st in stages]
             self._ranks[key] = [self._intern([units[s] for s in range(len(stages)) if placement[s] == r])
                                 for r in range(config.pp)]
         return self._ranks[key]
+
+    def _routed(self, values: SegmentValues, ep: int, b: Any) -> SegmentValues:
+        """A segment's values with its routed experts as they run at ``ep`` (``experts.routed``; one object per
+        segment values and ep, so that alike stages stay alike)."""
+        if self.experts is None:
+            return values
+        key = ("routed", id(values), ep)
+        if key not in self._per_stage:
+            self._per_stage[key] = routed(values, self.experts, ep, self.imbalance, b * self.seq_len)
+        return self._per_stage[key]
+
+    def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:
+        """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step, its own rows included
+        (``expert_cost.all_to_all_step``); (0, 0) without ep."""
+        if self.experts is None or config.ep == 1:
+            return 0, 0
+        units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
+        return all_to_all_step(units, self.experts, config, self.seq_len, self.precision.activation)
+
+    def _all_to_all_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
+        """Seconds of one microbatch's ep all-to-alls on a rank holding ``stages``, on the link its ep group
+        spans (``ep`` consecutive dp ranks: ``ep * pp * tp`` ranks; ``expert_cost.all_to_all_seconds``)."""
+        if self.experts is None or c.ep == 1:
+            return 0
+        return all_to_all_seconds([u for st in stages for u in st], self.experts, c, self.seq_len,
+                                  self.precision.activation, self.cluster.link(c.ep * c.pp * c.tp), self.imbalance)
 
     def _intern(self, items: list) -> list:
         """One list object for each content (of interned or cached objects): the ranks of a pipeline that hold
@@ -156,6 +191,13 @@ class CostModel:
         key = ("state", id(stages))
         if key not in self._per_rank:
             self._per_rank[key] = state_elements([u for st in stages for u in st])
+        return self._per_rank[key]
+
+    def _expert_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
+        """``expert_cost.expert_elements`` of a rank's stages."""
+        key = ("expert state", id(stages))
+        if key not in self._per_rank:
+            self._per_rank[key] = expert_elements([u for st in stages for u in st], self.experts)
         return self._per_rank[key]
 
     def fits(self, config: Config, memory: float) -> bool:
@@ -193,8 +235,14 @@ class CostModel:
 
     def _memory(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> dict[str, Any]:
         total, trainable = self._state_elements(stages)
-        return {**state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks),
-                "activations": self._activations(c, stages, rank),
+        state = state_bytes(total, trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks)
+        if c.ep > 1 and c.zero:  # ZeRO shards an expert's state over the dp / ep ranks that hold that expert
+            ex_total, ex_trainable = self._expert_elements(stages)
+            over_dp = state_bytes(ex_total, ex_trainable, self.precision, self.states, zero=c.zero, dp=c.zero_ranks)
+            over_holders = state_bytes(ex_total, ex_trainable, self.precision, self.states, zero=c.zero,
+                                       dp=c.zero_ranks // c.ep)
+            state = {k: v - over_dp[k] + over_holders[k] for k, v in state.items()}
+        return {**state, "activations": self._activations(c, stages, rank),
                 "buffers": self._buffers(c, stages, trainable)}
 
     def _activations(self, c: Config, stages: list[list[SegmentValues]], rank: int) -> Any:
@@ -306,6 +354,7 @@ class CostModel:
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
             "pipeline_p2p": m * p2p_t + sync,
+            "expert_parallel": m * largest([self._all_to_all_seconds(c, stages) for stages in ranks]),
             "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo, bound),
             "shared_cores": 0,
             "data_parallel": serial + dp.exposed,

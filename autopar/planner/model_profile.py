@@ -53,6 +53,7 @@ from autopar.capture import capture
 from autopar.core.comm import OPS
 from autopar.core.graph import SlotKind, tied_aliases
 from autopar.planner.example_inputs import model_inputs
+from autopar.planner.expert_cost import ExpertProfile, expert_profile, grouped_while_profiling
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.core.recompute_modes import COMMUNICATING
 from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, kept_elements, moved_elements,
@@ -129,6 +130,7 @@ class ModelProfile:
     dtype: torch.dtype
     has_sequence: bool
     notes: list[str] = field(default_factory=list)
+    experts: ExpertProfile | None = None  # routed-experts layers (``autopar/planner/expert_cost.py``), None: none
 
     def sequence(self) -> list[Segment]:
         """Segments as they run: the head, every layer (repeats expanded), the tail."""
@@ -186,7 +188,8 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
     notes = [f"{path}: {n} identical entries; {KEEP} captured, the last standing for all" if path not in distinct else
              f"{path}: {n} entries, identical after the first; {KEEP} captured, the second standing for the other "
              f"{n - 1}" for path, n in lists.items()]
-    with as_fake_cpu(model) as mode, shortened(model, lists):  # a meta model is captured as a fake CPU one
+    # a meta model is captured as a fake CPU one; experts written as a loop as one grouped matmul (routed FLOPs)
+    with as_fake_cpu(model) as mode, shortened(model, lists), grouped_while_profiling(model):
         args, kwargs = fake_inputs((args, kwargs), mode)
         analysis = _Analysis(model, dynamic_export(model, args, kwargs, sequence), sequence, lists, distinct)
         sizes = [1]
@@ -200,7 +203,7 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
     return ModelProfile(name=type(model).__name__, segments=analysis.segments, tp_sizes=tuple(sizes),
                         total_params=sum(p.numel() for p in params.values()),
                         dtype=next(iter(params.values())).dtype if params else torch.float32,
-                        has_sequence=sequence, notes=notes)
+                        has_sequence=sequence, notes=notes, experts=expert_profile(model))
 
 
 class _Analysis:

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
 from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
+from autopar.planner.expert_report import expert_reasons
 from autopar.planner.megatron import HELD_OUT_ERROR
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
 
-TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "bubble", "shared_cores", "data_parallel", "contention",
-             "optimizer")
+TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "expert_parallel", "bubble", "shared_cores", "data_parallel",
+             "contention", "optimizer")
 AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline",
               "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, after backward"}
 
@@ -56,8 +57,9 @@ def render_table(result: PlanResult, top: int = 10) -> str:
         v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
         sched = "-" if cfg.pp == 1 else cfg.schedule + v
         state = m["parameters"] + m["gradients"] + m["optimizer"]
+        mesh = f"{cfg.dp_label()}{_ep(cfg)} x {cfg.pp} x {cfg.tp}" + ("+sp" if cfg.sequence_parallel else "")
         lines.append(
-            f"{i:>3}  {f'{cfg.dp_label()} x {cfg.pp} x {cfg.tp}' + ('+sp' if cfg.sequence_parallel else ''):<18} "
+            f"{i:>3}  {mesh:<18} "
             f"{cfg.zero:>4}  {sched:<18} "
             f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
             f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
@@ -65,6 +67,11 @@ def render_table(result: PlanResult, top: int = 10) -> str:
             f"{c.estimate.flops_per_device / 1e12:>7.1f}"
             f"  {'yes' if c.runnable else 'no'}")
     return "\n".join(lines)
+
+
+def _ep(cfg: Config) -> str:
+    """The mesh column's expert parallelism: ``" ep4"`` (folded onto dp), nothing at ep=1."""
+    return f" ep{cfg.ep}" if cfg.ep > 1 else ""
 
 
 def render_plan(result: PlanResult, top: int = 10) -> str:
@@ -99,7 +106,7 @@ def explain(result: PlanResult) -> list[str]:
                    f"{gb(best.total_memory)}; add devices, lower the global batch or sequence, or use recomputation")
         return out
     c, e = best.config, best.estimate
-    out += _zero_reason(result) + _hybrid_reason(result)
+    out += _zero_reason(result) + _hybrid_reason(result) + expert_reasons(result)
     b_max = result.max_microbatch_size(c)
     expr = result.memory_expr(c)
     at_one, at_two = float(expr.subs(b_sym, 1)), float(expr.subs(b_sym, 2))

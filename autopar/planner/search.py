@@ -65,6 +65,8 @@ class Candidate:
         sizes = {k: v for k, v in (("dp", c.dp), ("pp", c.pp), ("tp", c.tp)) if v > 1}
         if c.dp_shard:  # hybrid sharding: Mesh(dp=(replicate, shard))
             sizes["dp"] = (c.replicas, c.dp_shard)
+        if c.ep > 1:  # expert parallelism folded onto dp: Mesh(dp=, ep=)
+            sizes = {"dp": sizes["dp"], "ep": c.ep, **{k: v for k, v in sizes.items() if k != "dp"}}
         return Mesh(**(sizes or {"dp": 1}))
 
     @property
@@ -96,7 +98,7 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
         return {
-            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp}, "dp_shard": c.dp_shard, "zero": c.zero,
+            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep}, "dp_shard": c.dp_shard, "zero": c.zero,
             "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
@@ -206,6 +208,7 @@ def plan(
     scatter_gather: bool = False,
     recompute_collectives: bool = False,
     hybrid: bool = True,
+    expert_imbalance: float = 1.0,
     profile: ModelProfile | None = None,
     top: int | None = 20,
 ) -> PlanResult:
@@ -230,8 +233,11 @@ def plan(
     all-reduces again and keeps only layer inputs (Megatron-LM) rather than
     keeping the collectives' outputs (autopar). ``hybrid``: also hybrid
     sharding at ZeRO 1-3: ZeRO over shard groups inside a node (each shard size that divides dp and keeps a
-    group's ``shard * pp * tp`` ranks in one node), an all-reduce across the replicas. ``profile``: reuse a
-    ``profile_model`` result (planning several clusters or batch sizes).
+    group's ``shard * pp * tp`` ranks in one node), an all-reduce across the replicas.
+    ``expert_imbalance``: for a model with routed experts, the busiest rank's routed rows over the mean
+    under expert parallelism (1: balanced routing; it scales that rank's expert FLOPs and all-to-all bytes);
+    every ep degree that divides dp and the expert count is searched (``autopar/planner/expert_cost.py``).
+    ``profile``: reuse a ``profile_model`` result (planning several clusters or batch sizes).
     ``top``: rank exactly the best ``top`` configurations, the best of each
     tp and each pp size and the best autopar runs; the step time of a
     configuration whose lower bound shows it can be none of those is not
@@ -252,7 +258,7 @@ def plan(
                                 sequence=seq_len is not None, tp_sizes=tuple(tp or tp_sizes))
     cost = CostModel(profile, cluster, prec, seq_len=seq_len or 1, optimizer_states=OPTIMIZER_STATES[optimizer],
                      overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather,
-                     recompute_collectives=recompute_collectives)
+                     recompute_collectives=recompute_collectives, expert_imbalance=expert_imbalance)
     node = cluster.devices_per_node if hybrid else 0
     evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch,
@@ -288,7 +294,8 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16, node: int = 0) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly; with ``node`` (devices per
     node), at ZeRO 1-3 also hybrid sharding over each shard size whose group of ``shard * pp * tp`` consecutive
-    ranks stays inside a node (``Config.dp_shard``)."""
+    ranks stays inside a node (``Config.dp_shard``); for a model with routed experts, without hybrid sharding,
+    also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count)."""
     layers = sum(seg.count for seg in profile.layers)
     for t in sorted(profile.tp_sizes):
         if devices % t or (tp is not None and t not in tp):
@@ -300,14 +307,17 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
             if global_batch % dp:
                 continue
             local = global_batch // dp
+            eps = [1] + (profile.experts.ep_sizes(dp) if profile.experts is not None else [])
             for b in [d for d in _divisors(local) if d <= max_microbatch]:
                 m = local // b
                 for sched, v in _schedules(schedules, p, m, layers):
                     for z in [z for z in zero if dp > 1 or z == 0]:
                         for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
                             for rc in recompute:
-                                yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
-                                             microbatches=m, microbatch_size=b, recompute=rc, dp_shard=shard)
+                                for e in eps if not shard else [1]:
+                                    yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
+                                                 microbatches=m, microbatch_size=b, recompute=rc, dp_shard=shard,
+                                                 ep=e)
 
 
 def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:
@@ -376,6 +386,8 @@ def sequence_parallel(cost: CostModel, candidates: list[Candidate], cluster: Clu
 
 def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
+    if config.ep > 1 and (why := expert_parallel_refused(config, prec, profile)):
+        return why
     if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
         return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
     if prec != precision_of(profile.dtype):
@@ -387,6 +399,22 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
 # ---------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------
+
+def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
+    """Why the runtime refuses ``config``'s expert parallelism ("" when it runs it): it composes with dp alone,
+    in the model's own precision, without recomputation, on experts written as a loop
+    (``passes/expert_parallel.check_composes``)."""
+    others = [f"{axis}={n}" for axis, n in (("pp", config.pp), ("tp", config.tp)) if n > 1]
+    others += [f"zero={config.zero}"] * bool(config.zero)
+    others += [f"precision={prec.name!r}"] * (prec.name in ("bf16", "mixed"))
+    others += [f"recompute={config.recompute_label()!r}"] * config.recomputes
+    if others:
+        return f"expert parallelism (ep={config.ep}) does not compose with {', '.join(others)} yet"
+    if profile.experts is not None and "grouped" in profile.experts.forms:
+        return (f"ep={config.ep} needs experts written as a loop; Hugging Face's grouped matmul is refused under ep "
+                "(set model.config._experts_implementation = 'eager')")
+    return ""
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n < 10_000 else \
