@@ -1,0 +1,209 @@
+"""Context parallelism: the graph of one cp rank, which holds a balanced pair of chunks of every sequence.
+
+Precondition: the graph captured on one cp rank's inputs, i.e. every sequence-dim input cut to its ``local``
+tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_attention.py``). The rewrite:
+
+- each ``aten.scaled_dot_product_attention`` becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
+  around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
+- each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
+  ``autopar::cp_positions``: the global positions of the rank's tokens;
+- each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
+  table cut to the sequence) becomes an ``index_select`` of those global positions.
+
+Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention with a
+mask tensor, with dropout, or whose query and key lengths are not the local length; and any other value that
+relates every query to every key (a (..., local, local) value left after the rewrite, e.g. Hugging Face's
+eager matmul-softmax-matmul attention).
+
+Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
+positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
+per rank (the loss terms, averaged over dp x cp by the runtime with the global token count).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import UnsupportedError
+from autopar.core.graph import Captured, SlotKind, copy_module
+from autopar.core.plan import Collective, Plan
+from autopar.core.ring_attention import ring_attention  # noqa: F401  (registers the autopar::ring ops)
+
+aten = torch.ops.aten
+AXIS = "cp"
+SDPA = aten.scaled_dot_product_attention.default
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")  # positional order of the op
+ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arange.start_step: (0, 1)}  # -> (start arg, end arg)
+SLICE = aten.slice.Tensor
+SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
+
+
+@dataclass(frozen=True)
+class ContextParallelGraph:
+    """The rewritten graph and what it holds: attentions rewritten, positions made global."""
+
+    gm: fx.GraphModule
+    attentions: list[tuple[str, tuple[int, ...], int]]  # (node, k shape, bytes of K and V) per attention
+    positions: int  # aranges and slices made global
+
+    def add_to(self, plan: Plan, cp: int) -> None:
+        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch, backward
+        ``cp - 1`` K/V blocks with their gradients and one more exchange of the gradients alone."""
+        m = plan.microbatches
+        kv = sum(b for _, _, b in self.attentions)
+        n = len(self.attentions) * m
+        plan.collectives += [
+            Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
+                       "forward"),
+            Collective(AXIS, "send_recv", n * cp, kv * m * (2 * (cp - 1) + 1),
+                       "backward, K/V blocks with their gradients (the gradients once more, home)", "backward"),
+        ]
+
+
+def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph:
+    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc)."""
+    gm = copy_module(cap.gm)
+    graph = gm.graph
+    kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
+    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target is SDPA]
+    moved = 0
+    for node in list(graph.nodes):
+        if node.target in ARANGES and _arange_of(node) == local:
+            _replace(graph, node, _positions(graph, node, local))
+            moved += 1
+        elif node.target is SLICE and _model_state(node.args[0], kinds) and _slice_to(node) == local:
+            with graph.inserting_after(node):
+                pos = _positions(graph, node, local)
+                picked = graph.call_function(aten.index_select.default, (node.args[0], _dim(node), pos))
+            _replace(graph, node, picked)
+            moved += 1
+    _drop_dead_checks(graph)
+    graph.eliminate_dead_code()
+    _check_no_sequence_square(graph, local)
+    graph.lint()
+    gm.recompile()
+    return ContextParallelGraph(gm, attentions, moved)
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
+    args = dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)
+    q, k, v = args["query"], args["key"], args["value"]
+    if args.get("attn_mask") is not None:
+        raise _refused(node, f"its mask {args['attn_mask'].name} is a tensor; context parallelism evaluates "
+                             f"causal masks (is_causal=True) or none per block, and does not shard a mask tensor")
+    if args.get("dropout_p", 0.0):
+        raise _refused(node, f"it has dropout_p={args['dropout_p']}; set the attention dropout to 0")
+    if args.get("enable_gqa", False):
+        raise _refused(node, "it shares K/V heads (enable_gqa=True); repeat them before the attention")
+    shapes = [tuple(x.meta["val"].shape) for x in (q, k, v)]
+    if any(s[-2] != local for s in shapes):
+        raise _refused(node, f"query/key/value lengths {[s[-2] for s in shapes]} are not the local sequence length "
+                             f"{local}")
+    scale = args.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
+    with graph.inserting_after(node):
+        ring = graph.call_function(torch.ops.autopar.ring_attention.default,
+                                   (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
+    with graph.inserting_after(ring):
+        out = graph.call_function(operator.getitem, (ring, 0))
+    val = node.meta["val"]
+    ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
+    _replace(graph, node, out)
+    kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
+    return node.name, shapes[1], kv
+
+
+def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
+    """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
+    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only."""
+    live = _live(graph)
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        if (node.target in SOFTMAXES and val.shape[-1] == local) or (
+                node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
+            raise _refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
+                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
+                                 f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
+                                 f"without cp")
+
+
+def _drop_dead_checks(graph: fx.Graph) -> None:
+    """Erases the metadata checks of values nothing else reads (e.g. a mask Hugging Face builds and then
+    leaves to ``is_causal``): on the rank's chunks they would index the local sequence with global positions."""
+    live = _live(graph)
+    for node in list(graph.nodes):
+        if node.target in GRAPH_SIDE_EFFECTS and not all(a in live for a in node.all_input_nodes):
+            graph.erase_node(node)
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the outputs depend on (checks such as ``_assert_tensor_metadata`` keep nothing alive)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    seen, todo = set(), [output]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+# -- positions --------------------------------------------------------------------------------------------------
+def _arange_of(node: fx.Node) -> int | None:
+    """The length of an ``arange`` from 0 with step 1 (None otherwise)."""
+    start_i, end_i = ARANGES[node.target]
+    start = node.args[start_i] if start_i is not None else 0
+    step = node.args[2] if node.target is aten.arange.start_step else 1
+    end = node.args[end_i]
+    return end if start == 0 and step == 1 and isinstance(end, int) else None
+
+
+def _slice_to(node: fx.Node) -> int | None:
+    """The end of a slice ``[0:end]`` with step 1 (None otherwise)."""
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    return end if start in (0, None) and step == 1 and isinstance(end, int) else None
+
+
+def _dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else 0
+
+
+def _model_state(node: object, kinds: dict[fx.Node, SlotKind]) -> bool:
+    return isinstance(node, fx.Node) and kinds.get(node) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT)
+
+
+def _positions(graph: fx.Graph, node: fx.Node, local: int) -> fx.Node:
+    """The rank's global positions (int64), cast to ``node``'s dtype where it is an arange of another dtype."""
+    val = node.meta["val"]
+    with graph.inserting_before(node):
+        pos = graph.call_function(torch.ops.autopar.cp_positions.default, (local, AXIS, val.device))
+        pos.meta["val"] = val.new_empty(local, dtype=torch.int64)
+        if node.target in ARANGES and val.dtype != torch.int64:
+            pos = graph.call_function(aten._to_copy.default, (pos,), {"dtype": val.dtype})
+            pos.meta["val"] = val
+    return pos
+
+
+def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    new.meta.setdefault("val", old.meta.get("val"))
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta.setdefault(key, old.meta[key])
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+
+
+def _refused(node: fx.Node, why: str) -> UnsupportedError:
+    trace = node.meta.get("stack_trace")
+    where = f" (at {trace.strip().splitlines()[-1].strip()})" if trace else ""
+    return UnsupportedError(f"context parallelism: node {node.name} ({node.target}){where}: {why}")
