@@ -65,6 +65,7 @@ class Compilation:
     stage_sets: list[list[StageGraph]] = field(default_factory=list)  # by tp index
     program: Program | None = None
     cp_local: int = 0  # context parallelism: the tokens of each sequence a cp rank holds
+    cp_shifted: dict[int, float] = field(default_factory=dict)  # cp: flat inputs the runtime shifts -> fill
     detail: str = ""  # what the running pass reports in the log
 
     @property
@@ -120,10 +121,10 @@ def _context_parallel(c: Compilation) -> None:
                                f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
     found = context_parallel(c.captured, c.mesh.cp, local)
     c.lowered = [with_graph(c.captured, found.gm)]
-    c.cp_local = local
+    c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
     c.detail = (f"{len(found.attentions)} attentions as rings over cp={c.mesh.cp}, {found.positions} positions "
-                f"made global; {local} tokens per rank")
+                f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
 
 
 def _tensor_parallel(c: Compilation) -> None:
@@ -168,7 +169,8 @@ def _assemble(c: Compilation) -> None:
         by_tp = [whole[id(x.gm)] for x in c.lowered]
     c.program = Program(captured=c.captured, graphs=RankGraphs(c.mesh, by_tp, c.schedule), plan=c.plan,
                         split_points=c.split_points or [], placements=c.placements, layouts=c.layouts,
-                        trainable=c.trainable, device=capture_device(c.model), cp_local=c.cp_local)
+                        trainable=c.trainable, device=capture_device(c.model), cp_local=c.cp_local,
+                        cp_shifted=c.cp_shifted)
     placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
     c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind is SlotKind.PARAM}
 

@@ -132,6 +132,7 @@ class Program:
     layouts: dict[str, Interleave] = field(default_factory=dict)  # parameter -> stored re-ordered (tp > 1)
     param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
     cp_local: int = 0  # context parallelism: the tokens of each sequence a cp rank holds (0: no cp)
+    cp_shifted: dict[int, float] = field(default_factory=dict)  # cp: flat inputs shifted left first -> fill
     trainable: set[str] = field(default_factory=set)
     zero_layouts: dict[int, ZeroLayout] = field(default_factory=dict)  # rank -> its ZeRO layout (zero > 0)
     step: Schedule | None = None  # what every pp rank runs: the whole training step, or the forward pass

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.graph import SlotKind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
-from autopar.runtime.batch import cp_shard, signature, split_batch
+from autopar.runtime.batch import cp_shard, shift_left, signature, split_batch
 from autopar.runtime.rank import RankRuntime
 
 MODES = ("global", "local")
@@ -69,8 +69,8 @@ def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, micro
         if rt.groups["dp"] is not None:
             dist.all_reduce(total, group=rt.groups["dp"])
         extra = [(t / (mesh.dp * microbatches)).to(dtype=d) for t, d in zip(total, counts.dtypes)]
-    if mesh.cp > 1:  # this cp rank's chunks of every sequence
-        parts = [pytree.tree_leaves(cp_shard(p, mesh.cp, rt.groups.coords.cp)) for p in trees]
+    if mesh.cp > 1:  # this cp rank's chunks of every sequence, labels shifted on the whole sequence first
+        parts = [cp_shard(shift_left(flat, program.cp_shifted), mesh.cp, rt.groups.coords.cp) for flat in parts]
     mine = parts if mode == "local" else parts[rt.groups.coords.dp * microbatches:][:microbatches]
     return [[*flat, *extra] for flat in mine]
 

@@ -8,12 +8,16 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
 - each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
-  table cut to the sequence) becomes an ``index_select`` of those global positions.
+  table cut to the sequence) becomes an ``index_select`` of those global positions;
+- the label shift of a causal LM loss, ``pad(labels, [0, 1], value=ignore)[:, 1:]`` on a user input (Hugging
+  Face's ``ForCausalLMLoss``), becomes the input itself, and the input is recorded in ``shifted``: the runtime
+  shifts it on the whole sequence before cutting it (``runtime/batch.py``), so every rank's last token of a
+  chunk is scored against the next chunk's first.
 
 Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention with a
-mask tensor, with dropout, or whose query and key lengths are not the local length; and any other value that
-relates every query to every key (a (..., local, local) value left after the rewrite, e.g. Hugging Face's
-eager matmul-softmax-matmul attention).
+mask tensor, with dropout, or whose query and key lengths are not the local length; an attention in another
+form (a softmax over the local length, a batched matmul giving (..., local, local): Hugging Face's eager
+matmul-softmax-matmul); any other slice or pad along a dim of the local length (a shift inside the sequence).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
@@ -31,7 +35,7 @@ import torch.fx as fx
 from autopar.core.errors import UnsupportedError
 from autopar.core.graph import Captured, SlotKind, copy_module
 from autopar.core.plan import Collective, Plan
-from autopar.core.ring_attention import ring_attention  # noqa: F401  (registers the autopar::ring ops)
+from autopar.core.ring_attention import cp_positions, ring_attention
 
 aten = torch.ops.aten
 AXIS = "cp"
@@ -41,6 +45,7 @@ ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arang
 SLICE = aten.slice.Tensor
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
 GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
 
 
@@ -51,6 +56,7 @@ class ContextParallelGraph:
     gm: fx.GraphModule
     attentions: list[tuple[str, tuple[int, ...], int]]  # (node, k shape, bytes of K and V) per attention
     positions: int  # aranges and slices made global
+    shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
 
     def add_to(self, plan: Plan, cp: int) -> None:
         """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch, backward
@@ -72,6 +78,7 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
     attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target is SDPA]
+    shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
         if node.target in ARANGES and _arange_of(node) == local:
@@ -86,9 +93,10 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
     _check_no_sequence_square(graph, local)
+    _check_no_sequence_shift(graph, kinds, local)
     graph.lint()
     gm.recompile()
-    return ContextParallelGraph(gm, attentions, moved)
+    return ContextParallelGraph(gm, attentions, moved, shifted)
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
@@ -109,7 +117,7 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, .
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
     with graph.inserting_after(node):
-        ring = graph.call_function(torch.ops.autopar.ring_attention.default,
+        ring = graph.call_function(RING,
                                    (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
     with graph.inserting_after(ring):
         out = graph.call_function(operator.getitem, (ring, 0))
@@ -158,6 +166,65 @@ def _live(graph: fx.Graph) -> set[fx.Node]:
     return seen
 
 
+# -- label shifts -----------------------------------------------------------------------------------------------
+def _label_shifts(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> dict[int, float]:
+    """Rewrites each ``pad(input, [0, 1], value)[:, 1:]`` (a (batch, sequence) input) to the input; the inputs."""
+    slots = {n: i for i, n in enumerate(n for n, k in kinds.items() if k is SlotKind.INPUT)}
+    out = {}
+    for node in list(graph.nodes):
+        fill = _right_pad_by_one(node)
+        x = node.args[0] if fill is not None else None
+        if x not in slots or tuple(x.meta["val"].shape[1:]) != (local,):
+            continue
+        cuts = list(node.users)
+        if not all(u.target is SLICE and _dim(u) in (1, -1) and u.args[2] == 1 for u in cuts):
+            continue
+        if set(x.users) != {node}:
+            raise _refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
+                                 f"labels before the model (and pass the shifted ones)")
+        for cut in cuts:
+            cut.replace_all_uses_with(x)
+            graph.erase_node(cut)
+        graph.erase_node(node)
+        out[slots[x]] = fill
+    return out
+
+
+def _right_pad_by_one(node: fx.Node) -> float | None:
+    """The fill of a constant pad by one at the end of the last dim (None for another node)."""
+    if node.target is aten.pad.default and list(node.args[1]) == [0, 1] and node.args[2:3] in ((), ("constant",)):
+        return float(node.args[3]) if len(node.args) > 3 and node.args[3] is not None else 0.0
+    if node.target is aten.constant_pad_nd.default and list(node.args[1]) == [0, 1]:
+        return float(node.args[2]) if len(node.args) > 2 else 0.0
+    return None
+
+
+def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
+    """No live slice or pad moves values along a sequence dim of the local length: dim 1 of (batch, sequence,
+    ...) values, or dim 2 of (batch, heads, sequence, head dim) ones (a shift inside a sequence)."""
+    live = _live(graph)
+    for node in graph.nodes:
+        if node not in live or node.target not in (SLICE, aten.pad.default, aten.constant_pad_nd.default):
+            continue
+        x = node.args[0]
+        shape = tuple(x.meta["val"].shape)
+        if _model_state(x, kinds):
+            continue
+        dims = {d for d in _sequence_dims(shape) if shape[d] == local}
+        if node.target is SLICE:
+            start, end = (list(node.args[2:4]) + [None, None])[:2]
+            if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
+                raise _refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
+                                     f"a shift inside the sequence, which crosses the cp ranks' chunks")
+        elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
+            raise _refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
+
+
+def _sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Where a value's sequence dim may be: 1 (batch first), and 2 of a 4-dim (batch, heads, sequence, dim)."""
+    return (1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()
+
+
 # -- positions --------------------------------------------------------------------------------------------------
 def _arange_of(node: fx.Node) -> int | None:
     """The length of an ``arange`` from 0 with step 1 (None otherwise)."""
@@ -186,7 +253,7 @@ def _positions(graph: fx.Graph, node: fx.Node, local: int) -> fx.Node:
     """The rank's global positions (int64), cast to ``node``'s dtype where it is an arange of another dtype."""
     val = node.meta["val"]
     with graph.inserting_before(node):
-        pos = graph.call_function(torch.ops.autopar.cp_positions.default, (local, AXIS, val.device))
+        pos = graph.call_function(POSITIONS, (local, AXIS, val.device))
         pos.meta["val"] = val.new_empty(local, dtype=torch.int64)
         if node.target in ARANGES and val.dtype != torch.int64:
             pos = graph.call_function(aten._to_copy.default, (pos,), {"dtype": val.dtype})

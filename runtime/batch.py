@@ -87,6 +87,16 @@ def cp_shard(tree: Any, cp: int, index: int) -> Any:
     return pytree.tree_map(cut, tree)
 
 
+def shift_left(flat: list[Any], shifted: dict[int, float]) -> list[Any]:
+    """``flat`` with each input ``i`` of ``shifted`` moved one place left along dim 1, its last position
+    ``shifted[i]`` (a causal LM's labels, shifted on the whole sequence before it is cut)."""
+    out = list(flat)
+    for i, fill in shifted.items():
+        x = out[i]
+        out[i] = torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
+    return out
+
+
 def cp_unshard(pieces: list[torch.Tensor]) -> torch.Tensor:
     """The whole sequence (dim 1) from each cp rank's pair of chunks, in cp order."""
     cp, local = len(pieces), pieces[0].shape[1]

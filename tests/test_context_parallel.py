@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import autopar
 import models
 from autopar import Mesh
+from autopar.core.errors import UnsupportedError
 from autopar.testing import assert_equivalent
 
 IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -43,3 +45,66 @@ TARGET16 = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed
 def test_wider_meshes_equal_one_device(launcher, name: str, mesh: Mesh) -> None:
     assert_equivalent(models.factory(getattr(models, name)), mesh, (IDS16,), TARGET16, models.lm_loss,
                       models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
+
+
+def test_model_loss_shifts_labels_across_chunks(launcher) -> None:
+    """GPT-2 computing its own loss from ``labels=`` (shifted inside the loss): the shift is done on the whole
+    sequence before the cut, so each chunk's last token is scored against the next chunk's first.
+
+    Hugging Face computes that loss in float32 even for a float64 model, so sums over the ranks' chunks round
+    differently from one device: the bounds are float32's (a wrong shift is off by far more)."""
+    labels = TARGET.clone()
+    labels[1, 3] = -100
+    assert_equivalent(models.factory(models.gpt2), Mesh(cp=2), (IDS,), None, None, models.adamw, steps=2,
+                      rtol=1e-6, atol=1e-7, update_rtol=1e-5, kwargs={"labels": labels}, launcher=launcher)
+
+
+def _compile(make: object, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor | None, loss_fn: object = None,
+             **kwargs: object) -> None:
+    pm = autopar.parallelize(make(), mesh, loss_fn=loss_fn or models.lm_loss, optimizer=models.adamw)
+    pm.compile((ids,), kwargs, target)
+
+
+def test_sequence_not_divisible_by_two_cp_is_refused() -> None:
+    with pytest.raises(UnsupportedError, match=r"sequence length 6 does not divide by 2 x cp = 4.*multiple of 4"):
+        _compile(models.gpt2, Mesh(cp=2), IDS[:, :6], TARGET[:, :6])
+
+
+def test_mask_tensor_is_refused_not_replaced() -> None:
+    """BERT with a padding mask: the attention's mask is a tensor, which this version does not shard."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[:, 6:] = 0
+    with pytest.raises(UnsupportedError, match=r"scaled_dot_product_attention.*its mask .* is a tensor"):
+        _compile(models.bert, Mesh(cp=2), IDS, TARGET, attention_mask=mask)
+
+
+def test_eager_attention_is_refused() -> None:
+    """Gemma-2 in eager attention (matmul-softmax-matmul, sliding-window masks): refused, naming the node."""
+    with pytest.raises(UnsupportedError, match=r"relates the local sequence \(4 tokens\) to itself.*sdpa"):
+        _compile(models.gemma2, Mesh(cp=2), IDS, TARGET)
+
+
+def test_shift_inside_the_loss_is_refused() -> None:
+    """A loss that shifts logits and targets itself (``[:, :-1]``, ``[:, 1:]``) would cut across the chunks."""
+    def shifted_loss(out: object, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+    with pytest.raises(UnsupportedError, match=r"slices \[.*\] along a dim of the local sequence length 4"):
+        _compile(models.gpt2, Mesh(cp=2), IDS, TARGET, loss_fn=shifted_loss)
+
+
+@pytest.mark.parametrize("mesh, options, named", [
+    (Mesh(cp=2, tp=2), {}, "tp"), (Mesh(pp=2, cp=2), {}, "pp"), (Mesh(dp=2, cp=2), {"zero": 1}, "zero=1"),
+    (Mesh(cp=2), {"precision": "bf16"}, "precision='bf16'"),
+])
+def test_compositions_not_yet_supported_are_refused(mesh: Mesh, options: dict, named: str) -> None:
+    with pytest.raises(UnsupportedError, match=rf"with .*{named}.*composes only with data parallelism"):
+        pm = autopar.parallelize(models.gpt2(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
+        pm.compile((IDS,), {}, TARGET)
+
+
+def test_mesh_layout_and_gradient_group() -> None:
+    """cp is its own axis (it multiplies the world size); gradients are averaged over dp x cp."""
+    mesh = Mesh(dp=2, cp=2)
+    assert mesh.size == 4 and mesh.groups("cp") == [[0, 1], [2, 3]] and mesh.groups("dp") == [[0, 2], [1, 3]]
+    assert mesh.groups("dp_cp") == [[0, 1, 2, 3]] and Mesh(cp=2, tp=2).group_of(1, "dp_cp") == [1, 3]
