@@ -20,7 +20,7 @@ from autopar.options import Options
 from autopar.compiler import compile_program
 from autopar.program import Program, capture_device
 from autopar.rank_batch import split_parts
-from autopar.runtime.batch import cp_shard, signature
+from autopar.runtime.batch import signature
 from autopar.runtime.rank import RankRuntime
 
 
@@ -39,7 +39,7 @@ class ProgramCache:
     def compile(self, batch: tuple[tuple, dict, Any], *, with_loss: bool, rt: RankRuntime | None) -> Program:
         """The program for the global ``batch = (args, kwargs, target)``; with a started runtime ``rt``, the
         capture sees full parameter shapes while the ranks keep their shards."""
-        local = cp_shard(self.split(batch)[0], self.mesh.cp, 0)  # (cp: the graph of one cp rank's chunks)
+        local = self.split(batch)[0]
         key = (with_loss, signature(local))
         if key not in self.programs:
             device = capture_device(self.model)  # the inputs join the parameters there (the ranks' later on)

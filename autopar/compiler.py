@@ -27,7 +27,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.context_parallel import context_parallel
+from autopar.passes.context_parallel import context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -38,7 +38,7 @@ from autopar.program import (
     initial_plan, optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
-from autopar.runtime.batch import sequence_length
+from autopar.runtime.batch import cp_shard, sequence_length
 from autopar.zero_compile import apply_zero
 
 CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
@@ -51,7 +51,7 @@ class Compilation:
     model: torch.nn.Module
     mesh: Mesh
     options: Options
-    local: tuple[tuple, dict, Any]  # one local microbatch: (args, kwargs, target)
+    local: tuple[tuple, dict, Any]  # one local microbatch: (args, kwargs, target); cp: one cp rank's chunks
     with_loss: bool
     split_points: list[str] | None = None  # pinned pipeline cuts (module names), else chosen
     pinned: dict[str, Placement] | None = None  # pinned tp placements of parameters
@@ -64,6 +64,7 @@ class Compilation:
     schedule: Schedule | None = None
     stage_sets: list[list[StageGraph]] = field(default_factory=list)  # by tp index
     program: Program | None = None
+    whole: tuple[tuple, dict, Any] | None = None  # cp: the microbatch with whole sequences
     cp_local: int = 0  # context parallelism: the tokens of each sequence a cp rank holds
     cp_shifted: dict[int, float] = field(default_factory=dict)  # cp: flat inputs the runtime shifts -> fill
     detail: str = ""  # what the running pass reports in the log
@@ -90,13 +91,17 @@ class Pass:
 def _capture(c: Compilation) -> None:
     check_supported(c.mesh, c.options)
     check_model(c.model, c.options.policy)
-    args, kwargs, target = c.local
     hits = EXPORTS.hits
-    c.captured = capture(c.model, args, kwargs, with_loss=c.with_loss, loss_fn=c.options.loss_fn, target=target,
-                         compute_dtype=c.options.policy.compute if c.options.policy else None)
+    c.captured = _export(c, c.local)
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
     c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+
+
+def _export(c: Compilation, example: tuple[tuple, dict, Any]) -> Captured:
+    args, kwargs, target = example
+    return capture(c.model, args, kwargs, with_loss=c.with_loss, loss_fn=c.options.loss_fn, target=target,
+                   compute_dtype=c.options.policy.compute if c.options.policy else None)
 
 
 def _loss_counts(c: Compilation) -> None:
@@ -119,6 +124,7 @@ def _context_parallel(c: Compilation) -> None:
     if local is None:
         raise UnsupportedError(f"{c.mesh} has cp={c.mesh.cp}, but no input has a sequence dim (dim 1 of a "
                                f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
+    same_attention(_export(c, c.whole).gm, c.captured.gm)  # the model's masks at the local length and the whole
     found = context_parallel(c.captured, c.mesh.cp, local)
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
@@ -340,7 +346,11 @@ def compile_program(
     ``placements`` pins the tp placement of parameters (every graph of one model
     must agree with how the runtime stores them).
     """
-    c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements)
+    whole = None
+    if mesh.cp > 1:  # the graph of one cp rank: its chunks of every sequence (cp rank 0's; all ranks' shapes)
+        whole, local = local, cp_shard(local, mesh.cp, 0)
+    c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements,
+                    whole=whole)
     check = os.environ.get(CHECK, "") not in ("", "0")
     for p in PASSES:
         if not p.applies(c):

@@ -99,6 +99,27 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
     return ContextParallelGraph(gm, attentions, moved, shifted)
 
 
+def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
+    """The attentions of the graph captured on whole sequences and on one rank's chunks agree in form (mask
+    tensor or none, causal or not): a model may build its mask from the sequence length (Mistral's sliding
+    window is dropped when the window covers the sequence), and the rank's graph must keep the whole one's."""
+    forms = [[_form(n) for n in gm.graph.nodes if n.target is SDPA] for gm in (whole, local)]
+    for i, (a, b) in enumerate(zip(*forms)):
+        if a != b:
+            raise UnsupportedError(f"context parallelism: attention {i} is {a[1]} on whole sequences and {b[1]} on "
+                                   f"one cp rank's chunks: the model builds its mask from the sequence length (e.g. a "
+                                   f"sliding window), which this version does not shard; run it without cp")
+    if len(forms[0]) != len(forms[1]):
+        raise UnsupportedError(f"context parallelism: the model has {len(forms[0])} attentions on whole sequences "
+                               f"and {len(forms[1])} on one cp rank's chunks; run it without cp")
+
+
+def _form(node: fx.Node) -> tuple[bool, str]:
+    args = dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)
+    mask, causal = args.get("attn_mask") is not None, bool(args.get("is_causal", False))
+    return mask, "masked by a tensor" if mask else "causal" if causal else "unmasked"
+
+
 # -- attention ----------------------------------------------------------------------------------------------------
 def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
     args = dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)

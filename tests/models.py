@@ -402,3 +402,15 @@ def deepseek_v3(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, e
                            n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
                            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
     return _experts_as(DeepseekV3ForCausalLM(cfg).to(dtype).train(), "eager", aux)
+
+
+def mistral(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
+            dtype: torch.dtype = torch.float64, seed: int = 0, window: int = 4) -> nn.Module:
+    """A sliding-window attention (``window`` tokens), GQA, RoPE."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
+                        sliding_window=window, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return MistralForCausalLM(cfg).to(dtype).train()
