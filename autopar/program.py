@@ -208,14 +208,13 @@ def check_context_parallel(mesh: Mesh, options: Options) -> None:
     others = {"tp": mesh.tp > 1, "pp": mesh.pp > 1, "ep": mesh.ep > 1, "hybrid dp": mesh.hybrid,
               f"zero={options.zero}": options.zero > 0, f"precision={options.precision!r}": options.policy is not None,
               f"recompute={options.recompute!r}": options.recompute != "none",
-              f"batch={options.batch!r}": options.batch != "global",
-              f"microbatches={options.microbatches}": options.microbatches > 1}
+              f"batch={options.batch!r}": options.batch != "global"}
     refused = [name for name, on in others.items() if on]
     if refused:
         raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) composes "
                                f"only with data parallelism (dp) so far; use Mesh(dp={mesh.dp}, cp={mesh.cp}) "
-                               f"with zero=0, precision='fp32', recompute='none', batch='global' and one "
-                               f"microbatch, or drop cp")
+                               f"with zero=0, precision='fp32', recompute='none' and batch='global', or drop "
+                               f"cp")
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

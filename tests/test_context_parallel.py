@@ -30,6 +30,16 @@ def test_cp2_counts_ignored_labels_over_the_whole_sequence(launcher) -> None:
                       steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
 
 
+def test_dp2_cp2_microbatches_with_ignored_labels(launcher) -> None:
+    """Four parts of the batch (dp x microbatches), each cut over cp; labels ignored unevenly among them."""
+    ids = torch.cat([IDS, IDS.flip(0)])
+    target = torch.cat([TARGET, TARGET.flip(1)])
+    target[0, 6:] = -100
+    target[3, :3] = -100
+    assert_equivalent(models.factory(models.llama), Mesh(dp=2, cp=2), (ids,), target, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, microbatches=2)
+
+
 def test_bert_bidirectional_cp2(launcher) -> None:
     """No causal mask: every block is computed; BERT's position-id buffer is indexed at global positions."""
     assert_equivalent(models.factory(models.bert), Mesh(cp=2), (IDS,), TARGET, models.lm_loss, models.adamw,
