@@ -172,3 +172,16 @@ def test_causal_blocks_are_balanced_and_empty_ones_skipped(cp: int) -> None:
     per_rank = [sum(len(_pairs(cp, me, src, True)) for src in range(cp)) for me in range(cp)]
     assert len(set(per_rank)) == 1 and sum(per_rank) == 2 * cp * (2 * cp + 1) // 2
     assert sum(len(_pairs(cp, me, src, False)) for me in range(cp) for src in range(cp)) == (2 * cp) ** 2
+
+
+def test_plan_and_graph_show_the_ring() -> None:
+    """``pm.graph(rank)`` calls the ring by name with its axis, positions are the op's, and ``pm.plan`` counts
+    the exchanges: cp - 1 K/V blocks per attention forward, cp exchanges backward."""
+    pm = autopar.parallelize(models.llama(), Mesh(dp=2, cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.compile((torch.cat([IDS, IDS]),), {}, torch.cat([TARGET, TARGET]))
+    code = pm.graph(3).code
+    assert code.count("torch.ops.autopar.ring_attention.default(") == 2 and "'cp'" in code
+    assert "scaled_dot_product_attention" not in code and "torch.ops.autopar.cp_positions.default(4, 'cp'" in code
+    ring = [c for c in pm.plan.collectives if c.axis == "cp"]
+    assert [(c.direction, c.count) for c in ring] == [("forward", 2), ("backward", 4)]
+    assert "send_recv      on cp" in str(pm.plan)
