@@ -27,7 +27,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.context_parallel import context_parallel, same_attention
+from autopar.passes.context_parallel import ATTENTIONS, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -251,7 +251,7 @@ def _ensure_experts(c: Compilation) -> None:
 
 def _ensure_context_parallel(c: Compilation) -> None:
     gm = c.lowered[0].gm
-    if any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes):
+    if any(n.target in ATTENTIONS for n in gm.graph.nodes):
         raise AssertionError("context parallel: an attention is left unrewritten")
     _graphs_lint([gm])
 

@@ -3,7 +3,8 @@
 Precondition: the graph captured on one cp rank's inputs, i.e. every sequence-dim input cut to its ``local``
 tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_attention.py``). The rewrite:
 
-- each ``aten.scaled_dot_product_attention`` becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
+- each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
+  becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
   around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
@@ -40,7 +41,14 @@ from autopar.core.ring_attention import cp_positions, ring_attention
 aten = torch.ops.aten
 AXIS = "cp"
 SDPA = aten.scaled_dot_product_attention.default
-SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")  # positional order of the op
+CPU_SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default  # SDPA's CPU kernel: (out, logsumexp)
+ATTENTIONS = {  # the attention ops rewritten -> their positional arguments (the rest are keywords)
+    SDPA: ("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
+    CPU_SDPA: ("query", "key", "value", "dropout_p", "is_causal"),
+}
+FUSED = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_cudnn_attention.default,
+         aten._scaled_dot_product_fused_attention_overrideable.default}  # GPU kernels: refused by name
 ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arange.start_step: (0, 1)}  # -> (start arg, end arg)
 SLICE = aten.slice.Tensor
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
@@ -77,7 +85,7 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
     gm = copy_module(cap.gm)
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
-    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target is SDPA]
+    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target in ATTENTIONS]
     shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
@@ -103,7 +111,7 @@ def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
     """The attentions of the graph captured on whole sequences and on one rank's chunks agree in form (mask
     tensor or none, causal or not): a model may build its mask from the sequence length (Mistral's sliding
     window is dropped when the window covers the sequence), and the rank's graph must keep the whole one's."""
-    forms = [[_form(n) for n in gm.graph.nodes if n.target is SDPA] for gm in (whole, local)]
+    forms = [[_form(n) for n in gm.graph.nodes if n.target in ATTENTIONS] for gm in (whole, local)]
     for i, (a, b) in enumerate(zip(*forms)):
         if a != b:
             raise UnsupportedError(f"context parallelism: attention {i} is {a[1]} on whole sequences and {b[1]} on "
@@ -114,15 +122,19 @@ def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
                                f"and {len(forms[1])} on one cp rank's chunks; run it without cp")
 
 
+def _arguments(node: fx.Node) -> dict:
+    return dict(zip(ATTENTIONS[node.target], node.args)) | dict(node.kwargs)
+
+
 def _form(node: fx.Node) -> tuple[bool, str]:
-    args = dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)
+    args = _arguments(node)
     mask, causal = args.get("attn_mask") is not None, bool(args.get("is_causal", False))
     return mask, "masked by a tensor" if mask else "causal" if causal else "unmasked"
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
 def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
-    args = dict(zip(SDPA_ARGS, node.args)) | dict(node.kwargs)
+    args = _arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
     if args.get("attn_mask") is not None:
         raise _refused(node, f"its mask {args['attn_mask'].name} is a tensor; context parallelism evaluates "
@@ -138,13 +150,19 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, .
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
     with graph.inserting_after(node):
-        ring = graph.call_function(RING,
-                                   (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
-    with graph.inserting_after(ring):
-        out = graph.call_function(operator.getitem, (ring, 0))
-    val = node.meta["val"]
-    ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
-    _replace(graph, node, out)
+        ring = graph.call_function(RING, (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
+    if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
+        if any(u.args[1] != 0 and u.users for u in node.users):
+            raise _refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
+                                 "only")
+        ring.meta["val"] = node.meta["val"]
+        _replace(graph, node, ring)
+    else:
+        with graph.inserting_after(ring):
+            out = graph.call_function(operator.getitem, (ring, 0))
+        val = node.meta["val"]
+        ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
+        _replace(graph, node, out)
     kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
     return node.name, shapes[1], kv
 
@@ -154,6 +172,9 @@ def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
     (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only."""
     live = _live(graph)
     for node in graph.nodes:
+        if node in live and node.target in FUSED:
+            raise _refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
+                                 "on the CPU (autopar does by default) or with scaled_dot_product_attention")
         val = node.meta.get("val")
         if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
             continue

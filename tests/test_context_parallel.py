@@ -30,6 +30,12 @@ def test_cp2_counts_ignored_labels_over_the_whole_sequence(launcher) -> None:
                       steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
 
 
+def test_cpu_kernel_form_is_rewritten(launcher) -> None:
+    """An attention written with SDPA's CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``."""
+    assert_equivalent(models.factory(models.kernel_attention), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
+                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
+
+
 def test_dp2_cp2_microbatches_with_ignored_labels(launcher) -> None:
     """Four parts of the batch (dp x microbatches), each cut over cp; labels ignored unevenly among them."""
     ids = torch.cat([IDS, IDS.flip(0)])
