@@ -67,16 +67,16 @@ class ContextParallelGraph:
     shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
 
     def add_to(self, plan: Plan, cp: int) -> None:
-        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch, backward
-        ``cp - 1`` K/V blocks with their gradients and one more exchange of the gradients alone."""
+        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch; backward
+        ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one home)."""
         m = plan.microbatches
         kv = sum(b for _, _, b in self.attentions)
         n = len(self.attentions) * m
         plan.collectives += [
             Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
                        "forward"),
-            Collective(AXIS, "send_recv", n * cp, kv * m * (2 * (cp - 1) + 1),
-                       "backward, K/V blocks with their gradients (the gradients once more, home)", "backward"),
+            Collective(AXIS, "send_recv", n * (2 * cp - 1), kv * m * (2 * cp - 1),
+                       "backward, K/V blocks again and their gradients' partial sums", "backward"),
         ]
 
 

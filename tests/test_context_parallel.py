@@ -163,6 +163,19 @@ def _ring_against_sdpa(causal: bool) -> float:
     return max(float((a - b[:, :, pos]).abs().max() / b.abs().max()) for a, b in zip(got, want))
 
 
+def _ring_exchanges() -> tuple[dict[str, int], dict[str, int], list[tuple[int, int]]]:
+    """One step of LLaMA at cp=2: the exchanges run (calls, bytes) and the plan's (calls, bytes) per direction."""
+    pm = autopar.parallelize(models.llama(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.step(IDS, target=TARGET)
+    return (pm.communication(calls=True), pm.communication(),
+            [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp"])
+
+
+def test_ring_exchanges_run_as_planned(launcher) -> None:
+    for calls, sent, planned in launcher(_ring_exchanges, 2):
+        assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
+
+
 @pytest.mark.parametrize("cp, causal", [(2, True), (2, False), (4, True)])
 def test_ring_attention_op_equals_sdpa(launcher, cp: int, causal: bool) -> None:
     """The op alone: output and gradients of q, k, v on each rank's chunks equal SDPA's on the sequence."""
@@ -182,12 +195,12 @@ def test_causal_blocks_are_balanced_and_empty_ones_skipped(cp: int) -> None:
 
 def test_plan_and_graph_show_the_ring() -> None:
     """``pm.graph(rank)`` calls the ring by name with its axis, positions are the op's, and ``pm.plan`` counts
-    the exchanges: cp - 1 K/V blocks per attention forward, cp exchanges backward."""
+    the exchanges: cp - 1 K/V blocks per attention forward; backward cp - 1 K/V blocks and cp gradient sums."""
     pm = autopar.parallelize(models.llama(), Mesh(dp=2, cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
     pm.compile((torch.cat([IDS, IDS]),), {}, torch.cat([TARGET, TARGET]))
     code = pm.graph(3).code
     assert code.count("torch.ops.autopar.ring_attention.default(") == 2 and "'cp'" in code
     assert "scaled_dot_product_attention" not in code and "torch.ops.autopar.cp_positions.default(4, 'cp'" in code
     ring = [c for c in pm.plan.collectives if c.axis == "cp"]
-    assert [(c.direction, c.count) for c in ring] == [("forward", 2), ("backward", 4)]
+    assert [(c.direction, c.count) for c in ring] == [("forward", 2), ("backward", 6)]
     assert "send_recv      on cp" in str(pm.plan)

@@ -12,8 +12,10 @@ evaluated per pair of chunks from their global positions: a pair whose keys all 
 skipped, one whose keys all lie before is computed without a mask, the diagonal pair with ``k_pos <= q_pos``.
 
 Backward (``ring_attention_backward``) recomputes each block's probabilities from the saved ``lse``
-(flash-attention's recurrence): ``dq`` accumulates on the rank; each block's ``dk``, ``dv`` travel with it
-around the ring and, after ``cp`` steps, one more exchange brings them home.
+(flash-attention's recurrence): ``dq`` accumulates on the rank; the K/V blocks travel again (the next one
+during the current one's computation), and each block's ``dk``, ``dv`` follow it: a rank adds its part to
+what the ranks before it summed and passes the sum on (in that order, the single-device order of the sum);
+after ``cp`` steps the sums arrive at the block's own rank.
 
 Invariant: ``out`` equals ``softmax(q k^T * scale + mask) v`` over the whole sequence, rows in the rank's
 order, up to the order of floating-point sums; the backward is its exact gradient.
@@ -71,16 +73,16 @@ def _pairs(cp: int, me: int, src: int, causal: bool) -> list[tuple[int, int, str
 
 
 # -- the ring -------------------------------------------------------------------------------------------------
-def _exchange(tensors: list[torch.Tensor], axis: str) -> tuple[list[Any], torch.Tensor, list[torch.Tensor]]:
-    """Starts sending ``tensors`` (packed flat) to the next rank of ``axis`` and receiving the previous one's;
-    (requests, receive buffer, templates) for ``_received``."""
+def _exchange(tensors: list[torch.Tensor], axis: str, tag: int = 0) -> tuple[list[Any], torch.Tensor, list[torch.Tensor]]:
+    """Starts sending ``tensors`` (packed flat) to the next rank of ``axis`` and receiving the previous one's
+    (``tag`` tells two exchanges in flight apart); (requests, receive buffer, templates) for ``_received``."""
     g = current().group(axis)
     n, me = dist.get_world_size(g), dist.get_rank(g)
     flat = torch.cat([t.reshape(-1) for t in tensors])
     into = torch.empty_like(flat)
     current().record("ring_send_recv", axis, flat)
-    ops = [dist.P2POp(dist.isend, flat, dist.get_global_rank(g, (me + 1) % n), g),
-           dist.P2POp(dist.irecv, into, dist.get_global_rank(g, (me - 1) % n), g)]
+    ops = [dist.P2POp(dist.isend, flat, dist.get_global_rank(g, (me + 1) % n), g, tag),
+           dist.P2POp(dist.irecv, into, dist.get_global_rank(g, (me - 1) % n), g, tag)]
     return dist.batch_isend_irecv(ops), into, tensors
 
 
@@ -123,21 +125,23 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     qs, dos, lses = _halves(q), _halves(dout), list(lse.chunk(CHUNKS_PER_RANK, dim=-1))
     deltas = _halves((dout * out).sum(-1, keepdim=True))  # (B, H, c, 1) each
     dqs = [torch.zeros_like(x) for x in qs]
-    block = [k.contiguous(), v.contiguous(), torch.zeros_like(k), torch.zeros_like(v)]
+    block, sums = [k.contiguous(), v.contiguous()], None  # sums: the block's dk, dv from the ranks before
     for step in range(n):
+        pending = _exchange(block, axis, tag=0) if step < n - 1 else None  # the next block, during this one
         ks, vs = _halves(block[0]), _halves(block[1])
-        dks, dvs = _halves(block[2].clone()), _halves(block[3].clone())
+        before = _received(sums) if sums is not None else [torch.zeros_like(k), torch.zeros_like(v)]
+        dks, dvs = _halves(before[0]), _halves(before[1])  # this block's sums from the ranks before, added to
         for a, b, how in _pairs(n, me, (me - step) % n, causal):
             p = torch.exp(_scores(qs[a], ks[b], scale, how) - lses[a].unsqueeze(-1))  # (B, H, c, c)
             dvs[b] = dvs[b] + torch.matmul(p.transpose(-2, -1), dos[a])
             ds = p * (torch.matmul(dos[a], vs[b].transpose(-2, -1)) - deltas[a])
             dqs[a] = dqs[a] + torch.matmul(ds, ks[b]) * scale
             dks[b] = dks[b] + torch.matmul(ds.transpose(-2, -1), qs[a]) * scale
-        block = [block[0], block[1], torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)]
-        moving = block if step < n - 1 else block[2:]  # after the last block only its gradients move on, home
-        arrived = _received(_exchange(moving, axis))
-        block = arrived if step < n - 1 else [k, v, *arrived]
-    return torch.cat(dqs, dim=-2), block[2].clone(), block[3].clone()  # (views of one receive buffer)
+        sums = _exchange([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)], axis, tag=1)  # on to the block's next
+        if pending is not None:
+            block = _received(pending)
+    dk, dv = _received(sums)
+    return torch.cat(dqs, dim=-2), dk.clone(), dv.clone()  # (views of one receive buffer)
 
 
 # -- the ops ---------------------------------------------------------------------------------------------------
