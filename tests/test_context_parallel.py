@@ -204,3 +204,12 @@ def test_plan_and_graph_show_the_ring() -> None:
     ring = [c for c in pm.plan.collectives if c.axis == "cp"]
     assert [(c.direction, c.count) for c in ring] == [("forward", 2), ("backward", 6)]
     assert "send_recv      on cp" in str(pm.plan)
+
+
+@pytest.mark.slow  # three legs on up to 4 ranks, about 75 s
+def test_checkpoints_move_between_cp_and_other_meshes(launcher, tmp_path) -> None:
+    """LLaMA saved on dp=2 x cp=2, resumed on dp=2, then on cp=2: equal to one uninterrupted device."""
+    from test_checkpoint_reshard import _assert_chain_equals_one_device
+
+    _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.llama),
+                                    [(dict(dp=2, cp=2), 0, 2), (dict(dp=2), 0, 1), (dict(cp=2), 0, 1)])
