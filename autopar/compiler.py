@@ -18,6 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.buckets import bucket_sizes
+from autopar.core.errors import UnsupportedError
 from autopar.core.graph import SlotKind, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
@@ -26,6 +27,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.context_parallel import ATTENTIONS, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -36,6 +38,7 @@ from autopar.program import (
     initial_plan, optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
+from autopar.runtime.batch import cp_shard, sequence_length
 from autopar.zero_compile import apply_zero
 
 CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
@@ -48,7 +51,7 @@ class Compilation:
     model: torch.nn.Module
     mesh: Mesh
     options: Options
-    local: tuple[tuple, dict, Any]  # one local microbatch: (args, kwargs, target)
+    local: tuple[tuple, dict, Any]  # one local microbatch: (args, kwargs, target); cp: one cp rank's chunks
     with_loss: bool
     split_points: list[str] | None = None  # pinned pipeline cuts (module names), else chosen
     pinned: dict[str, Placement] | None = None  # pinned tp placements of parameters
@@ -61,6 +64,9 @@ class Compilation:
     schedule: Schedule | None = None
     stage_sets: list[list[StageGraph]] = field(default_factory=list)  # by tp index
     program: Program | None = None
+    whole: tuple[tuple, dict, Any] | None = None  # cp: the microbatch with whole sequences
+    cp_local: int = 0  # context parallelism: the tokens of each sequence a cp rank holds
+    cp_shifted: dict[int, float] = field(default_factory=dict)  # cp: flat inputs the runtime shifts -> fill
     detail: str = ""  # what the running pass reports in the log
 
     @property
@@ -85,13 +91,17 @@ class Pass:
 def _capture(c: Compilation) -> None:
     check_supported(c.mesh, c.options)
     check_model(c.model, c.options.policy)
-    args, kwargs, target = c.local
     hits = EXPORTS.hits
-    c.captured = capture(c.model, args, kwargs, with_loss=c.with_loss, loss_fn=c.options.loss_fn, target=target,
-                         compute_dtype=c.options.policy.compute if c.options.policy else None)
+    c.captured = _export(c, c.local)
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
     c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+
+
+def _export(c: Compilation, example: tuple[tuple, dict, Any]) -> Captured:
+    args, kwargs, target = example
+    return capture(c.model, args, kwargs, with_loss=c.with_loss, loss_fn=c.options.loss_fn, target=target,
+                   compute_dtype=c.options.policy.compute if c.options.policy else None)
 
 
 def _loss_counts(c: Compilation) -> None:
@@ -107,6 +117,20 @@ def _expert_parallel(c: Compilation) -> None:
     c.lowered = [with_graph(c.captured, found.gm)]
     found.add_to(c.plan)
     c.detail = f"{len(found.layers)} layers, {found.layers[0].experts} experts each over ep={c.mesh.ep}"
+
+
+def _context_parallel(c: Compilation) -> None:
+    local = sequence_length(c.local)
+    if local is None:
+        raise UnsupportedError(f"{c.mesh} has cp={c.mesh.cp}, but no input has a sequence dim (dim 1 of a "
+                               f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
+    same_attention(_export(c, c.whole).gm, c.captured.gm)  # the model's masks at the local length and the whole
+    found = context_parallel(c.captured, c.mesh.cp, local)
+    c.lowered = [with_graph(c.captured, found.gm)]
+    c.cp_local, c.cp_shifted = local, found.shifted
+    found.add_to(c.plan, c.mesh.cp)
+    c.detail = (f"{len(found.attentions)} attentions as rings over cp={c.mesh.cp}, {found.positions} positions "
+                f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
 
 
 def _tensor_parallel(c: Compilation) -> None:
@@ -151,7 +175,8 @@ def _assemble(c: Compilation) -> None:
         by_tp = [whole[id(x.gm)] for x in c.lowered]
     c.program = Program(captured=c.captured, graphs=RankGraphs(c.mesh, by_tp, c.schedule), plan=c.plan,
                         split_points=c.split_points or [], placements=c.placements, layouts=c.layouts,
-                        trainable=c.trainable, device=capture_device(c.model))
+                        trainable=c.trainable, device=capture_device(c.model), cp_local=c.cp_local,
+                        cp_shifted=c.cp_shifted)
     placeholders = [nd for nd in c.captured.gm.graph.nodes if nd.op == "placeholder"]
     c.program.param_of = {nd.name: s.name for nd, s in zip(placeholders, c.captured.slots) if s.kind is SlotKind.PARAM}
 
@@ -224,6 +249,13 @@ def _ensure_experts(c: Compilation) -> None:
     _graphs_lint([c.lowered[0].gm])
 
 
+def _ensure_context_parallel(c: Compilation) -> None:
+    gm = c.lowered[0].gm
+    if any(n.target in ATTENTIONS for n in gm.graph.nodes):
+        raise AssertionError("context parallel: an attention is left unrewritten")
+    _graphs_lint([gm])
+
+
 def _ensure_tensor_parallel(c: Compilation) -> None:
     if len(c.lowered) != c.mesh.tp:
         raise AssertionError(f"tensor parallel: {len(c.lowered)} graphs for tp={c.mesh.tp}")
@@ -277,6 +309,9 @@ PASSES: tuple[Pass, ...] = (
          invariant="each mean over a data-dependent count divides by a new input; the plan lists every parameter"),
     Pass("expert parallel (ep={c.mesh.ep})", _expert_parallel, _ensure_experts, applies=lambda c: c.mesh.ep > 1,
          invariant="each layer's routed experts run on the ep rank holding them; one graph for every rank"),
+    Pass("context parallel (cp={c.mesh.cp})", _context_parallel, _ensure_context_parallel,
+         applies=lambda c: c.mesh.cp > 1,
+         invariant="attentions are rings over cp; positions are the rank's global ones; one graph for every rank"),
     Pass("tensor parallel (solve + lower, tp={c.mesh.tp})", _tensor_parallel, _ensure_tensor_parallel,
          applies=lambda c: c.mesh.tp > 1,
          invariant="one lowered graph per tp index, local shapes; every parameter has a placement"),
@@ -311,7 +346,11 @@ def compile_program(
     ``placements`` pins the tp placement of parameters (every graph of one model
     must agree with how the runtime stores them).
     """
-    c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements)
+    whole = None
+    if mesh.cp > 1:  # the graph of one cp rank: its chunks of every sequence (cp rank 0's; all ranks' shapes)
+        whole, local = local, cp_shard(local, mesh.cp, 0)
+    c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements,
+                    whole=whole)
     check = os.environ.get(CHECK, "") not in ("", "0")
     for p in PASSES:
         if not p.applies(c):

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
 from autopar.core.buckets import bucket_sizes
+from autopar.core.errors import UnsupportedError
 from autopar.core.layout import Interleave
 from autopar.core.graph import StageGraph
 from autopar.core.mesh import Mesh
@@ -130,6 +131,8 @@ class Program:
     placements: dict[str, Placement] = field(default_factory=dict)  # parameter -> its tp placement (tp > 1)
     layouts: dict[str, Interleave] = field(default_factory=dict)  # parameter -> stored re-ordered (tp > 1)
     param_of: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter name
+    cp_local: int = 0  # context parallelism: the tokens of each sequence a cp rank holds (0: no cp)
+    cp_shifted: dict[int, float] = field(default_factory=dict)  # cp: flat inputs shifted left first -> fill
     trainable: set[str] = field(default_factory=set)
     zero_layouts: dict[int, ZeroLayout] = field(default_factory=dict)  # rank -> its ZeRO layout (zero > 0)
     step: Schedule | None = None  # what every pp rank runs: the whole training step, or the forward pass
@@ -196,6 +199,22 @@ def check_supported(mesh: Mesh, options: Options) -> None:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
         check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute)
+    if mesh.cp > 1:
+        check_context_parallel(mesh, options)
+
+
+def check_context_parallel(mesh: Mesh, options: Options) -> None:
+    """Context parallelism runs with data parallelism alone in this version: anything else is refused."""
+    others = {"tp": mesh.tp > 1, "pp": mesh.pp > 1, "ep": mesh.ep > 1, "hybrid dp": mesh.hybrid,
+              f"zero={options.zero}": options.zero > 0, f"precision={options.precision!r}": options.policy is not None,
+              f"recompute={options.recompute!r}": options.recompute != "none",
+              f"batch={options.batch!r}": options.batch != "global"}
+    refused = [name for name, on in others.items() if on]
+    if refused:
+        raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) composes "
+                               f"only with data parallelism (dp) so far; use Mesh(dp={mesh.dp}, cp={mesh.cp}) "
+                               f"with zero=0, precision='fp32', recompute='none' and batch='global', or drop "
+                               f"cp")
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:
@@ -221,7 +240,7 @@ def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: b
                             placement=program.schedule.stage_to_rank)
     compute = program.schedule if program.schedule is not None else local_schedule(m)
     holders = program.shared_parameters()
-    return training_step(compute, reduce_grad=mesh.dp > 1 or options.zero > 0, unshard=unshard,
+    return training_step(compute, reduce_grad=mesh.dp > 1 or mesh.cp > 1 or options.zero > 0, unshard=unshard,
                          shared_ranks={r for ranks in holders.values() for r in ranks})
 
 

@@ -1,7 +1,8 @@
 """What a rank feeds its program at each step: its microbatches as flat graph inputs, with the loss's counts.
 
 ``batch="global"`` (the default): every rank passes the same global batch; dp
-rank i takes slice i of dim 0 and splits it into microbatches. Every rank sees
+rank i takes slice i of dim 0 and splits it into microbatches; under context
+parallelism cp rank j then takes its pair of chunks of every sequence (dim 1). Every rank sees
 every part, so it counts the loss's items over the whole batch by itself.
 
 ``batch="local"``: each rank passes its data-parallel shard, as DDP, FSDP2,
@@ -26,7 +27,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.graph import SlotKind
 from autopar.core.mesh import Mesh
 from autopar.program import Program
-from autopar.runtime.batch import signature, split_batch
+from autopar.runtime.batch import cp_shard, shift_left, signature, split_batch
 from autopar.runtime.rank import RankRuntime
 
 MODES = ("global", "local")
@@ -57,16 +58,19 @@ def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, micro
         if is_empty(batch):
             return [[] for _ in range(microbatches)]
     batch = pytree.tree_map(lambda x: x.to(rt.groups.device) if isinstance(x, torch.Tensor) else x, batch)
-    parts = [pytree.tree_leaves(p) for p in split_parts(batch, mesh, microbatches, mode)]
+    trees = split_parts(batch, mesh, microbatches, mode)
+    parts = [pytree.tree_leaves(p) for p in trees]
     counts = program.captured.counts
     extra = []
-    if counts is not None and mode == "global":
-        extra = counts.inputs(parts, rt.groups.device)
+    if counts is not None and mode == "global":  # counted on whole sequences, each cp rank's loss a 1/cp part
+        extra = [c / mesh.cp for c in counts.inputs(parts, rt.groups.device)]
     elif counts is not None and _computes_loss(program, rt):
         total = sum(counts.count(flat) for flat in parts)
         if rt.groups["dp"] is not None:
             dist.all_reduce(total, group=rt.groups["dp"])
         extra = [(t / (mesh.dp * microbatches)).to(dtype=d) for t, d in zip(total, counts.dtypes)]
+    if mesh.cp > 1:  # this cp rank's chunks of every sequence, labels shifted on the whole sequence first
+        parts = [cp_shard(shift_left(flat, program.cp_shifted), mesh.cp, rt.groups.coords.cp) for flat in parts]
     mine = parts if mode == "local" else parts[rt.groups.coords.dp * microbatches:][:microbatches]
     return [[*flat, *extra] for flat in mine]
 

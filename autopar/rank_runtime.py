@@ -63,8 +63,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None and experts:
         sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes)
-    elif groups["dp"] is not None and zero is None:
-        sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
+    elif grad_group(groups) is not None and zero is None:
+        sync = BucketedAllReduce(params, grad_group(groups), options.bucket_bytes)
         if pol is not None and pol.reduce != pol.stored:
             sync.reduce_in(pol.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
@@ -92,6 +92,12 @@ def expert_grad_sync(model: torch.nn.Module, params: list[torch.nn.Parameter], e
     dp = groups.mesh.dp
     return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes),
                       BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp)])
+
+
+def grad_group(groups: Groups) -> dist.ProcessGroup | None:
+    """Where gradients are averaged: over dp, or under context parallelism over dp x cp (each cp rank's
+    gradients are its tokens' part of its sequences')."""
+    return groups["dp_cp"] if groups.mesh.cp > 1 else groups["dp"]
 
 
 def frozen_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

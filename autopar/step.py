@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.core.collectives import bind
+from autopar.core.errors import UnsupportedError
 from autopar.core.mesh import Mesh
 from autopar.program import Program
 from autopar.rank_runtime import pp_rank_fn
+from autopar.runtime.batch import cp_unshard
 from autopar.runtime.clip import clip, global_grad_norm
 from autopar.runtime.step_executor import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
@@ -93,9 +95,10 @@ def _broadcast_loss(mesh: Mesh, program: Program, rt: RankRuntime, loss: torch.T
         last = program.schedule.n_stages - 1
         src = pp_rank_fn(mesh, rt.groups)(program.schedule.stage_to_rank[last])
         dist.broadcast(loss, src=src, group=rt.groups["pp"])
-    loss /= mesh.dp
-    if rt.groups["dp"] is not None:
-        dist.all_reduce(loss, group=rt.groups["dp"])
+    loss /= mesh.dp * mesh.cp  # (cp: each cp rank's loss is its tokens' part of its sequences')
+    group = rt.groups["dp_cp"] if mesh.cp > 1 else rt.groups["dp"]
+    if group is not None:
+        dist.all_reduce(loss, group=group)
     return loss
 
 
@@ -111,8 +114,28 @@ def _broadcast_outputs(mesh: Mesh, program: Program, rt: RankRuntime, flats: lis
         for flat in flats:
             for t in flat:
                 dist.broadcast(t, src=src, group=rt.groups["pp"])
+    if mesh.cp > 1:
+        flats = [[gather_sequence(t, rt.groups["cp"], mesh.cp, program.cp_local) for t in flat] for flat in flats]
     outs = [pytree.tree_unflatten(flat, program.captured.out_spec) for flat in flats]
     return gather_batch(outs, rt.groups["dp"], mesh.dp, gather=gather)
+
+
+def gather_sequence(t: Any, group: dist.ProcessGroup, cp: int, local: int) -> Any:
+    """An output of one cp rank made whole: its sequence (dim 1 of ``local`` tokens) gathered from the cp
+    ranks' chunks; a scalar averaged over them (each rank's is its tokens' part)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dim() == 0:
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t / cp
+    if t.dim() < 2 or t.shape[1] != local:
+        raise UnsupportedError(f"context parallelism: an output of shape {tuple(t.shape)} has no sequence dim of "
+                               f"the {local} tokens each cp rank holds (dim 1); return (batch, sequence, ...) "
+                               f"outputs or run the forward without cp")
+    pieces = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(cp)]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    return cp_unshard(pieces)
 
 
 def _shared_within_rank(program: Program, rank: int) -> bool:

@@ -1,10 +1,14 @@
-"""Splitting the global batch: dp slices, then microbatches, all along dim 0."""
+"""Splitting the global batch: dp slices, then microbatches, all along dim 0; under context parallelism each
+piece's sequences (dim 1) in cp ranks' balanced pairs of chunks."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from autopar.core.errors import UnsupportedError
+from autopar.core.ring_attention import positions
 
 
 def batch_size(tree: Any) -> int:
@@ -51,3 +55,53 @@ def signature(tree: Any) -> tuple:
     """A hashable key of shapes, dtypes and non-tensor values: a new one means a new capture."""
     flat, spec = pytree.tree_flatten(tree)
     return (str(spec), *((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("v", repr(x)) for x in flat))
+
+
+# -- context parallelism: every sequence cut into balanced pairs of chunks along dim 1 --------------------------
+def sequence_length(tree: Any) -> int | None:
+    """Dim 1 of the first tensor with at least two dims (the sequence of (batch, sequence, ...) inputs)."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 1:
+            return leaf.shape[1]
+    return None
+
+
+def cp_shard(tree: Any, cp: int, index: int) -> Any:
+    """What cp rank ``index`` of ``cp`` holds of ``tree``: of each tensor whose dim 1 is the sequence, chunks
+    ``index`` and ``2 * cp - 1 - index`` of ``2 * cp`` along dim 1 (``autopar/core/ring_attention.py``)."""
+    length = sequence_length(tree)
+    if cp == 1 or length is None:
+        return tree
+    if length % (2 * cp):
+        raise UnsupportedError(
+            f"sequence length {length} does not divide by 2 x cp = {2 * cp}: context parallelism gives each of "
+            f"cp={cp} ranks two of {2 * cp} equal chunks (a head and a tail, to balance causal attention); pad "
+            f"the sequences to a multiple of {2 * cp} (e.g. {-(-length // (2 * cp)) * 2 * cp}, labels padded "
+            f"with ignore_index) or choose a cp for which 2 x cp divides {length}")
+    pos = positions(length // cp, cp, index)
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == length:
+            return x.index_select(1, pos.to(x.device))
+        return x
+    return pytree.tree_map(cut, tree)
+
+
+def shift_left(flat: list[Any], shifted: dict[int, float]) -> list[Any]:
+    """``flat`` with each input ``i`` of ``shifted`` moved one place left along dim 1, its last position
+    ``shifted[i]`` (a causal LM's labels, shifted on the whole sequence before it is cut)."""
+    out = list(flat)
+    for i, fill in shifted.items():
+        x = out[i]
+        out[i] = torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
+    return out
+
+
+def cp_unshard(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The whole sequence (dim 1) from each cp rank's pair of chunks, in cp order."""
+    cp, local = len(pieces), pieces[0].shape[1]
+    out = torch.empty(pieces[0].shape[0], cp * local, *pieces[0].shape[2:], dtype=pieces[0].dtype,
+                      device=pieces[0].device)
+    for index, piece in enumerate(pieces):
+        out[:, positions(local, cp, index).to(out.device)] = piece
+    return out

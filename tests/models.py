@@ -402,3 +402,40 @@ def deepseek_v3(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, e
                            n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
                            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
     return _experts_as(DeepseekV3ForCausalLM(cfg).to(dtype).train(), "eager", aux)
+
+
+def mistral(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
+            dtype: torch.dtype = torch.float64, seed: int = 0, window: int = 4) -> nn.Module:
+    """A sliding-window attention (``window`` tokens), GQA, RoPE."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=64, use_cache=False,
+                        sliding_window=window, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return MistralForCausalLM(cfg).to(dtype).train()
+
+
+class KernelAttention(nn.Module):
+    """A causal attention layer written with SDPA's CPU kernel (the form a decomposed graph holds)."""
+
+    def __init__(self, vocab: int, d: int, heads: int, length: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(length, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.embed(ids) + self.pos(torch.arange(s, device=ids.device))  # (B, S, d)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, d/H)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+        return self.head(torch.tanh(out.transpose(1, 2).reshape(b, s, -1)))  # (B, S, vocab)
+
+
+def kernel_attention(vocab: int = 96, d: int = 16, heads: int = 2, length: int = 64,
+                     dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return KernelAttention(vocab, d, heads, length).to(dtype)

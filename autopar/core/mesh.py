@@ -15,6 +15,11 @@ Expert parallelism folds onto dp's ranks and adds none: ``Mesh(dp=4, ep=2)`` has
 ``d = g * ep + i`` is expert-parallel index ``i`` (sub-axis ``ep``: ``ep`` consecutive dp ranks that split
 the routed experts between them and exchange tokens) of group ``g`` (sub-axis ``ep_replicate``: the
 ``dp / ep`` ranks holding the same experts, over which those experts' gradients are reduced).
+
+Context parallelism is an axis of its own, multiplying the world size: ``Mesh(dp=2, cp=2)`` has 4 ranks, each
+cp rank holding a slice of every sequence (docs/decisions.md). Parameters are replicated over cp; their
+gradients are averaged over the ``dp_cp`` group (the ``dp * cp`` ranks that differ only on dp and cp), as
+torchtitan's ``dp_shard_cp`` mesh does.
 """
 from __future__ import annotations
 
@@ -23,9 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "cp", "pp", "tp")
 DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, shard)
 EP_SUBAXES = ("ep", "ep_replicate")  # expert parallelism folded onto dp: dp = ep_replicate x ep
+DP_CP = "dp_cp"  # the ranks that differ only on dp and cp: where gradients are averaged under context parallelism
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Coords:
     """A rank's index on every axis of ``AXES`` (0 on an axis the mesh does not name)."""
 
     dp: int = 0
+    cp: int = 0
     pp: int = 0
     tp: int = 0
 
@@ -49,7 +56,7 @@ class Coords:
 
 @dataclass(frozen=True, init=False)
 class Mesh:
-    """A logical grid of ranks with named axes ``dp``, ``pp`` and ``tp``.
+    """A logical grid of ranks with named axes ``dp``, ``cp``, ``pp`` and ``tp``.
 
     ``Mesh(dp=2, tp=4)`` has 8 ranks; an axis left out has size 1. ``Mesh(dp=(2, 4), tp=2)``: hybrid
     sharding, dp of 8 ranks as 2 replicas of 4 ZeRO shards (sub-axes ``dp_replicate`` and ``dp_shard``).
@@ -137,6 +144,8 @@ class Mesh:
             return self.dp_replicate if axis == DP_SUBAXES[0] else self.dp_shard
         if axis in EP_SUBAXES:
             return self.ep if axis == "ep" else self.dp // self.ep
+        if axis == DP_CP:
+            return self.dp * self.cp
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
         return dict(self.axes).get(axis, 1)
@@ -144,6 +153,10 @@ class Mesh:
     @property
     def dp(self) -> int:
         return self["dp"]
+
+    @property
+    def cp(self) -> int:
+        return self["cp"]
 
     @property
     def pp(self) -> int:
@@ -209,7 +222,7 @@ class Mesh:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
-        if axis in DP_SUBAXES + EP_SUBAXES:
+        if axis in DP_SUBAXES + EP_SUBAXES + (DP_CP,):
             return [list(g) for g in dict.fromkeys(tuple(self.group_of(r, axis)) for r in range(self.size))]
         size = self[axis]
         others = [(n, s) for n, s in self.axes if n != axis]
@@ -234,6 +247,8 @@ class Mesh:
             g, i = divmod(c.dp, self.ep)
             dps = range(g * self.ep, (g + 1) * self.ep) if axis == "ep" else range(i, self.dp, self.ep)
             return [self.rank_at(c.replace(dp=d)) for d in dps]
+        if axis == DP_CP:
+            return [self.rank_at(c.replace(dp=d, cp=i)) for d in range(self.dp) for i in range(self.cp)]
         return [self.rank_at(c.replace(**{axis: i})) for i in range(self[axis])]
 
     def check_world_size(self, world_size: int) -> None:

@@ -1,0 +1,318 @@
+"""Context parallelism: the graph of one cp rank, which holds a balanced pair of chunks of every sequence.
+
+Precondition: the graph captured on one cp rank's inputs, i.e. every sequence-dim input cut to its ``local``
+tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_attention.py``). The rewrite:
+
+- each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
+  becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
+  around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
+- each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
+  ``autopar::cp_positions``: the global positions of the rank's tokens;
+- each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
+  table cut to the sequence) becomes an ``index_select`` of those global positions;
+- the label shift of a causal LM loss, ``pad(labels, [0, 1], value=ignore)[:, 1:]`` on a user input (Hugging
+  Face's ``ForCausalLMLoss``), becomes the input itself, and the input is recorded in ``shifted``: the runtime
+  shifts it on the whole sequence before cutting it (``runtime/batch.py``), so every rank's last token of a
+  chunk is scored against the next chunk's first.
+
+Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention with a
+mask tensor, with dropout, or whose query and key lengths are not the local length; an attention in another
+form (a softmax over the local length, a batched matmul giving (..., local, local): Hugging Face's eager
+matmul-softmax-matmul); any other slice or pad along a dim of the local length (a shift inside the sequence).
+
+Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
+positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
+per rank (the loss terms, averaged over dp x cp by the runtime with the global token count).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import UnsupportedError
+from autopar.core.graph import Captured, SlotKind, copy_module
+from autopar.core.plan import Collective, Plan
+from autopar.core.ring_attention import cp_positions, ring_attention
+
+aten = torch.ops.aten
+AXIS = "cp"
+SDPA = aten.scaled_dot_product_attention.default
+CPU_SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default  # SDPA's CPU kernel: (out, logsumexp)
+ATTENTIONS = {  # the attention ops rewritten -> their positional arguments (the rest are keywords)
+    SDPA: ("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
+    CPU_SDPA: ("query", "key", "value", "dropout_p", "is_causal"),
+}
+FUSED = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_cudnn_attention.default,
+         aten._scaled_dot_product_fused_attention_overrideable.default}  # GPU kernels: refused by name
+ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arange.start_step: (0, 1)}  # -> (start arg, end arg)
+SLICE = aten.slice.Tensor
+SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
+GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
+
+
+@dataclass(frozen=True)
+class ContextParallelGraph:
+    """The rewritten graph and what it holds: attentions rewritten, positions made global."""
+
+    gm: fx.GraphModule
+    attentions: list[tuple[str, tuple[int, ...], int]]  # (node, k shape, bytes of K and V) per attention
+    positions: int  # aranges and slices made global
+    shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
+
+    def add_to(self, plan: Plan, cp: int) -> None:
+        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch; backward
+        ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one home)."""
+        m = plan.microbatches
+        kv = sum(b for _, _, b in self.attentions)
+        n = len(self.attentions) * m
+        plan.collectives += [
+            Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
+                       "forward"),
+            Collective(AXIS, "send_recv", n * (2 * cp - 1), kv * m * (2 * cp - 1),
+                       "backward, K/V blocks again and their gradients' partial sums", "backward"),
+        ]
+
+
+def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph:
+    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc)."""
+    gm = copy_module(cap.gm)
+    graph = gm.graph
+    kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
+    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target in ATTENTIONS]
+    shifted = _label_shifts(graph, kinds, local)
+    moved = 0
+    for node in list(graph.nodes):
+        if node.target in ARANGES and _arange_of(node) == local:
+            _replace(graph, node, _positions(graph, node, local))
+            moved += 1
+        elif node.target is SLICE and _model_state(node.args[0], kinds) and _slice_to(node) == local:
+            with graph.inserting_after(node):
+                pos = _positions(graph, node, local)
+                picked = graph.call_function(aten.index_select.default, (node.args[0], _dim(node), pos))
+            _replace(graph, node, picked)
+            moved += 1
+    _drop_dead_checks(graph)
+    graph.eliminate_dead_code()
+    _check_no_sequence_square(graph, local)
+    _check_no_sequence_shift(graph, kinds, local)
+    graph.lint()
+    gm.recompile()
+    return ContextParallelGraph(gm, attentions, moved, shifted)
+
+
+def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
+    """The attentions of the graph captured on whole sequences and on one rank's chunks agree in form (mask
+    tensor or none, causal or not): a model may build its mask from the sequence length (Mistral's sliding
+    window is dropped when the window covers the sequence), and the rank's graph must keep the whole one's."""
+    forms = [[_form(n) for n in gm.graph.nodes if n.target in ATTENTIONS] for gm in (whole, local)]
+    for i, (a, b) in enumerate(zip(*forms)):
+        if a != b:
+            raise UnsupportedError(f"context parallelism: attention {i} is {a[1]} on whole sequences and {b[1]} on "
+                                   f"one cp rank's chunks: the model builds its mask from the sequence length (e.g. a "
+                                   f"sliding window), which this version does not shard; run it without cp")
+    if len(forms[0]) != len(forms[1]):
+        raise UnsupportedError(f"context parallelism: the model has {len(forms[0])} attentions on whole sequences "
+                               f"and {len(forms[1])} on one cp rank's chunks; run it without cp")
+
+
+def _arguments(node: fx.Node) -> dict:
+    return dict(zip(ATTENTIONS[node.target], node.args)) | dict(node.kwargs)
+
+
+def _form(node: fx.Node) -> tuple[bool, str]:
+    args = _arguments(node)
+    mask, causal = args.get("attn_mask") is not None, bool(args.get("is_causal", False))
+    return mask, "masked by a tensor" if mask else "causal" if causal else "unmasked"
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
+    args = _arguments(node)
+    q, k, v = args["query"], args["key"], args["value"]
+    if args.get("attn_mask") is not None:
+        raise _refused(node, f"its mask {args['attn_mask'].name} is a tensor; context parallelism evaluates "
+                             f"causal masks (is_causal=True) or none per block, and does not shard a mask tensor")
+    if args.get("dropout_p", 0.0):
+        raise _refused(node, f"it has dropout_p={args['dropout_p']}; set the attention dropout to 0")
+    if args.get("enable_gqa", False):
+        raise _refused(node, "it shares K/V heads (enable_gqa=True); repeat them before the attention")
+    shapes = [tuple(x.meta["val"].shape) for x in (q, k, v)]
+    if any(s[-2] != local for s in shapes):
+        raise _refused(node, f"query/key/value lengths {[s[-2] for s in shapes]} are not the local sequence length "
+                             f"{local}")
+    scale = args.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
+    with graph.inserting_after(node):
+        ring = graph.call_function(RING, (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
+    if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
+        if any(u.args[1] != 0 and u.users for u in node.users):
+            raise _refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
+                                 "only")
+        ring.meta["val"] = node.meta["val"]
+        _replace(graph, node, ring)
+    else:
+        with graph.inserting_after(ring):
+            out = graph.call_function(operator.getitem, (ring, 0))
+        val = node.meta["val"]
+        ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
+        _replace(graph, node, out)
+    kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
+    return node.name, shapes[1], kv
+
+
+def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
+    """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
+    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only."""
+    live = _live(graph)
+    for node in graph.nodes:
+        if node in live and node.target in FUSED:
+            raise _refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
+                                 "on the CPU (autopar does by default) or with scaled_dot_product_attention")
+        val = node.meta.get("val")
+        if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        if (node.target in SOFTMAXES and val.shape[-1] == local) or (
+                node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
+            raise _refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
+                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
+                                 f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
+                                 f"without cp")
+
+
+def _drop_dead_checks(graph: fx.Graph) -> None:
+    """Erases the metadata checks of values nothing else reads (e.g. a mask Hugging Face builds and then
+    leaves to ``is_causal``): on the rank's chunks they would index the local sequence with global positions."""
+    live = _live(graph)
+    for node in list(graph.nodes):
+        if node.target in GRAPH_SIDE_EFFECTS and not all(a in live for a in node.all_input_nodes):
+            graph.erase_node(node)
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the outputs depend on (checks such as ``_assert_tensor_metadata`` keep nothing alive)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    seen, todo = set(), [output]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+# -- label shifts -----------------------------------------------------------------------------------------------
+def _label_shifts(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> dict[int, float]:
+    """Rewrites each ``pad(input, [0, 1], value)[:, 1:]`` (a (batch, sequence) input) to the input; the inputs."""
+    slots = {n: i for i, n in enumerate(n for n, k in kinds.items() if k is SlotKind.INPUT)}
+    out = {}
+    for node in list(graph.nodes):
+        fill = _right_pad_by_one(node)
+        x = node.args[0] if fill is not None else None
+        if x not in slots or tuple(x.meta["val"].shape[1:]) != (local,):
+            continue
+        cuts = list(node.users)
+        if not all(u.target is SLICE and _dim(u) in (1, -1) and u.args[2] == 1 for u in cuts):
+            continue
+        if set(x.users) != {node}:
+            raise _refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
+                                 f"labels before the model (and pass the shifted ones)")
+        for cut in cuts:
+            cut.replace_all_uses_with(x)
+            graph.erase_node(cut)
+        graph.erase_node(node)
+        out[slots[x]] = fill
+    return out
+
+
+def _right_pad_by_one(node: fx.Node) -> float | None:
+    """The fill of a constant pad by one at the end of the last dim (None for another node)."""
+    if node.target is aten.pad.default and list(node.args[1]) == [0, 1] and node.args[2:3] in ((), ("constant",)):
+        return float(node.args[3]) if len(node.args) > 3 and node.args[3] is not None else 0.0
+    if node.target is aten.constant_pad_nd.default and list(node.args[1]) == [0, 1]:
+        return float(node.args[2]) if len(node.args) > 2 else 0.0
+    return None
+
+
+def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
+    """No live slice or pad moves values along a sequence dim of the local length: dim 1 of (batch, sequence,
+    ...) values, or dim 2 of (batch, heads, sequence, head dim) ones (a shift inside a sequence)."""
+    live = _live(graph)
+    for node in graph.nodes:
+        if node not in live or node.target not in (SLICE, aten.pad.default, aten.constant_pad_nd.default):
+            continue
+        x = node.args[0]
+        shape = tuple(x.meta["val"].shape)
+        if _model_state(x, kinds):
+            continue
+        dims = {d for d in _sequence_dims(shape) if shape[d] == local}
+        if node.target is SLICE:
+            start, end = (list(node.args[2:4]) + [None, None])[:2]
+            if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
+                raise _refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
+                                     f"a shift inside the sequence, which crosses the cp ranks' chunks")
+        elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
+            raise _refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
+
+
+def _sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Where a value's sequence dim may be: 1 (batch first), and 2 of a 4-dim (batch, heads, sequence, dim)."""
+    return (1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()
+
+
+# -- positions --------------------------------------------------------------------------------------------------
+def _arange_of(node: fx.Node) -> int | None:
+    """The length of an ``arange`` from 0 with step 1 (None otherwise)."""
+    start_i, end_i = ARANGES[node.target]
+    start = node.args[start_i] if start_i is not None else 0
+    step = node.args[2] if node.target is aten.arange.start_step else 1
+    end = node.args[end_i]
+    return end if start == 0 and step == 1 and isinstance(end, int) else None
+
+
+def _slice_to(node: fx.Node) -> int | None:
+    """The end of a slice ``[0:end]`` with step 1 (None otherwise)."""
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    return end if start in (0, None) and step == 1 and isinstance(end, int) else None
+
+
+def _dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else 0
+
+
+def _model_state(node: object, kinds: dict[fx.Node, SlotKind]) -> bool:
+    return isinstance(node, fx.Node) and kinds.get(node) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT)
+
+
+def _positions(graph: fx.Graph, node: fx.Node, local: int) -> fx.Node:
+    """The rank's global positions (int64), cast to ``node``'s dtype where it is an arange of another dtype."""
+    val = node.meta["val"]
+    with graph.inserting_before(node):
+        pos = graph.call_function(POSITIONS, (local, AXIS, val.device))
+        pos.meta["val"] = val.new_empty(local, dtype=torch.int64)
+        if node.target in ARANGES and val.dtype != torch.int64:
+            pos = graph.call_function(aten._to_copy.default, (pos,), {"dtype": val.dtype})
+            pos.meta["val"] = val
+    return pos
+
+
+def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    new.meta.setdefault("val", old.meta.get("val"))
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in old.meta:
+            new.meta.setdefault(key, old.meta[key])
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+
+
+def _refused(node: fx.Node, why: str) -> UnsupportedError:
+    trace = node.meta.get("stack_trace")
+    where = f" (at {trace.strip().splitlines()[-1].strip()})" if trace else ""
+    return UnsupportedError(f"context parallelism: node {node.name} ({node.target}){where}: {why}")
