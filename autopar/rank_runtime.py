@@ -48,7 +48,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     if options.zero:
         settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
         zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
-                           binding=binding)
+                           binding=binding, routed=frozenset(experts))
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "
