@@ -71,8 +71,9 @@ class RankGraphs:
         tp = self.mesh.coords(rank).tp  # a rank outside the mesh is refused by name
         if not self.group_rewrites:
             return self.by_tp[tp]
-        if rank not in self._groups:
-            ranks, mine = self.mesh.group_of(rank, self.mesh.zero_axis), self.own_indices(rank)
+        if rank not in self._groups:  # (ranks of other ep indices hold other experts: other layouts)
+            index, mine = self.mesh.coord(rank, "ep"), self.own_indices(rank)
+            ranks = [r for r in self.mesh.group_of(rank, self.mesh.zero_axis) if self.mesh.coord(r, "ep") == index]
             stages = [self._rewritten(ranks, st) if st.index in mine else st for st in self.by_tp[tp]]
             self._groups.update(dict.fromkeys(ranks, stages))
         return self._groups[rank]
@@ -104,7 +105,8 @@ class RankGraphs:
         self.by_tp = [[done[id(st)] for st in stages] for stages in self.by_tp]
 
     def rewrite_per_group(self, fn: Rewrite) -> None:
-        """Each ZeRO group's own stages rewritten by ``fn(its ranks, stage)`` when a rank of it is first asked for."""
+        """Each ZeRO group's own stages rewritten by ``fn(its ranks, stage)`` when a rank of it is first asked for
+        (under expert parallelism the group's ranks of one ep index: they hold the same experts)."""
         self.group_rewrites.append(fn)
         self._groups.clear()
 

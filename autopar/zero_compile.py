@@ -126,4 +126,5 @@ def _gather_layers(program: Program, mesh: Mesh, options: Options) -> None:
     """Each ZeRO group's own stages with all-gathers of its layers, named by its ranks (made on first access)."""
     prefetch, axis = options.zero_prefetch, mesh.zero_axis
     program.graphs.rewrite_per_group(lambda ranks, st: dataclasses.replace(st, gm=insert_gathers(
-        st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks, prefetch=prefetch)))
+        st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=mesh.group_of(ranks[0], axis),
+        prefetch=prefetch, routed_ranks=mesh.group_of(ranks[0], "ep_replicate"))))

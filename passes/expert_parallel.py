@@ -349,7 +349,6 @@ def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) 
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
     others = [f"{axis}={mesh[axis]}" for axis in ("pp", "tp") if mesh[axis] > 1]
     others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
-    others += [f"zero={zero}"] if zero == 3 else []
     others += [f"precision={precision!r}"] if precision != "fp32" else []
     others += [f"recompute={recompute!r}"] if recompute != "none" else []
     if others:
