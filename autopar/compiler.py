@@ -33,7 +33,8 @@ from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.program import (
     Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported,
-    initial_plan, optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule, whole_graph_stage,
+    initial_plan, optimizer_state_factor, rank_expert_bytes, rank_parameter_bytes, split_backward, step_schedule,
+    whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
 from autopar.zero_compile import apply_zero
@@ -180,10 +181,13 @@ def _memory_and_dp(c: Compilation) -> None:
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
+    routed = rank_expert_bytes(program, c.mesh, worst)  # over ep_replicate, not dp
     program.plan.collectives = [
-        Collective(x.axis, x.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, x.what) if x.axis == "dp"
-        else x for x in program.plan.collectives
-    ]
+        Collective(x.axis, x.op, len(bucket_sizes(grads - routed, options.bucket_bytes)), grads - routed, x.what)
+        if x.axis == "dp" else x for x in program.plan.collectives
+    ] + ([Collective("ep_replicate", "all_reduce", len(bucket_sizes(routed, options.bucket_bytes)), routed,
+                     "routed experts' gradient buckets among the ranks holding the same experts")]
+         if routed and c.mesh["ep_replicate"] > 1 else [])
 
 
 def _reductions(c: Compilation) -> None:

@@ -229,6 +229,19 @@ def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: b
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
     """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
+    sizes = _rank_sizes(program, mesh, rank)
+    trainable = sum(b for n, b in sizes.items() if n in program.trainable)
+    return sum(sizes.values()), trainable
+
+
+def rank_expert_bytes(program: Program, mesh: Mesh, rank: int) -> int:
+    """Bytes of the trainable routed experts' parameters ``rank`` holds (its ep index's experts)."""
+    sizes = _rank_sizes(program, mesh, rank)
+    return sum(b for n, b in sizes.items() if n in program.trainable and n in program.plan.expert_params)
+
+
+def _rank_sizes(program: Program, mesh: Mesh, rank: int) -> dict[str, int]:
+    """Bytes of each parameter ``rank`` holds, at its local shape."""
     sizes: dict[str, int] = {}
     for gm in [st.gm for st in program.own_stages(rank)]:
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
@@ -240,8 +253,7 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
                 shape = tuple(nd.meta["val"].shape)
                 local = program.plan.expert_params[name].local_shape(shape, mesh.coord(rank, "ep"))
                 sizes[name] = sizes[name] * numel(local) // max(numel(shape), 1)
-    trainable = sum(b for n, b in sizes.items() if n in program.trainable)
-    return sum(sizes.values()), trainable
+    return sizes
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:

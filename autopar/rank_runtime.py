@@ -62,9 +62,9 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None and experts:
-        sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes)
+        sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes, binding)
     elif groups["dp"] is not None and zero is None:
-        sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes)
+        sync = BucketedAllReduce(params, groups["dp"], options.bucket_bytes, counted=_counter(binding, "dp"))
         if pol is not None and pol.reduce != pol.stored:
             sync.reduce_in(pol.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
@@ -82,16 +82,22 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     return rt
 
 
+def _counter(binding: Binding, axis: str) -> Callable[[torch.Tensor], None]:
+    """Counts a gradient bucket's all-reduce over ``axis`` on the rank's binding (``pm.communication()``)."""
+    return lambda flat: binding.record("all_reduce", axis, flat)
+
+
 def expert_grad_sync(model: torch.nn.Module, params: list[torch.nn.Parameter], experts: dict, groups: Groups,
-                     bucket_bytes: int) -> GradSyncs:
+                     bucket_bytes: int, binding: Binding) -> GradSyncs:
     """Non-expert gradients averaged over dp; expert gradients summed over the ranks holding the same experts
     (``ep_replicate``) and divided by dp: each already sums the gradients of its ep group's tokens."""
     expert_ids = {id(p) for n, p in model.named_parameters() if n in experts}
     dense = [p for p in params if id(p) not in expert_ids]
     routed = [p for p in params if id(p) in expert_ids]
     dp = groups.mesh.dp
-    return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes),
-                      BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp)])
+    return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes, counted=_counter(binding, "dp")),
+                      BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp,
+                                        counted=_counter(binding, "ep_replicate"))])
 
 
 def frozen_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

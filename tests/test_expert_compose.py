@@ -65,3 +65,40 @@ def test_memory_per_rank_divides_expert_state_by_ep_then_by_its_replicas(launche
         for key, want in formula.items():
             assert measured[key] == pytest.approx(want, rel=0.05), (key, measured, formula)
             assert planned[key] == pytest.approx(want, rel=0.05), (key, planned, formula)
+
+
+def _gradient_traffic(mesh: Mesh, zero: int, calls: bool) -> tuple[dict, dict]:
+    """Bytes (or calls) per op@axis of the gradient and ZeRO collectives on dp and ep_replicate: (planned, measured
+    in one step)."""
+    pm = parallelize(LOOP(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, zero=zero,
+                     example_inputs=(IDS8,), example_target=TARGET8)
+    pm.step(IDS8, target=TARGET8)
+    planned: dict[str, int] = {}
+    for c in pm.plan.collectives:
+        if c.axis in ("dp", "ep_replicate"):
+            key = f"{'zero_' if zero else ''}{c.op}@{c.axis}"
+            planned[key] = planned.get(key, 0) + (c.count if calls else c.bytes)
+    measured = {k: v for k, v in pm.communication(calls=calls).items() if k.split("@")[1] in ("dp", "ep_replicate")}
+    return planned, measured
+
+
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=4, ep=2), 0), (Mesh(dp=2, ep=2), 0), (Mesh(dp=4, ep=2), 2)],
+                         ids=["dp4-ep2", "dp2-ep2", "dp4-ep2-zero2"])
+def test_expert_gradients_travel_over_ep_replicate_not_dp(launcher, mesh: Mesh, zero: int) -> None:
+    """The plan's data-parallel bytes leave the routed experts out: they are reduced among the ranks holding the
+    same experts (none at dp=ep), and one step runs what the plan counts on each axis (bytes; under ZeRO, whose
+    all-gathers count their input shard at run time, calls, and the reduce-scatters' bytes)."""
+    model = LOOP()
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - experts
+    for planned, measured in launcher(_gradient_traffic, mesh.size, mesh, zero, bool(zero)):
+        assert planned == measured
+        if not zero:
+            want = {"all_reduce@dp": dense} | ({"all_reduce@ep_replicate": experts // mesh.ep} if mesh.dp > mesh.ep
+                                               else {})
+            assert measured == want
+    if zero:
+        planned, measured = launcher(_gradient_traffic, mesh.size, mesh, zero, False)[0]
+        assert measured["zero_reduce_scatter@ep_replicate"] == planned["zero_reduce_scatter@ep_replicate"] \
+            == experts // mesh.ep
+        assert measured["zero_reduce_scatter@dp"] == planned["zero_reduce_scatter@dp"] == -(-dense // 4) * 4
