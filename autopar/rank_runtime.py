@@ -42,7 +42,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state) - elsewhere
     if program.pipelined:
-        mine = {n for st in program.own_stages(groups.rank) for n in st.params}
+        mine = {n for st in program.own_stages(groups.rank) for n in st.params} - elsewhere
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
     if options.zero:
@@ -145,6 +145,8 @@ def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -
     used = {n for st in own for n in st.params}
     mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
     held = {n for n, p in model.named_parameters() if any(p is q for q in mine)}
+    experts = program.plan.expert_params  # other ep indices' experts: read by the graph, held elsewhere
+    held |= {n for n, e in experts.items() if not e.stacked and e.holder() != rt.groups.coord("ep")}
     if not used <= held | {n for n, p in model.named_parameters() if not p.requires_grad}:
         raise RuntimeError(f"internal error: this input's program uses parameters {sorted(used - held)[:3]} on pp "
                            f"rank {pp}, which holds other ones; please report it with the model")

@@ -102,3 +102,14 @@ def test_expert_gradients_travel_over_ep_replicate_not_dp(launcher, mesh: Mesh, 
         assert measured["zero_reduce_scatter@ep_replicate"] == planned["zero_reduce_scatter@ep_replicate"] \
             == experts // mesh.ep
         assert measured["zero_reduce_scatter@dp"] == planned["zero_reduce_scatter@dp"] == -(-dense // 4) * 4
+
+
+def test_pipeline_stages_hold_their_layers_experts(launcher) -> None:
+    """Mesh(dp=2, pp=2, ep=2): each stage's MoE layer splits its experts over the stage's ep ranks; two
+    microbatches, the token all-to-alls inside the stage programs."""
+    _exact(LOOP, Mesh(dp=2, pp=2, ep=2), launcher, microbatches=2)
+
+
+def test_pipeline_stages_hold_their_layers_stacked_experts(launcher) -> None:
+    _exact(models.factory(models.mixtral_eager, layers=2, aux=False), Mesh(dp=2, pp=2, ep=2), launcher,
+           microbatches=2)
