@@ -111,7 +111,7 @@ def _expert_parallel(c: Compilation) -> None:
 
 
 def _tensor_parallel(c: Compilation) -> None:
-    tp = tensor_parallel(c.captured, c.mesh.tp, c.trainable, fixed=c.pinned,
+    tp = tensor_parallel(c.lowered[0], c.mesh.tp, c.trainable, fixed=c.pinned,  # (expert layers already rewritten)
                          sequence_parallel=c.options.sequence_parallel)
     c.lowered, c.placements, c.layouts = [with_graph(c.captured, g) for g in tp.graphs], tp.placements, tp.layouts
     add_tensor_parallel_to_plan(c.plan, c.mesh, tp)

@@ -347,7 +347,7 @@ def _single_user(node: fx.Node, where: str) -> fx.Node:
 
 def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) -> None:
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
-    others = [f"{axis}={mesh[axis]}" for axis in ("tp",) if mesh[axis] > 1]
+    others = []
     others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
     others += [f"precision={precision!r}"] if precision != "fp32" else []
     others += [f"recompute={recompute!r}"] if recompute != "none" else []

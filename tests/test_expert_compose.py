@@ -113,3 +113,21 @@ def test_pipeline_stages_hold_their_layers_experts(launcher) -> None:
 def test_pipeline_stages_hold_their_layers_stacked_experts(launcher) -> None:
     _exact(models.factory(models.mixtral_eager, layers=2, aux=False), Mesh(dp=2, pp=2, ep=2), launcher,
            microbatches=2)
+
+
+@pytest.mark.parametrize("make", [MIXTRAL, models.factory(models.loop_moe, aux=False, shared=False)],
+                         ids=["mixtral", "loop"])
+def test_tensor_parallel_keeps_each_ranks_experts_whole(launcher, make) -> None:
+    """Mesh(dp=2, tp=2, ep=2): attention and the rest split over tp, each rank's experts whole (docs/decisions.md).
+    (The loop MoE's shared expert is left out: its tp-sharded AdamW update is 2.3e-12 off one device with tp
+    alone, Mesh(dp=2, tp=2), the order of tp's partial sums, not expert parallelism's.)"""
+    _exact(make, Mesh(dp=2, tp=2, ep=2), launcher)
+
+
+def test_the_plan_keeps_experts_whole_on_tp_and_shards_the_rest() -> None:
+    pm = parallelize(MIXTRAL(), Mesh(dp=2, tp=2, ep=2), example_inputs=(IDS8,), example_target=TARGET8,
+                     loss_fn=models.lm_loss)
+    text = str(pm.plan)
+    assert "model.layers.0.mlp.experts.down_proj            [4, 32, 64]      (dp: Replicate(), tp: R); experts" in text
+    assert "model.layers.0.self_attn.q_proj.weight          [32, 32]         (dp: Replicate(), tp: S(0))" in text
+    assert "ranks [0, 1]: experts 0-1; ranks [2, 3]: experts 2-3" in text  # tp peers hold the same experts

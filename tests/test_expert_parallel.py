@@ -183,7 +183,7 @@ def test_a_combine_it_does_not_recognise_is_refused_naming_the_module() -> None:
 
 
 @pytest.mark.parametrize("mesh, options, named", [
-    (Mesh(dp=2, tp=2, ep=2), {}, "tp=2"),
+    (Mesh(dp=(2, 2), ep=2), {"zero": 2}, "hybrid sharding"),
     (Mesh(dp=2, ep=2), {"recompute": "full"}, "recompute='full'"),
     (Mesh(dp=2, ep=2), {"precision": "bf16"}, "precision='bf16'"),
 ])
