@@ -22,6 +22,7 @@ the module and the numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Callable
@@ -345,12 +346,24 @@ def _single_user(node: fx.Node, where: str) -> fx.Node:
     return next(iter(node.users))
 
 
+def recomputed_exchanges(plan: Plan, recomputed: set[str]) -> list[Collective]:
+    """The exchanges a step repeats when backward recomputes expert layers: the forward's counts and token
+    all-to-alls once more per recomputed layer (``recomputed``: the layers recomputation replays)."""
+    layers = [x for x in plan.experts if any(x.name.split(" ")[0] == la or x.name.startswith(la + ".")
+                                             for la in recomputed)]
+    if not layers:
+        return []
+    share = len(layers) / len(plan.experts)
+    return [dataclasses.replace(c, count=round(c.count * share), bytes=round(c.bytes * share),
+                                what=f"recomputation: {c.what}", direction="backward")
+            for c in plan.collectives if c.axis == "ep" and c.direction == "forward"]
+
+
 def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) -> None:
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
     others = []
     others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
     others += [f"precision={precision!r}"] if precision != "fp32" else []
-    others += [f"recompute={recompute!r}"] if recompute != "none" else []
     if others:
         raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with {', '.join(others)} yet; "
                                f"use Mesh(dp={mesh.dp}, ep={mesh.ep}) alone, or drop ep to run the experts on every "

@@ -131,3 +131,32 @@ def test_the_plan_keeps_experts_whole_on_tp_and_shards_the_rest() -> None:
     assert "model.layers.0.mlp.experts.down_proj            [4, 32, 64]      (dp: Replicate(), tp: R); experts" in text
     assert "model.layers.0.self_attn.q_proj.weight          [32, 32]         (dp: Replicate(), tp: S(0))" in text
     assert "ranks [0, 1]: experts 0-1; ranks [2, 3]: experts 2-3" in text  # tp peers hold the same experts
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_replays_the_exchanges_with_the_same_routing(launcher, mode: str) -> None:
+    """Each MoE layer recomputed in backward, its token exchanges included: the same inputs give the same
+    routing and splits on every rank (docs/decisions.md)."""
+    _exact(LOOP, Mesh(dp=2, ep=2), launcher, recompute=mode)
+
+
+def _exchanges(mode: str) -> tuple[dict, dict, dict]:
+    pm = parallelize(LOOP(), Mesh(dp=2, ep=2), loss_fn=models.lm_loss, optimizer=models.adamw, recompute=mode,
+                     example_inputs=(IDS8,), example_target=TARGET8)
+    pm.step(IDS8, target=TARGET8)
+    planned: dict[str, int] = {}
+    for c in pm.plan.collectives:
+        if c.axis == "ep":
+            planned[f"{c.op}@ep"] = planned.get(f"{c.op}@ep", 0) + c.count
+    measured = {k: v for k, v in pm.communication(calls=True).items() if k.endswith("@ep")}
+    return planned, measured, dict(pm.plan.recompute.modes) if pm.plan.recompute else {}
+
+
+def test_recomputation_repeats_the_exchanges_of_the_layers_it_replays(launcher) -> None:
+    """Both MoE layers replayed in backward: per layer one more counts exchange and two more token all-to-alls
+    per step than without (2 + 2 and 8 + 4 in all), as the plan counts."""
+    none = launcher(_exchanges, 2, "none")[0]
+    assert none[0] == none[1] == {"all_to_all@ep": 2, "all_to_all_v@ep": 8}
+    for planned, measured, modes in launcher(_exchanges, 2, "full"):
+        assert modes["moes.0"] == modes["moes.1"] == "full"
+        assert planned == measured == {"all_to_all@ep": 4, "all_to_all_v@ep": 12}
