@@ -363,7 +363,6 @@ def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) 
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
     others = []
     others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
-    others += [f"precision={precision!r}"] if precision != "fp32" else []
     if others:
         raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with {', '.join(others)} yet; "
                                f"use Mesh(dp={mesh.dp}, ep={mesh.ep}) alone, or drop ep to run the experts on every "

@@ -13,6 +13,7 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.testing import assert_equivalent
+from harness.mixed import assert_mixed
 
 IDS8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(3))
 TARGET8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(4))
@@ -160,3 +161,11 @@ def test_recomputation_repeats_the_exchanges_of_the_layers_it_replays(launcher) 
     for planned, measured, modes in launcher(_exchanges, 2, "full"):
         assert modes["moes.0"] == modes["moes.1"] == "full"
         assert planned == measured == {"all_to_all@ep": 4, "all_to_all_v@ep": 12}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_mixed_precision_with_experts_over_ep(launcher, precision: str) -> None:
+    """bf16 compute (float32 masters under "mixed") against the same policy run eagerly on one device; SGD, so each
+    parameter's own update is bounded too (``harness/mixed.py``: a gradient off by a factor fails)."""
+    assert_mixed(models.factory(models.loop_moe, aux=False, dtype=torch.float32), Mesh(dp=2, ep=2), (IDS8,), TARGET8,
+                 models.lm_loss, models.sgd, 3, launcher, precision)
