@@ -197,7 +197,7 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
-        check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute)
+        check_composes(mesh)
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

@@ -142,9 +142,9 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
         writes = writer.get(name, 0) == coords.pp
-        if name in program.plan.expert_params:  # (tp does not compose with ep: refused at compile)
+        if name in program.plan.expert_params:  # (whole on every tp rank: tp index 0 writes it)
             entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
-                                     rt.groups.rank)
+                                     rt.groups.rank, writes and coords.tp == 0)
             continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
@@ -184,16 +184,17 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
 
 
 def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: ExpertParam, mesh: Mesh,
-                  rank: int) -> list[checkpoint.Entry]:
+                  rank: int, writes: bool) -> list[checkpoint.Entry]:
     """An expert parameter's entry on ``rank``: its rows of stacked weights, or one expert's whole tensor on
-    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it."""
+    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it where ``writes`` (its
+    pp stage's writer, tp index 0)."""
     index = mesh.coord(rank, "ep")
     local = placed.local_shape(shape, index)
     if not placed.stacked and placed.holder() != index:
         return []
     dim, start = (0, index * local[0]) if placed.stacked else (None, 0)
     return [checkpoint.Entry(name, Geometry(shape, local, dim, start), p,
-                             writes=mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
+                             writes=writes and mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
 
 
 def _pp_writers(program: Program) -> dict[str, int]:

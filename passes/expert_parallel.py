@@ -359,14 +359,12 @@ def recomputed_exchanges(plan: Plan, recomputed: set[str]) -> list[Collective]:
             for c in plan.collectives if c.axis == "ep" and c.direction == "forward"]
 
 
-def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) -> None:
+def check_composes(mesh: Mesh) -> None:
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
-    others = []
-    others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
-    if others:
-        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with {', '.join(others)} yet; "
-                               f"use Mesh(dp={mesh.dp}, ep={mesh.ep}) alone, or drop ep to run the experts on every "
-                               "rank with those")
+    if mesh.hybrid:
+        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with hybrid sharding "
+                               f"dp={mesh.dp_split} yet; use Mesh(dp={mesh.dp}, ep={mesh.ep}) with zero=1-3 (expert "
+                               "state is then sharded over the ranks holding the same experts), or drop ep")
 
 
 def no_experts_found(model: torch.nn.Module, ep: int) -> UnsupportedError:

@@ -32,7 +32,7 @@ def test_zero_shards_expert_state_over_the_ranks_holding_each_expert(launcher, z
     _exact(LOOP, Mesh(dp=4, ep=2), launcher, zero=zero)
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_with_stacked_experts(launcher, zero: int) -> None:
     _exact(MIXTRAL, Mesh(dp=4, ep=2), launcher, zero=zero)
 
@@ -111,13 +111,14 @@ def test_pipeline_stages_hold_their_layers_experts(launcher) -> None:
     _exact(LOOP, Mesh(dp=2, pp=2, ep=2), launcher, microbatches=2)
 
 
+@pytest.mark.slow
 def test_pipeline_stages_hold_their_layers_stacked_experts(launcher) -> None:
     _exact(models.factory(models.mixtral_eager, layers=2, aux=False), Mesh(dp=2, pp=2, ep=2), launcher,
            microbatches=2)
 
 
-@pytest.mark.parametrize("make", [MIXTRAL, models.factory(models.loop_moe, aux=False, shared=False)],
-                         ids=["mixtral", "loop"])
+@pytest.mark.parametrize("make", [pytest.param(MIXTRAL, id="mixtral"), pytest.param(
+    models.factory(models.loop_moe, aux=False, shared=False), id="loop", marks=pytest.mark.slow)])
 def test_tensor_parallel_keeps_each_ranks_experts_whole(launcher, make) -> None:
     """Mesh(dp=2, tp=2, ep=2): attention and the rest split over tp, each rank's experts whole (docs/decisions.md).
     (The loop MoE's shared expert is left out: its tp-sharded AdamW update is 2.3e-12 off one device with tp
@@ -134,7 +135,7 @@ def test_the_plan_keeps_experts_whole_on_tp_and_shards_the_rest() -> None:
     assert "ranks [0, 1]: experts 0-1; ranks [2, 3]: experts 2-3" in text  # tp peers hold the same experts
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_recomputation_replays_the_exchanges_with_the_same_routing(launcher, mode: str) -> None:
     """Each MoE layer recomputed in backward, its token exchanges included: the same inputs give the same
     routing and splits on every rank (docs/decisions.md)."""
@@ -163,7 +164,7 @@ def test_recomputation_repeats_the_exchanges_of_the_layers_it_replays(launcher) 
         assert planned == measured == {"all_to_all@ep": 4, "all_to_all_v@ep": 12}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("mixed", marks=pytest.mark.slow)])
 def test_mixed_precision_with_experts_over_ep(launcher, precision: str) -> None:
     """bf16 compute (float32 masters under "mixed") against the same policy run eagerly on one device; SGD, so each
     parameter's own update is bounded too (``harness/mixed.py``: a gradient off by a factor fails)."""
