@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from autopar.core.errors import UnsupportedError
 from autopar.core.expert_layout import ExpertParam
 from autopar.core.graph import tied_aliases
 from autopar.core.layout import from_storage, local_shape, to_storage
@@ -120,9 +119,6 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
                      full_shapes: dict[str, tuple[int, ...]]) -> checkpoint.RankState:
     """What ``rt``'s rank stores of every parameter and buffer, where it lies in the logical tensor, and which
     copies it writes to a checkpoint; ``full_shapes``: every parameter's logical shape."""
-    if rt.zero is not None and program.plan.expert_params:
-        raise UnsupportedError(f"checkpoints of ZeRO (zero={rt.zero.stage}) with expert parallelism (ep={mesh.ep}) "
-                               "are not written yet: save with zero=0 (or without ep), or save pm.state_dict()")
     aliases = tied_aliases(model)
     params = dict(model.named_parameters())
     held = held_names(program, rt.groups.rank)
@@ -144,7 +140,7 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
         writes = writer.get(name, 0) == coords.pp
         if name in program.plan.expert_params:  # (whole on every tp rank: tp index 0 writes it)
             entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
-                                     rt.groups.rank, writes and coords.tp == 0)
+                                     rt.groups.rank, writes and coords.tp == 0, zero_of.get(name), rt.master_of)
             continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
@@ -172,6 +168,12 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
         if tuple(p.shape) != local:
             raise RuntimeError(f"internal error: {name!r} is stored as {tuple(p.shape)}, expected {local}")
         return checkpoint.Entry(name, geometry, p, writes=writes, trainable=p.requires_grad)
+    return _zero_entry(name, geometry, local, zero, writes, of)
+
+
+def _zero_entry(name: str, geometry: Geometry, local: tuple[int, ...], zero: tuple[Any, int], writes: bool,
+                of: Callable[[torch.Tensor], torch.Tensor]) -> checkpoint.Entry:
+    """The part of a parameter (``local``: its shape on this rank) in this rank's ZeRO shard."""
     fs, k = zero
     lo, hi = fs.index * fs.spec.shard, (fs.index + 1) * fs.spec.shard
     offset = fs.spec.offsets[k]
@@ -184,15 +186,19 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
 
 
 def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: ExpertParam, mesh: Mesh,
-                  rank: int, writes: bool) -> list[checkpoint.Entry]:
+                  rank: int, writes: bool, zero: tuple[Any, int] | None,
+                  of: Callable[[torch.Tensor], torch.Tensor]) -> list[checkpoint.Entry]:
     """An expert parameter's entry on ``rank``: its rows of stacked weights, or one expert's whole tensor on
     the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it where ``writes`` (its
-    pp stage's writer, tp index 0)."""
+    pp stage's writer, tp index 0). Under ZeRO (``zero``: its flat group and index there) each rank of the
+    ``ep_replicate`` group writes the part in its shard."""
     index = mesh.coord(rank, "ep")
     local = placed.local_shape(shape, index)
     if not placed.stacked and placed.holder() != index:
         return []
     dim, start = (0, index * local[0]) if placed.stacked else (None, 0)
+    if zero is not None:
+        return [_zero_entry(name, Geometry(shape, local, dim, start), local, zero, writes, of)]
     return [checkpoint.Entry(name, Geometry(shape, local, dim, start), p,
                              writes=writes and mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
 

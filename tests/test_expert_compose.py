@@ -7,6 +7,8 @@ optimizer state are sharded over the ranks holding the same experts (``ep_replic
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ import models
 from autopar import Mesh, parallelize
 from autopar.testing import assert_equivalent
 from harness.mixed import assert_mixed
+from harness.training import scheduled_reference, scheduled_steps
 
 IDS8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(3))
 TARGET8 = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(4))
@@ -170,3 +173,30 @@ def test_mixed_precision_with_experts_over_ep(launcher, precision: str) -> None:
     parameter's own update is bounded too (``harness/mixed.py``: a gradient off by a factor fails)."""
     assert_mixed(models.factory(models.loop_moe, aux=False, dtype=torch.float32), Mesh(dp=2, ep=2), (IDS8,), TARGET8,
                  models.lm_loss, models.sgd, 3, launcher, precision)
+
+
+def _leg(make, mesh: Mesh, zero: int, path: str, *, load: bool, save: bool) -> dict:
+    """One step on ``mesh`` under ``zero``, after loading ``path`` into a model of other weights when asked."""
+    pm = parallelize(make(seed=7 if load else 0), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, zero=zero,
+                     example_inputs=(IDS8,), example_target=TARGET8)
+    losses = scheduled_steps(pm, (IDS8,), TARGET8, 1, path=path, load=load, save=save)
+    state = pm.state_dict()
+    return {"losses": losses, "state": state if torch.distributed.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("make", [pytest.param(LOOP, id="loop"), pytest.param(MIXTRAL, id="mixtral",
+                                                                               marks=pytest.mark.slow)])
+def test_zero_checkpoints_with_experts_move_between_meshes(launcher, tmp_path, make) -> None:
+    """Saved under ZeRO-2 with ep=2 (each rank writes its shard of its experts, AdamW state included), resumed
+    under ZeRO-3 at dp=2, ep=2 and then on one device: losses and final state equal one uninterrupted run."""
+    path, losses = str(tmp_path / "ckpt"), []
+    legs = [(Mesh(dp=4, ep=2), 2), (Mesh(dp=2, ep=2), 3), (Mesh(dp=1), 0)]
+    for i, (mesh, zero) in enumerate(legs):
+        job = functools.partial(_leg, make, mesh, zero, path, load=i > 0, save=i < len(legs) - 1)
+        runs = launcher(job, mesh.size)
+        losses += runs[0]["losses"]
+    want_losses, want_state = scheduled_reference(make(seed=0), models.adamw, models.lm_loss, (IDS8,), TARGET8,
+                                                  len(losses))
+    assert losses == pytest.approx(want_losses, rel=1e-11, abs=1e-13)
+    for key, value in want_state.items():
+        torch.testing.assert_close(runs[0]["state"][key], value, rtol=1e-11, atol=1e-13, msg=lambda m: f"{key}: {m}")
