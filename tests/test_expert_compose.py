@@ -190,3 +190,12 @@ def test_zero_checkpoints_with_experts_move_between_meshes(launcher, tmp_path, m
     legs = [(Mesh(dp=4, ep=2), (2,)), (Mesh(dp=2, ep=2), (3,)), (Mesh(dp=1), (0,))]
     assert_resumes_like_one_run(launcher, _leg, legs, make, (IDS8,), TARGET8, models.lm_loss, models.adamw,
                                 str(tmp_path / "ckpt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=2, tp=2, ep=2), 2), (Mesh(dp=2, tp=2, ep=2), 3),
+                                        (Mesh(dp=2, pp=2, ep=2), 2), (Mesh(dp=2, pp=2, ep=2), 3)],
+                         ids=["tp-zero2", "tp-zero3", "pp-zero2", "pp-zero3"])
+def test_zero_with_experts_composes_with_tp_and_pp(launcher, mesh: Mesh, zero: int) -> None:
+    _exact(models.factory(models.mixtral_eager, layers=2, aux=False), mesh, launcher, zero=zero,
+           microbatches=2 if mesh.pp > 1 else 1)
