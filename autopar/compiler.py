@@ -26,7 +26,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.expert_parallel import expert_parallel, no_experts_found
+from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
@@ -147,6 +147,7 @@ def _assemble(c: Compilation) -> None:
     if c.stage_sets:
         by_tp = c.stage_sets
         add_pipeline_to_plan(c.plan, c.stage_sets[0], c.schedule, c.split_points)
+        per_pp_rank(c.plan, c.stage_sets[0], c.schedule.stage_to_rank)  # (the expert exchanges of its layers)
     else:  # tp indices may share one lowered graph: one stage for it
         whole = {id(x.gm): [whole_graph_stage(c.captured, x.gm)] for x in c.lowered}
         by_tp = [whole[id(x.gm)] for x in c.lowered]

@@ -359,6 +359,21 @@ def recomputed_exchanges(plan: Plan, recomputed: set[str]) -> list[Collective]:
             for c in plan.collectives if c.axis == "ep" and c.direction == "forward"]
 
 
+def per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
+    """Under a pipeline the plan's ep exchanges are those of the pp rank running the most MoE layers (its
+    stages' expert-parallel calls), not of every layer."""
+    if not plan.experts:
+        return
+    per_rank: dict[int, int] = {}
+    for st in stages:
+        calls = sum(1 for nd in st.gm.graph.nodes if nd.op == "call_module"
+                    and isinstance(st.gm.get_submodule(nd.target), ExpertParallel))
+        per_rank[stage_to_rank[st.index]] = per_rank.get(stage_to_rank[st.index], 0) + calls
+    share = max(per_rank.values()) / len(plan.experts)
+    plan.collectives = [dataclasses.replace(c, count=round(c.count * share), bytes=round(c.bytes * share))
+                        if c.axis == "ep" else c for c in plan.collectives]
+
+
 def check_composes(mesh: Mesh) -> None:
     """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
     if mesh.hybrid:

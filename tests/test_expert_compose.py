@@ -112,6 +112,24 @@ def test_pipeline_stages_hold_their_layers_experts(launcher) -> None:
     _exact(LOOP, Mesh(dp=2, pp=2, ep=2), launcher, microbatches=2)
 
 
+def _ep_calls(mesh: Mesh) -> tuple[dict, dict]:
+    pm = parallelize(LOOP(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, microbatches=2,
+                     example_inputs=(IDS8,), example_target=TARGET8)
+    pm.step(IDS8, target=TARGET8)
+    planned: dict[str, int] = {}
+    for c in pm.plan.collectives:
+        if c.axis == "ep":
+            planned[f"{c.op}@ep"] = planned.get(f"{c.op}@ep", 0) + c.count
+    return planned, {k: v for k, v in pm.communication(calls=True).items() if k.endswith("@ep")}
+
+
+def test_each_pp_rank_exchanges_the_tokens_of_its_own_layers(launcher) -> None:
+    """Two MoE layers on two pp ranks, two microbatches: each rank runs one layer's exchanges per microbatch
+    (2 counts exchanges, 8 token all-to-alls per step), as the plan counts."""
+    for planned, measured in launcher(_ep_calls, 4, Mesh(dp=2, pp=2, ep=2)):
+        assert planned == measured == {"all_to_all@ep": 2, "all_to_all_v@ep": 8}
+
+
 @pytest.mark.slow
 def test_pipeline_stages_hold_their_layers_stacked_experts(launcher) -> None:
     _exact(models.factory(models.mixtral_eager, layers=2, aux=False), Mesh(dp=2, pp=2, ep=2), launcher,
