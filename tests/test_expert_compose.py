@@ -7,6 +7,8 @@ optimizer state are sharded over the ranks holding the same experts (``ep_replic
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -112,21 +114,23 @@ def test_pipeline_stages_hold_their_layers_experts(launcher) -> None:
     _exact(LOOP, Mesh(dp=2, pp=2, ep=2), launcher, microbatches=2)
 
 
-def _ep_calls(mesh: Mesh) -> tuple[dict, dict]:
-    pm = parallelize(LOOP(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, microbatches=2,
-                     example_inputs=(IDS8,), example_target=TARGET8)
+def _ep_calls(mesh: Mesh, **options) -> tuple[dict, dict, dict]:
+    """Calls per step of the ep collectives, (planned, measured), and the layers' recomputation modes."""
+    pm = parallelize(LOOP(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, example_inputs=(IDS8,),
+                     example_target=TARGET8, **options)
     pm.step(IDS8, target=TARGET8)
     planned: dict[str, int] = {}
     for c in pm.plan.collectives:
         if c.axis == "ep":
             planned[f"{c.op}@ep"] = planned.get(f"{c.op}@ep", 0) + c.count
-    return planned, {k: v for k, v in pm.communication(calls=True).items() if k.endswith("@ep")}
+    measured = {k: v for k, v in pm.communication(calls=True).items() if k.endswith("@ep")}
+    return planned, measured, dict(pm.plan.recompute.modes) if pm.plan.recompute else {}
 
 
 def test_each_pp_rank_exchanges_the_tokens_of_its_own_layers(launcher) -> None:
     """Two MoE layers on two pp ranks, two microbatches: each rank runs one layer's exchanges per microbatch
     (2 counts exchanges, 8 token all-to-alls per step), as the plan counts."""
-    for planned, measured in launcher(_ep_calls, 4, Mesh(dp=2, pp=2, ep=2)):
+    for planned, measured, _ in launcher(functools.partial(_ep_calls, Mesh(dp=2, pp=2, ep=2), microbatches=2), 4):
         assert planned == measured == {"all_to_all@ep": 2, "all_to_all_v@ep": 8}
 
 
@@ -161,24 +165,12 @@ def test_recomputation_replays_the_exchanges_with_the_same_routing(launcher, mod
     _exact(LOOP, Mesh(dp=2, ep=2), launcher, recompute=mode)
 
 
-def _exchanges(mode: str) -> tuple[dict, dict, dict]:
-    pm = parallelize(LOOP(), Mesh(dp=2, ep=2), loss_fn=models.lm_loss, optimizer=models.adamw, recompute=mode,
-                     example_inputs=(IDS8,), example_target=TARGET8)
-    pm.step(IDS8, target=TARGET8)
-    planned: dict[str, int] = {}
-    for c in pm.plan.collectives:
-        if c.axis == "ep":
-            planned[f"{c.op}@ep"] = planned.get(f"{c.op}@ep", 0) + c.count
-    measured = {k: v for k, v in pm.communication(calls=True).items() if k.endswith("@ep")}
-    return planned, measured, dict(pm.plan.recompute.modes) if pm.plan.recompute else {}
-
-
 def test_recomputation_repeats_the_exchanges_of_the_layers_it_replays(launcher) -> None:
     """Both MoE layers replayed in backward: per layer one more counts exchange and two more token all-to-alls
     per step than without (2 + 2 and 8 + 4 in all), as the plan counts."""
-    none = launcher(_exchanges, 2, "none")[0]
+    none = launcher(functools.partial(_ep_calls, Mesh(dp=2, ep=2), recompute="none"), 2)[0]
     assert none[0] == none[1] == {"all_to_all@ep": 2, "all_to_all_v@ep": 8}
-    for planned, measured, modes in launcher(_exchanges, 2, "full"):
+    for planned, measured, modes in launcher(functools.partial(_ep_calls, Mesh(dp=2, ep=2), recompute="full"), 2):
         assert modes["moes.0"] == modes["moes.1"] == "full"
         assert planned == measured == {"all_to_all@ep": 4, "all_to_all_v@ep": 12}
 
