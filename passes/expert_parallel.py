@@ -374,8 +374,10 @@ def per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
                         if c.axis == "ep" else c for c in plan.collectives]
 
 
-def check_composes(mesh: Mesh) -> None:
-    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
+def check_composes(mesh: Mesh, *, zero: int = 0, precision: str = "fp32", recompute: object = "none") -> None:
+    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result).
+    ZeRO, precision and recomputation all compose with it; they are accepted so that a caller can ask about a
+    whole configuration."""
     if mesh.hybrid:
         raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with hybrid sharding "
                                f"dp={mesh.dp_split} yet; use Mesh(dp={mesh.dp}, ep={mesh.ep}) with zero=1-3 (expert "
