@@ -28,14 +28,15 @@ from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.context_parallel import ATTENTIONS, context_parallel, same_attention
-from autopar.passes.expert_parallel import expert_parallel, no_experts_found
+from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.program import (
     Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported,
-    initial_plan, optimizer_state_factor, rank_parameter_bytes, split_backward, step_schedule, whole_graph_stage,
+    initial_plan, optimizer_state_factor, rank_expert_bytes, rank_parameter_bytes, split_backward, step_schedule,
+    whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
 from autopar.runtime.batch import cp_shard, sequence_length
@@ -134,7 +135,7 @@ def _context_parallel(c: Compilation) -> None:
 
 
 def _tensor_parallel(c: Compilation) -> None:
-    tp = tensor_parallel(c.captured, c.mesh.tp, c.trainable, fixed=c.pinned,
+    tp = tensor_parallel(c.lowered[0], c.mesh.tp, c.trainable, fixed=c.pinned,  # (expert layers already rewritten)
                          sequence_parallel=c.options.sequence_parallel)
     c.lowered, c.placements, c.layouts = [with_graph(c.captured, g) for g in tp.graphs], tp.placements, tp.layouts
     add_tensor_parallel_to_plan(c.plan, c.mesh, tp)
@@ -170,6 +171,7 @@ def _assemble(c: Compilation) -> None:
     if c.stage_sets:
         by_tp = c.stage_sets
         add_pipeline_to_plan(c.plan, c.stage_sets[0], c.schedule, c.split_points)
+        per_pp_rank(c.plan, c.stage_sets[0], c.schedule.stage_to_rank)  # (the expert exchanges of its layers)
     else:  # tp indices may share one lowered graph: one stage for it
         whole = {id(x.gm): [whole_graph_stage(c.captured, x.gm)] for x in c.lowered}
         by_tp = [whole[id(x.gm)] for x in c.lowered]
@@ -205,10 +207,13 @@ def _memory_and_dp(c: Compilation) -> None:
     worst = max(per_rank, key=lambda r: per_rank[r][0])
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
+    routed = rank_expert_bytes(program, c.mesh, worst)  # over ep_replicate, not dp
     program.plan.collectives = [
-        Collective(x.axis, x.op, len(bucket_sizes(grads, options.bucket_bytes)), grads, x.what) if x.axis == "dp"
-        else x for x in program.plan.collectives
-    ]
+        Collective(x.axis, x.op, len(bucket_sizes(grads - routed, options.bucket_bytes)), grads - routed, x.what)
+        if x.axis == "dp" else x for x in program.plan.collectives
+    ] + ([Collective("ep_replicate", "all_reduce", len(bucket_sizes(routed, options.bucket_bytes)), routed,
+                     "routed experts' gradient buckets among the ranks holding the same experts")]
+         if routed and c.mesh["ep_replicate"] > 1 else [])
 
 
 def _reductions(c: Compilation) -> None:

@@ -72,8 +72,9 @@ class RankGraphs:
         tp = self.mesh.coords(rank).tp  # a rank outside the mesh is refused by name
         if not self.group_rewrites:
             return self.by_tp[tp]
-        if rank not in self._groups:
-            ranks, mine = self.mesh.group_of(rank, self.mesh.zero_axis), self.own_indices(rank)
+        if rank not in self._groups:  # (ranks of other ep indices hold other experts: other layouts)
+            index, mine = self.mesh.coord(rank, "ep"), self.own_indices(rank)
+            ranks = [r for r in self.mesh.group_of(rank, self.mesh.zero_axis) if self.mesh.coord(r, "ep") == index]
             stages = [self._rewritten(ranks, st) if st.index in mine else st for st in self.by_tp[tp]]
             self._groups.update(dict.fromkeys(ranks, stages))
         return self._groups[rank]
@@ -105,7 +106,8 @@ class RankGraphs:
         self.by_tp = [[done[id(st)] for st in stages] for stages in self.by_tp]
 
     def rewrite_per_group(self, fn: Rewrite) -> None:
-        """Each ZeRO group's own stages rewritten by ``fn(its ranks, stage)`` when a rank of it is first asked for."""
+        """Each ZeRO group's own stages rewritten by ``fn(its ranks, stage)`` when a rank of it is first asked for
+        (under expert parallelism the group's ranks of one ep index: they hold the same experts)."""
         self.group_rewrites.append(fn)
         self._groups.clear()
 
@@ -198,7 +200,7 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
-        check_composes(mesh, zero=options.zero, precision=options.precision, recompute=options.recompute)
+        check_composes(mesh)
     if mesh.cp > 1:
         check_context_parallel(mesh, options)
 
@@ -246,6 +248,19 @@ def step_schedule(program: Program, mesh: Mesh, options: Options, *, training: b
 
 def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, int]:
     """(parameter bytes, trainable parameter bytes) ``rank`` holds: its stages' parameters, local shapes."""
+    sizes = _rank_sizes(program, mesh, rank)
+    trainable = sum(b for n, b in sizes.items() if n in program.trainable)
+    return sum(sizes.values()), trainable
+
+
+def rank_expert_bytes(program: Program, mesh: Mesh, rank: int) -> int:
+    """Bytes of the trainable routed experts' parameters ``rank`` holds (its ep index's experts)."""
+    sizes = _rank_sizes(program, mesh, rank)
+    return sum(b for n, b in sizes.items() if n in program.trainable and n in program.plan.expert_params)
+
+
+def _rank_sizes(program: Program, mesh: Mesh, rank: int) -> dict[str, int]:
+    """Bytes of each parameter ``rank`` holds, at its local shape."""
     sizes: dict[str, int] = {}
     for gm in [st.gm for st in program.own_stages(rank)]:
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
@@ -257,8 +272,7 @@ def rank_parameter_bytes(program: Program, mesh: Mesh, rank: int) -> tuple[int, 
                 shape = tuple(nd.meta["val"].shape)
                 local = program.plan.expert_params[name].local_shape(shape, mesh.coord(rank, "ep"))
                 sizes[name] = sizes[name] * numel(local) // max(numel(shape), 1)
-    trainable = sum(b for n, b in sizes.items() if n in program.trainable)
-    return sum(sizes.values()), trainable
+    return sizes
 
 
 def add_tensor_parallel_to_plan(plan: Plan, mesh: Mesh, tp: TensorParallel) -> None:

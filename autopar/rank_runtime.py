@@ -42,13 +42,13 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     mine = set(state) - elsewhere
     if program.pipelined:
-        mine = {n for st in program.own_stages(groups.rank) for n in st.params}
+        mine = {n for st in program.own_stages(groups.rank) for n in st.params} - elsewhere
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
     if options.zero:
         settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
         zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
-                           binding=binding)
+                           binding=binding, routed=frozenset(experts))
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "
@@ -62,9 +62,10 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None and experts:
-        sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes)
+        sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes, binding)
     elif grad_group(groups) is not None and zero is None:
-        sync = BucketedAllReduce(params, grad_group(groups), options.bucket_bytes)
+        sync = BucketedAllReduce(params, grad_group(groups), options.bucket_bytes,
+                                 counted=_counter(binding, "dp_cp" if mesh.cp > 1 else "dp"))
         if pol is not None and pol.reduce != pol.stored:
             sync.reduce_in(pol.reduce)  # (ZeRO's flat groups read the policy from the options)
     placement = program.schedule.stage_to_rank if program.schedule is not None else (0,)
@@ -82,16 +83,22 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     return rt
 
 
+def _counter(binding: Binding, axis: str) -> Callable[[torch.Tensor], None]:
+    """Counts a gradient bucket's all-reduce over ``axis`` on the rank's binding (``pm.communication()``)."""
+    return lambda flat: binding.record("all_reduce", axis, flat)
+
+
 def expert_grad_sync(model: torch.nn.Module, params: list[torch.nn.Parameter], experts: dict, groups: Groups,
-                     bucket_bytes: int) -> GradSyncs:
+                     bucket_bytes: int, binding: Binding) -> GradSyncs:
     """Non-expert gradients averaged over dp; expert gradients summed over the ranks holding the same experts
     (``ep_replicate``) and divided by dp: each already sums the gradients of its ep group's tokens."""
     expert_ids = {id(p) for n, p in model.named_parameters() if n in experts}
     dense = [p for p in params if id(p) not in expert_ids]
     routed = [p for p in params if id(p) in expert_ids]
     dp = groups.mesh.dp
-    return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes),
-                      BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp)])
+    return GradSyncs([BucketedAllReduce(dense, groups["dp"], bucket_bytes, counted=_counter(binding, "dp")),
+                      BucketedAllReduce(routed, groups["ep_replicate"], bucket_bytes, divisor=dp,
+                                        counted=_counter(binding, "ep_replicate"))])
 
 
 def grad_group(groups: Groups) -> dist.ProcessGroup | None:
@@ -145,6 +152,8 @@ def check_ownership(model: torch.nn.Module, program: Program, rt: RankRuntime) -
     used = {n for st in own for n in st.params}
     mine = rt.zero.owned_parameters() if rt.zero is not None else rt.params
     held = {n for n, p in model.named_parameters() if any(p is q for q in mine)}
+    experts = program.plan.expert_params  # other ep indices' experts: read by the graph, held elsewhere
+    held |= {n for n, e in experts.items() if not e.stacked and e.holder() != rt.groups.coord("ep")}
     if not used <= held | {n for n, p in model.named_parameters() if not p.requires_grad}:
         raise RuntimeError(f"internal error: this input's program uses parameters {sorted(used - held)[:3]} on pp "
                            f"rank {pp}, which holds other ones; please report it with the model")

@@ -46,6 +46,8 @@ def full_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
     for name, t in current.items():  # other stages' parameters are not kept: buffers to receive them into
         if t.numel() == 0 and name in full_shapes:
             shape = local_shape(full_shapes[name], program.placements.get(name), mesh.tp, tp)
+            if name in program.plan.expert_params and program.plan.expert_params[name].stacked:  # its ep rows
+                shape = program.plan.expert_params[name].local_shape(shape, rt.groups.coord("ep"))
             dtype = torch.float32 if rt.masters is not None and name in program.trainable else t.dtype
             current[name] = torch.empty(shape, dtype=dtype, device=t.device)
     if program.pipelined:
@@ -136,9 +138,9 @@ def checkpoint_state(model: torch.nn.Module, mesh: Mesh, program: Program, rt: R
         if name in params and held is not None and name not in held:
             continue  # another pipeline rank stores it
         writes = writer.get(name, 0) == coords.pp
-        if name in program.plan.expert_params:  # (tp, pp and ZeRO do not compose with ep: refused at compile)
+        if name in program.plan.expert_params:  # (whole on every tp rank: tp index 0 writes it)
             entries += _expert_entry(name, shape, rt.master_of(t), program.plan.expert_params[name], mesh,
-                                     rt.groups.rank)
+                                     rt.groups.rank, writes and coords.tp == 0, zero_of.get(name), rt.master_of)
             continue
         if name not in params:  # a buffer: whole on every rank that has it
             entries.append(checkpoint.Entry(name, Geometry(shape, shape), t.detach(),
@@ -166,6 +168,12 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
         if tuple(p.shape) != local:
             raise RuntimeError(f"internal error: {name!r} is stored as {tuple(p.shape)}, expected {local}")
         return checkpoint.Entry(name, geometry, p, writes=writes, trainable=p.requires_grad)
+    return _zero_entry(name, geometry, local, zero, writes, of)
+
+
+def _zero_entry(name: str, geometry: Geometry, local: tuple[int, ...], zero: tuple[Any, int], writes: bool,
+                of: Callable[[torch.Tensor], torch.Tensor]) -> checkpoint.Entry:
+    """The part of a parameter (``local``: its shape on this rank) in this rank's ZeRO shard."""
     fs, k = zero
     lo, hi = fs.index * fs.spec.shard, (fs.index + 1) * fs.spec.shard
     offset = fs.spec.offsets[k]
@@ -178,16 +186,21 @@ def _param_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, program: Pr
 
 
 def _expert_entry(name: str, shape: tuple[int, ...], p: torch.Tensor, placed: ExpertParam, mesh: Mesh,
-                  rank: int) -> list[checkpoint.Entry]:
+                  rank: int, writes: bool, zero: tuple[Any, int] | None,
+                  of: Callable[[torch.Tensor], torch.Tensor]) -> list[checkpoint.Entry]:
     """An expert parameter's entry on ``rank``: its rows of stacked weights, or one expert's whole tensor on
-    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it."""
+    the ep index holding it (none elsewhere); the first ``ep_replicate`` group writes it where ``writes`` (its
+    pp stage's writer, tp index 0). Under ZeRO (``zero``: its flat group and index there) each rank of the
+    ``ep_replicate`` group writes the part in its shard."""
     index = mesh.coord(rank, "ep")
     local = placed.local_shape(shape, index)
     if not placed.stacked and placed.holder() != index:
         return []
     dim, start = (0, index * local[0]) if placed.stacked else (None, 0)
+    if zero is not None:
+        return [_zero_entry(name, Geometry(shape, local, dim, start), local, zero, writes, of)]
     return [checkpoint.Entry(name, Geometry(shape, local, dim, start), p,
-                             writes=mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
+                             writes=writes and mesh.coord(rank, "ep_replicate") == 0, trainable=p.requires_grad)]
 
 
 def _pp_writers(program: Program) -> dict[str, int]:

@@ -33,6 +33,7 @@ from autopar.core.recompute_modes import mode_of, unmatched_keys
 from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.expert_parallel import recomputed_exchanges
 from autopar.passes.peak_memory import simulated_peak
 from autopar.passes.recompute import layers, recompute
 from autopar.program import Program
@@ -128,4 +129,5 @@ def apply_recompute(program: Program, options: Options) -> Program:
     program.graphs.rewrite(lambda st: dataclasses.replace(st, gm=rewrite(st.gm)))
     applied = tuple((layer, "none" if layer in rewrite.skipped else mode) for layer, mode in modes.items())
     program.plan.recompute = RecomputePlan(applied, stages, tuple(rewrite.skipped.items()))
+    program.plan.collectives += recomputed_exchanges(program.plan, {la for la, mode in applied if mode != "none"})
     return program

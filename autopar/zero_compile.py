@@ -44,9 +44,12 @@ def rank_parameters(program: Program, model: torch.nn.Module, rank: int,
     mesh = program.plan.mesh
     held = held_names(program, rank)
     tp = mesh.coords(rank).tp
-    return [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), stored_dtype(p, pol))
-            for n, p in model.named_parameters()
-            if p.requires_grad and (held is None or n in held)]
+    out = [(n, local_shape(tuple(p.shape), program.placements.get(n), mesh.tp, tp), stored_dtype(p, pol))
+           for n, p in model.named_parameters()
+           if p.requires_grad and (held is None or n in held)]
+    experts, index = program.plan.expert_params, mesh.coord(rank, "ep")
+    return [(n, experts[n].local_shape(shape, index) if n in experts else shape, dtype) for n, shape, dtype in out
+            if n not in experts or experts[n].stacked or experts[n].holder() == index]  # its ep index's experts
 
 
 def shared_across_pp(program: Program) -> set[str]:
@@ -58,7 +61,8 @@ def rank_layout(program: Program, model: torch.nn.Module, options: Options, rank
     """The ZeRO layout of the parameters ``rank`` holds (what its runtime computes from its tensors)."""
     mesh = program.plan.mesh
     return zero_layout(rank_parameters(program, model, rank, options.policy), stage=options.zero,
-                       n=mesh[mesh.zero_axis], bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program))
+                       n=mesh[mesh.zero_axis], bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program),
+                       routed=frozenset(program.plan.expert_params), routed_n=mesh["ep_replicate"])
 
 
 def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
@@ -73,27 +77,40 @@ def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Op
     """
     plan, pol, axis = program.plan, options.policy, mesh.zero_axis
     n = mesh[axis]
-    firsts = {tuple(ranks): ranks[0] for ranks in mesh.groups(axis)}  # one representative per ZeRO group
-    layouts = {rep: rank_layout(program, model, options, rep) for rep in firsts.values()}
-    program.zero_layouts = {r: layouts[firsts[tuple(ranks)]] for ranks in mesh.groups(axis) for r in ranks}
+    reps = {r: _representative(mesh, axis, r) for r in range(mesh.size)}
+    layouts = {rep: rank_layout(program, model, options, rep) for rep in sorted(set(reps.values()))}
+    program.zero_layouts = {r: layouts[reps[r]] for r in range(mesh.size)}
     estimates = {}
     for rep, layout in layouts.items():
-        trainable = sum(g.nbytes for g in layout.groups)
-        estimates[rep] = memory_estimate(param_bytes=frozen_bytes.get(rep, 0) + trainable, trainable_bytes=trainable,
-                                         optimizer_factor=factor, stage=options.zero, n=n,
-                                         gathered=gathered_bytes(layout, options.zero_prefetch, pol)
-                                         if options.zero == 3 else 0)
+        parts = [memory_estimate(param_bytes=trainable, trainable_bytes=trainable, optimizer_factor=factor,
+                                 stage=options.zero, n=part.n)
+                 for part in layout.by_axis().values() for trainable in [sum(g.nbytes for g in part.groups)]]
+        frozen = frozen_bytes.get(rep, 0)
+        estimates[rep] = {k: sum(e[k] for e in parts) + (frozen if k == "parameters" else 0)
+                          for k in ("parameters", "gradients", "optimizer")}
+        if options.zero == 3:
+            estimates[rep]["gathered"] = gathered_bytes(layout, options.zero_prefetch, pol)
     worst = max(estimates, key=lambda r: sum(estimates[r].values()))
     plan.memory = memory(estimates[worst], worst if len(layouts) > 1 else None)
-    merged = {g.name: g for rep in layouts if mesh.coords(rep).tp == 0 for g in layouts[rep].groups}
-    plan.params = zero_placements(plan.params, ZeroLayout(options.zero, n, tuple(merged.values())), axis)
+    merged = {(g.name, g.params): g for rep in layouts if mesh.coords(rep).tp == 0 for g in layouts[rep].groups}
+    for on, part in ZeroLayout(options.zero, n, tuple(merged.values())).by_axis().items():
+        plan.params = zero_placements(plan.params, part, on or axis)
     if options.zero == 3:
         _gather_layers(program, mesh, options)
-    return zero_collectives(layouts[worst], microbatches=options.microbatches,
-                            gather_dtype=pol.compute if pol and options.zero == 3 else None,
-                            reduce_dtype=pol.reduce if pol else None,
-                            split=program.schedule is not None and program.schedule.splits_backward,
-                            axis=axis, replicas=mesh.dp_replicate)
+    out = []
+    for on, part in layouts[worst].by_axis().items():
+        out += zero_collectives(part, microbatches=options.microbatches,
+                                gather_dtype=pol.compute if pol and options.zero == 3 else None,
+                                reduce_dtype=pol.reduce if pol else None,
+                                split=program.schedule is not None and program.schedule.splits_backward,
+                                axis=on or axis, replicas=1 if on else mesh.dp_replicate)
+    return out
+
+
+def _representative(mesh: Mesh, axis: str, rank: int) -> int:
+    """The first rank of ``rank``'s ZeRO group with its ep index: such ranks hold the same parameters."""
+    index = mesh.coord(rank, "ep")
+    return next(r for r in mesh.group_of(rank, axis) if mesh.coord(r, "ep") == index)
 
 
 def gathered_bytes(layout: ZeroLayout, prefetch: int, pol: Policy | None) -> int:
@@ -109,4 +126,5 @@ def _gather_layers(program: Program, mesh: Mesh, options: Options) -> None:
     """Each ZeRO group's own stages with all-gathers of its layers, named by its ranks (made on first access)."""
     prefetch, axis = options.zero_prefetch, mesh.zero_axis
     program.graphs.rewrite_per_group(lambda ranks, st: dataclasses.replace(st, gm=insert_gathers(
-        st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=ranks, prefetch=prefetch)))
+        st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=mesh.group_of(ranks[0], axis),
+        prefetch=prefetch, routed_ranks=mesh.group_of(ranks[0], "ep_replicate"))))

@@ -22,6 +22,7 @@ the module and the numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Callable
@@ -345,17 +346,42 @@ def _single_user(node: fx.Node, where: str) -> fx.Node:
     return next(iter(node.users))
 
 
-def check_composes(mesh: Mesh, *, zero: int, precision: str, recompute: object) -> None:
-    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result)."""
-    others = [f"{axis}={mesh[axis]}" for axis in ("pp", "tp") if mesh[axis] > 1]
-    others += [f"hybrid sharding dp={mesh.dp_split}"] if mesh.hybrid else []
-    others += [f"zero={zero}"] if zero else []
-    others += [f"precision={precision!r}"] if precision != "fp32" else []
-    others += [f"recompute={recompute!r}"] if recompute != "none" else []
-    if others:
-        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with {', '.join(others)} yet; "
-                               f"use Mesh(dp={mesh.dp}, ep={mesh.ep}) alone, or drop ep to run the experts on every "
-                               "rank with those")
+def recomputed_exchanges(plan: Plan, recomputed: set[str]) -> list[Collective]:
+    """The exchanges a step repeats when backward recomputes expert layers: the forward's counts and token
+    all-to-alls once more per recomputed layer (``recomputed``: the layers recomputation replays)."""
+    layers = [x for x in plan.experts if any(x.name.split(" ")[0] == la or x.name.startswith(la + ".")
+                                             for la in recomputed)]
+    if not layers:
+        return []
+    share = len(layers) / len(plan.experts)
+    return [dataclasses.replace(c, count=round(c.count * share), bytes=round(c.bytes * share),
+                                what=f"recomputation: {c.what}", direction="backward")
+            for c in plan.collectives if c.axis == "ep" and c.direction == "forward"]
+
+
+def per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
+    """Under a pipeline the plan's ep exchanges are those of the pp rank running the most MoE layers (its
+    stages' expert-parallel calls), not of every layer."""
+    if not plan.experts:
+        return
+    per_rank: dict[int, int] = {}
+    for st in stages:
+        calls = sum(1 for nd in st.gm.graph.nodes if nd.op == "call_module"
+                    and isinstance(st.gm.get_submodule(nd.target), ExpertParallel))
+        per_rank[stage_to_rank[st.index]] = per_rank.get(stage_to_rank[st.index], 0) + calls
+    share = max(per_rank.values()) / len(plan.experts)
+    plan.collectives = [dataclasses.replace(c, count=round(c.count * share), bytes=round(c.bytes * share))
+                        if c.axis == "ep" else c for c in plan.collectives]
+
+
+def check_composes(mesh: Mesh, *, zero: int = 0, precision: str = "fp32", recompute: object = "none") -> None:
+    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result).
+    ZeRO, precision and recomputation all compose with it; they are accepted so that a caller can ask about a
+    whole configuration."""
+    if mesh.hybrid:
+        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with hybrid sharding "
+                               f"dp={mesh.dp_split} yet; use Mesh(dp={mesh.dp}, ep={mesh.ep}) with zero=1-3 (expert "
+                               "state is then sharded over the ranks holding the same experts), or drop ep")
 
 
 def no_experts_found(model: torch.nn.Module, ep: int) -> UnsupportedError:

@@ -117,6 +117,10 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
                 env[node] = graph.call_function(node.target, tuple(new_args), new_kwargs)
             finish(node, env[node], strategy.output)
             env[node].meta["autopar.placement"] = strategy
+        elif node.op == "call_module":  # an expert-parallel layer, replicated over tp: its inputs whole
+            args = [local_input(a, R, False) if isinstance(a, fx.Node) else a for a in node.args]
+            env[node] = graph.call_module(node.target, tuple(args))
+            finish(node, env[node], R)
         elif node.op == "output":
             outs = [local_input(a, R, False) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
                     else a for a in node.args[0]]

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
+from autopar.core.expert_ops import ExpertParallel
 from autopar.core.recompute_modes import COMMUNICATING, Recompute
 from autopar.passes.stage_cuts import module_path, node_layer
 
@@ -55,7 +56,8 @@ def _outside_ops() -> set:
 def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """The layer of every operator that has one; an inserted node (no module path) takes its users' layer
     when they all share one, and a ``getitem`` its producer's."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+             or n.op == "call_module" and isinstance(gm.get_submodule(n.target), ExpertParallel)]
     outside = _outside_ops()
     layer = {n: la for n in nodes if (la := node_layer(n)) is not None}
     for n in reversed(nodes):
@@ -194,7 +196,7 @@ def _outline(gm: fx.GraphModule, members: dict[str, list[fx.Node]], modes: dict[
     env: dict[fx.Node, fx.Node] = {}
     for u in order:
         if isinstance(u, fx.Node):
-            if u.op == "get_attr":
+            if u.op in ("get_attr", "call_module"):
                 _copy_attr(gm, root, u.target)
             env[u] = graph.node_copy(u, env.__getitem__)
             continue
@@ -227,6 +229,8 @@ def _region(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], out
         env[i] = graph.placeholder(i.name)
         env[i].meta = dict(i.meta)
     for n in nodes:
+        if n.op == "call_module":  # an expert-parallel layer: replayed whole (its exchanges included)
+            _copy_attr(gm, root, n.target)
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(root, graph)

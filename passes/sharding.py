@@ -94,6 +94,11 @@ def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, 
             value_of[node] = (node, None)
         elif node.op == "call_function" and node.target is operator.getitem:
             value_of[node] = (value_of[node.args[0]][0], node.args[1])
+        elif node.op == "call_module":  # an expert-parallel layer: its experts whole on every tp rank
+            ins = tensor_inputs(node)
+            choices[node] = Choice([Strategy(tuple(R for _ in ins), R, "experts whole")],
+                                   inputs=[value_of.get(a) for a in ins])
+            value_of[node] = (node, None)
         elif node.op == "call_function":
             ins = tensor_inputs(node)
             if node in same_as and same_as[node] in choices:  # an identical block's node: the same strategies

@@ -50,7 +50,7 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")]  # (modules: expert layers)
 
 
 def module_starts(gm: fx.GraphModule) -> dict[str, int]:
@@ -209,7 +209,7 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
         # placeholders must come first and in slot order: recv values go last
         recv_slots = [Slot(SlotKind.RECV, nd.name) for nd in recv]
         _move_recv_last(graph, len(recv))
-        stage_gm = fx.GraphModule(torch.nn.Module(), graph)
+        stage_gm = fx.GraphModule(_submodules(gm, graph), graph)
         stage_gm.graph.lint()
         stages.append(StageGraph(
             index=s, gm=stage_gm, slots=slots + recv_slots,
@@ -217,6 +217,15 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
             is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind is SlotKind.PARAM],
         ))
     return stages
+
+
+def _submodules(gm: fx.GraphModule, graph: fx.Graph) -> torch.nn.Module:
+    """A root holding the modules of ``gm`` that ``graph`` calls (a stage's expert-parallel layers)."""
+    root = torch.nn.Module()
+    for nd in graph.nodes:
+        if nd.op == "call_module":
+            root.add_module(nd.target, gm.get_submodule(nd.target))
+    return root
 
 
 def _move_recv_last(graph: fx.Graph, n_recv: int) -> None:

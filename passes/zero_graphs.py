@@ -37,11 +37,16 @@ def _ops() -> dict[str, object]:
 
 
 def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *, axis: str, ranks: list[int],
-                   prefetch: int = 1) -> fx.GraphModule:
+                   prefetch: int = 1, routed_ranks: list[int] | None = None) -> fx.GraphModule:
     """A copy of ``gm`` that all-gathers each layer's shard before the layer's first use (see the module doc).
 
-    ``prefetch`` layers ahead are gathered asynchronously as soon as a layer's own gather is issued.
+    ``prefetch`` layers ahead are gathered asynchronously as soon as a layer's own gather is issued. A group of
+    routed experts (its ``axis`` set) gathers over its own axis, the ranks ``routed_ranks``.
     """
+
+    def over(group: FlatGroup) -> tuple[str, list[int]]:
+        return (group.axis, list(routed_ranks or ())) if group.axis else (axis, list(ranks))
+
     ops = _ops()
     gm = copy_module(gm)
     graph = gm.graph
@@ -59,13 +64,13 @@ def insert_gathers(gm: fx.GraphModule, slots: list[Slot], layout: ZeroLayout, *,
     dtypes = {group.name: _gather_dtype(group, by_name) for _, group, _ in firsts}
     for i, (first, group, carrier) in enumerate(firsts):
         with graph.inserting_before(first):
-            flat = graph.call_function(ops["gather"], (carrier, axis, list(ranks)), _dtype_arg(dtypes[group.name]))
+            flat = graph.call_function(ops["gather"], (carrier, *over(group)), _dtype_arg(dtypes[group.name]))
             flat.meta["autopar.zero"] = group.name
             flat.meta["val"] = retyped(carrier.meta["val"], dtypes[group.name] or group.dtype, (group.padded,))
             for _, ahead, ahead_carrier in firsts[i + 1 : i + 1 + prefetch]:
                 if ahead.name not in prefetched:
                     prefetched.add(ahead.name)
-                    graph.call_function(ops["prefetch"], (ahead_carrier, axis, list(ranks)),
+                    graph.call_function(ops["prefetch"], (ahead_carrier, *over(ahead)),
                                         _dtype_arg(dtypes[ahead.name]))
             pieces = _split_into_parameters(graph, flat, group, by_name, set(ops.values()))
         if dtypes[group.name] is not None:

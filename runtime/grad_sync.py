@@ -28,6 +28,7 @@ runs the same graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,10 @@ class BucketedAllReduce:
     ``divisor``, by default the group's size)."""
 
     def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int,
-                 reduce_dtype: torch.dtype | None = None, divisor: int | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, divisor: int | None = None,
+                 counted: Callable[[torch.Tensor], None] | None = None) -> None:
         self.group = group
+        self.counted = counted  # told of each bucket all-reduced over more than one rank (``pm.communication()``)
         self.reduce_dtype = reduce_dtype
         self.size = divisor or dist.get_world_size(group)  # what each gradient is divided by before the sum
         self.bucket_bytes = bucket_bytes
@@ -132,6 +135,8 @@ class BucketedAllReduce:
             return
         for i in range(len(bucket.params)):
             self._place(bucket, i)  # gradients that came without a hook (sync disabled during backward)
+        if self.counted is not None and dist.get_world_size(self.group) > 1:
+            self.counted(bucket.flat)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:

@@ -82,7 +82,8 @@ class ZeroRuntime:
 
     def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
                  params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
-                 values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None) -> None:
+                 values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None,
+                 routed: frozenset[str] = frozenset()) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
 
@@ -91,6 +92,9 @@ class ZeroRuntime:
         stage-3 graph ops find each shard's group.
         ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
         is cut for the optimizer to step (``runtime/master.py``).
+        ``routed`` (expert parallelism): the routed experts' parameters, sharded over ``ep_replicate`` (the ranks
+        holding the same experts); their gradients are summed there and divided by dp, since each holder's
+        gradient already sums the tokens of its ep group.
         """
         mesh = groups.mesh
         axis = mesh.zero_axis
@@ -101,19 +105,21 @@ class ZeroRuntime:
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
-                                              n=mesh[axis], bucket_bytes=settings.bucket_bytes, alone=alone)
+                                              n=mesh[axis], bucket_bytes=settings.bucket_bytes, alone=alone,
+                                              routed=routed, routed_n=mesh["ep_replicate"])
         check_optimizer(settings.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
         self.queue = ReduceQueue(trace=self.trace)
         by_name = dict(named)
-        ranks = mesh.group_of(groups.rank, axis)
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
         for spec in self.layout.groups:
-            fs = FlatShard(spec, index=groups.coord(axis), group=groups[axis], ranks=ranks, device=groups.device,
-                           stage=self.stage, tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype,
-                           trace=self.trace, axis=axis, binding=binding)
+            on = spec.axis or axis
+            fs = FlatShard(spec, index=groups.coord(on), group=groups[on] if mesh[on] > 1 else None,
+                           ranks=mesh.group_of(groups.rank, on), device=groups.device, stage=self.stage,
+                           tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype, trace=self.trace,
+                           axis=on, binding=binding, divisor=mesh.dp if spec.axis else None)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)

@@ -114,8 +114,9 @@ class FlatShard:
     def __init__(self, spec: FlatGroup, *, index: int, group: dist.ProcessGroup | None, ranks: list[int],
                  device: torch.device, stage: int, tracker: GatheredBytes, queue: ReduceQueue,
                  reduce_dtype: torch.dtype | None = None, trace: ZeroTrace | None = None, axis: str = "dp",
-                 binding: Binding | None = None) -> None:
+                 binding: Binding | None = None, divisor: int | None = None) -> None:
         self.spec = spec
+        self.divisor = divisor or len(ranks)  # a reduced gradient's sum is divided by it (routed experts: dp)
         self.binding = binding
         self.axis = axis
         self.trace = trace
@@ -243,7 +244,7 @@ class FlatShard:
     def accumulate(self, reduced: torch.Tensor, *, in_place: bool) -> None:
         """Adds a reduce-scattered gradient slice (a sum over ranks) to ``grad`` as an average, in the
         parameters' dtype. Unless ``in_place`` (``reduced`` is ``grad``), keeps no reference to ``reduced``."""
-        n = len(self.ranks)
+        n = self.divisor
         with torch.no_grad():
             if in_place:  # stage 1: ``reduced`` is ``grad`` itself
                 reduced.div_(n)

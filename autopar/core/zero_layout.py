@@ -10,6 +10,10 @@ multiple of the dp size ``n``; dp rank ``i`` owns elements
 then ``bucket_bytes``, as ``core.buckets`` cuts them); stage 3 groups by layer
 (the path up to the first list index, ``transformer.h.3``), so one all-gather
 fetches one layer.
+
+Under expert parallelism the routed experts' parameters (``routed``) are laid out
+in groups of their own, over the ``ep_replicate`` sub-axis (``routed_n`` ranks
+hold the same experts) instead of dp: such a group's ``axis`` names it.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class FlatGroup:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     n: int
+    axis: str = ""  # the mesh axis its shards span ("": the layout's ZeRO axis; "ep_replicate": routed experts)
 
     @cached_property
     def numels(self) -> tuple[int, ...]:
@@ -75,7 +80,8 @@ class FlatGroup:
 
     def describe(self) -> dict:
         return {"name": self.name, "params": list(self.params), "shapes": [list(s) for s in self.shapes],
-                "dtype": str(self.dtype), "n": self.n}
+                "dtype": str(self.dtype), "n": self.n,
+                **({"axis": self.axis} if self.axis else {})}
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,15 @@ class ZeroLayout:
 
     def describe(self) -> dict:
         return {"stage": self.stage, "n": self.n, "groups": [g.describe() for g in self.groups]}
+
+    def by_axis(self) -> dict[str, ZeroLayout]:
+        """The groups of each axis (``""``: the ZeRO axis; ``"ep_replicate"``: routed experts) as layouts of their
+        own, each with its groups' shard count."""
+        out: dict[str, list[FlatGroup]] = {}
+        for g in self.groups:
+            out.setdefault(g.axis, []).append(g)
+        return {axis: ZeroLayout(self.stage, groups[0].n if axis else self.n, tuple(groups))
+                for axis, groups in out.items()}
 
     def largest_gathered(self, prefetch: int) -> int:
         """Stage 3: the most bytes of gathered layers alive at once, ``1 + prefetch`` consecutive layers."""
@@ -106,15 +121,24 @@ def layer_of(name: str) -> str:
 
 
 def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage: int, n: int,
-                bucket_bytes: int, alone: set[str] | frozenset[str] = frozenset()) -> ZeroLayout:
+                bucket_bytes: int, alone: set[str] | frozenset[str] = frozenset(),
+                routed: set[str] | frozenset[str] = frozenset(), routed_n: int = 1) -> ZeroLayout:
     """The flat groups of ``params`` (name, local shape, dtype) for ``stage`` over ``n`` dp ranks.
 
-    Each parameter in ``alone`` gets a group of its own (named after it), ahead of the others.
+    Each parameter in ``alone`` gets a group of its own (named after it), ahead of the others. The parameters
+    in ``routed`` (routed experts) get groups of their own over ``routed_n`` ``ep_replicate`` ranks, after the
+    others (stages 1-2: ``expert_bucket<k>``; stage 3: ``<layer>:experts``).
     """
     if stage not in STAGES:
         raise ValueError(f"zero={stage!r}: a layout exists for stages 1, 2 and 3")
     if n < 1:
         raise ValueError(f"dp size {n} must be >= 1")
+    if routed:
+        dense = zero_layout([p for p in params if p[0] not in routed], stage=stage, n=n, bucket_bytes=bucket_bytes,
+                            alone=alone)
+        experts = zero_layout([p for p in params if p[0] in routed], stage=stage, n=routed_n,
+                              bucket_bytes=bucket_bytes)
+        return ZeroLayout(stage, n, dense.groups + tuple(_routed(g) for g in experts.groups))
     groups = [_group(name, [(name, shape)], dtype, n) for name, shape, dtype in params if name in alone]
     params = [p for p in params if p[0] not in alone]
     if stage == 3:
@@ -134,6 +158,12 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
     for k, span in enumerate(spans):
         groups.append(_group(f"bucket{k}", [order[i][:2] for i in span], order[span[0]][2], n))
     return ZeroLayout(stage, n, tuple(groups))
+
+
+def _routed(group: FlatGroup) -> FlatGroup:
+    """``group`` of routed experts' parameters, named and placed as such."""
+    name = f"expert_{group.name}" if group.name.startswith("bucket") else f"{group.name}:experts"
+    return FlatGroup(name, group.params, group.shapes, group.dtype, group.n, "ep_replicate")
 
 
 def _group(name: str, members: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, n: int) -> FlatGroup:

@@ -401,15 +401,11 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
 # ---------------------------------------------------------------------------
 
 def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why the runtime refuses ``config``'s expert parallelism ("" when it runs it): it composes with dp alone,
-    in the model's own precision, without recomputation, on experts written as a loop
+    """Why the runtime refuses ``config``'s expert parallelism ("" when it runs it): it composes with dp, pp, tp,
+    ZeRO 1-3, bf16/mixed precision and recomputation, not with hybrid sharding, on experts written as a loop
     (``passes/expert_parallel.check_composes``)."""
-    others = [f"{axis}={n}" for axis, n in (("pp", config.pp), ("tp", config.tp)) if n > 1]
-    others += [f"zero={config.zero}"] * bool(config.zero)
-    others += [f"precision={prec.name!r}"] * (prec.name in ("bf16", "mixed"))
-    others += [f"recompute={config.recompute_label()!r}"] * config.recomputes
-    if others:
-        return f"expert parallelism (ep={config.ep}) does not compose with {', '.join(others)} yet"
+    if config.dp_shard:
+        return f"expert parallelism (ep={config.ep}) does not compose with hybrid sharding yet"
     if profile.experts is not None and "grouped" in profile.experts.forms:
         return (f"ep={config.ep} needs experts written as a loop; Hugging Face's grouped matmul is refused under ep "
                 "(set model.config._experts_implementation = 'eager')")

@@ -6,8 +6,10 @@ The schedule is ``StepLR(step_size=1, gamma)``: the learning rate times
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
+import pytest
 import torch
 
 from autopar import ParallelModel
@@ -48,3 +50,20 @@ def scheduled_reference(model: torch.nn.Module, optimizer: Callable[[list], Any]
         sched.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_resumes_like_one_run(launcher: Callable, leg: Callable, legs: list[tuple[Any, tuple]], make: Callable,
+                                inputs: tuple, target: Any, loss_fn: Callable, optimizer: Callable[[list], Any],
+                                path: str) -> None:
+    """Runs ``leg(make, mesh, *args, path, load=, save=)`` for each ``(mesh, args)`` of ``legs`` in turn, each
+    resuming from the checkpoint the one before saved, and checks the losses and the last leg's state (its rank
+    0's ``"state"``) against one uninterrupted single-device run within 1e-11."""
+    losses: list[float] = []
+    for i, (mesh, args) in enumerate(legs):
+        runs = launcher(functools.partial(leg, make, mesh, *args, path, load=i > 0, save=i < len(legs) - 1),
+                        mesh.size)
+        losses += runs[0]["losses"]
+    want_losses, want_state = scheduled_reference(make(seed=0), optimizer, loss_fn, inputs, target, len(losses))
+    assert losses == pytest.approx(want_losses, rel=1e-11, abs=1e-13)
+    for key, value in want_state.items():
+        torch.testing.assert_close(runs[0]["state"][key], value, rtol=1e-11, atol=1e-13, msg=lambda m: f"{key}: {m}")
