@@ -46,9 +46,14 @@ def context_reasons(result: PlanResult) -> list[str]:
 
 
 def _versus(a: Candidate, b: Candidate) -> str:
-    """How ``a`` compares with ``b``: step times, and activations per device."""
+    """How ``a`` compares with ``b``: step times, the part that differs most, and activations per device."""
+    slower, faster = (a, b) if a.step_time > b.step_time else (b, a)
+    part = lambda k: float(slower.estimate.time[k]) - float(faster.estimate.time[k])  # noqa: E731
+    key = max(slower.estimate.time, key=part)
+    worse = (f", the slower's largest extra: {key.replace('_', ' ')} {_seconds(float(slower.estimate.time[key]))} "
+             f"vs {_seconds(float(faster.estimate.time[key]))}") if part(key) > 0 else ""
     return (f"{_seconds(a.step_time)} per step vs {_seconds(b.step_time)} for the best "
-            f"{'without' if a.config.cp > 1 else 'with'} cp ({b.config.describe()}), activations "
+            f"{'without' if a.config.cp > 1 else 'with'} cp ({b.config.describe()}){worse}; activations "
             f"{gb(a.memory['activations'])} vs {gb(b.memory['activations'])} per device")
 
 
