@@ -76,7 +76,8 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
 
 
 def _groups(c: Candidate) -> list[tuple]:
-    """The groups whose best the plan reports: its tp size, its pp size, hybrid sharding or not, and the
-    configurations autopar runs."""
+    """The groups whose best the plan reports: its tp size, its pp size, hybrid sharding or not, its cp size
+    (1 without context parallelism), and the configurations autopar runs."""
     cfg = c.config
-    return [("tp", cfg.tp), ("pp", cfg.pp), ("hybrid", cfg.dp_shard > 0)] + [("runnable",)] * c.runnable
+    return [("tp", cfg.tp), ("pp", cfg.pp), ("hybrid", cfg.dp_shard > 0), ("cp", cfg.cp)] \
+        + [("runnable",)] * c.runnable

@@ -44,6 +44,7 @@ class Config:
     sequence_parallel: bool = False  # tp > 1: the values between tensor-parallel regions sharded too
     dp_shard: int = 0  # hybrid sharding: ZeRO over this many dp ranks, dp // dp_shard replicas; 0: over all of dp
     ep: int = 1  # expert parallelism folded onto dp: routed experts spread over groups of ep consecutive dp ranks
+    cp: int = 1  # context parallelism: its own axis (Mesh(dp=, cp=)); each cp rank holds 1/cp of every sequence
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -71,23 +72,32 @@ class Config:
                              "all of dp")
         if self.ep < 1 or self.dp % self.ep:
             raise ValueError(f"ep={self.ep} folds onto dp={self.dp}: it must be a divisor of dp")
+        if self.cp < 1 or (self.cp > 1 and (self.dp_shard or self.ep > 1)):
+            raise ValueError(f"cp={self.cp} must be >= 1; with cp > 1 the planner models neither hybrid sharding "
+                             f"(dp_shard={self.dp_shard}) nor expert parallelism (ep={self.ep})")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that average gradients and the loss: dp x cp (cp ranks hold parts of the same sequences)."""
+        return self.dp * self.cp
 
     @property
     def zero_ranks(self) -> int:
-        """The dp ranks ZeRO divides by: the shard size under hybrid sharding, else all of dp."""
-        return self.dp_shard or self.dp
+        """The ranks ZeRO divides by: the shard size under hybrid sharding, else all of dp x cp (with context
+        parallelism ZeRO shards over dp x cp, as torchtitan's FSDP over ``dp_shard_cp``)."""
+        return self.dp_shard or self.dp_cp
 
     @property
     def replicas(self) -> int:
         """Replicas of the ZeRO shards whose gradients are all-reduced once per step (1 without hybrid sharding)."""
-        return self.dp // self.zero_ranks
+        return self.dp_cp // self.zero_ranks
 
     def dp_label(self) -> str:
         """``"8"``, or under hybrid sharding the mesh's spelling ``"(2, 4)"``: replicas, shards."""
@@ -126,7 +136,8 @@ class Config:
     def describe(self) -> str:
         sp = " sequence-parallel" if self.sequence_parallel else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        mesh = f"dp={self.dp_label()}{ep} pp={self.pp} tp={self.tp}{sp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        mesh = f"dp={self.dp_label()}{ep}{cp} pp={self.pp} tp={self.tp}{sp}"
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"
         return (f"{mesh} zero={self.zero}{sched} m={self.microbatches}x{self.microbatch_size}"

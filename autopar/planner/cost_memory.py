@@ -93,7 +93,7 @@ class MemoryAccount:
                 sum(2 * st[0].entering for st in stages))  # pipelines: a received activation and gradient per stage
         gathered, bucket, received = self._per_rank[key]
         out: Any = 0
-        if c.dp > 1:
+        if c.dp_cp > 1:
             out += gathered if c.zero == 3 else bucket
         if c.pp > 1:
             out += received

@@ -25,6 +25,7 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
+from autopar.planner.context_cost import ring_seconds, ring_step, sharded
 from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
@@ -87,7 +88,8 @@ class CostModel(MemoryAccount):
                 kept_selective=ev(part.kept_selective * act_bytes), communicated=ev(part.communicated * act_bytes),
                 collectives=tuple((c.op, c.direction, ev(c.elements * act_bytes)) for c in part.collectives),
                 ops=part.ops, params=part.params, trainable=frozenset(part.trainable), kind=seg.kind,
-                owner=seg.name.removesuffix(".*") + ".", deferred=part.deferred)
+                owner=seg.name.removesuffix(".*") + ".", deferred=part.deferred,
+                ring_kv=ev(part.ring_kv * act_bytes), attention_flops=ev(part.attention_flops))
         return self._values[key]
 
     def stages(self, config: Config) -> list[list[int]]:
@@ -138,11 +140,12 @@ class CostModel(MemoryAccount):
         """The segments of each stage of each pp rank, in pipeline order, at microbatch size ``b`` (shared: not
         to be changed)."""
         key = (config.tp, config.pp, config.stages_per_rank, config.schedule in V_SHAPED, b, config.sequence_parallel,
-               config.ep)
+               config.ep, config.cp)
         if key not in self._ranks:
             seq, stages, placement = self.profile.sequence(), self.stages(config), self.placement(config)
-            units = [self._intern([self._routed(self.values(seq[i], config.tp, b, config.sequence_parallel), config.ep,
-                                                b) for i in st])
+            units = [self._intern([self._sharded(self._routed(self.values(seq[i], config.tp, b,
+                                                                          config.sequence_parallel), config.ep, b),
+                                                 config.cp) for i in st])
                      for st in stages]
             self._ranks[key] = [self._intern([units[s] for s in range(len(stages)) if placement[s] == r])
                                 for r in range(config.pp)]
@@ -157,6 +160,28 @@ class CostModel(MemoryAccount):
         if key not in self._per_stage:
             self._per_stage[key] = routed(values, self.experts, ep, self.imbalance, b * self.seq_len)
         return self._per_stage[key]
+
+    def _sharded(self, values: SegmentValues, cp: int) -> SegmentValues:
+        """A segment's values on one cp rank (``context_cost.sharded``; one object per segment values and cp)."""
+        key = ("cp", id(values), cp)
+        if key not in self._per_stage:
+            self._per_stage[key] = sharded(values, cp)
+        return self._per_stage[key]
+
+    def ring_exchanges(self, config: Config, rank: int = 0) -> tuple[int, int, Any]:
+        """(attentions, exchanges, bytes) of the cp ring pp rank ``rank`` sends in one step
+        (``context_cost.ring_step``); zeros without cp."""
+        units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
+        return ring_step(units, config.cp, config.microbatches)
+
+    def _ring_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
+        """Exposed seconds of one microbatch's cp ring on a rank holding ``stages``, on the link its cp group
+        spans (``cp`` ranks ``pp * tp`` apart: ``cp * pp * tp`` consecutive ranks)."""
+        if c.cp == 1:
+            return 0
+        flops_per_s = self.cluster.peak(self.precision.name) * self.cluster.efficiency
+        return ring_seconds([u for st in stages for u in st], c.cp, self.cluster.link(c.cp * c.pp * c.tp).p2p(),
+                            flops_per_s)
 
     def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:
         """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step, its own rows included
@@ -276,6 +301,7 @@ class CostModel(MemoryAccount):
             "tensor_parallel": m * tp,
             "pipeline_p2p": m * p2p_t + sync,
             "expert_parallel": m * largest([self._all_to_all_seconds(c, stages) for stages in ranks]),
+            "context_parallel": m * largest([self._ring_seconds(c, stages) for stages in ranks]),
             "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo, bound),
             "shared_cores": 0,
             "data_parallel": serial + dp.exposed,
@@ -286,7 +312,7 @@ class CostModel(MemoryAccount):
             self._simulate_shared_cores(c, ranks, optimizer, accumulate, sync, out)
         elif cl.cores:  # symbolic in b: the node's total work over its cores bounds the step from below
             nodes = math.ceil(c.devices / cl.devices_per_node)
-            work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp * c.tp / (
+            work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp_cp * c.tp / (
                 cl.cores * nodes)
             out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
         axes = axis_links(c, cl, out, serial, dp) if numeric else {}
@@ -421,8 +447,8 @@ class CostModel(MemoryAccount):
         programs = step_programs(schedule, forward, backward, hops, hops[1:] + [Comm()], tails, c.microbatches,
                                  weight)
         nodes = math.ceil(c.devices / cl.devices_per_node)
-        alone = makespan(programs, replicas=c.dp * c.tp)
-        on_cores = makespan(programs, replicas=c.dp * c.tp, cores=cl.cores * nodes)
+        alone = makespan(programs, replicas=c.dp_cp * c.tp)
+        on_cores = makespan(programs, replicas=c.dp_cp * c.tp, cores=cl.cores * nodes)
         own = out["compute"] + out["tensor_parallel"] + out["data_parallel"] + out["contention"] + out["optimizer"] \
             + sync
         out["pipeline_p2p"] = min(out["pipeline_p2p"] - sync, max(alone - own, 0.0)) + sync

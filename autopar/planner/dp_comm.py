@@ -108,10 +108,10 @@ class DataParallel:
         ``streams``: the names of ZeRO's, the tp and all of dp's link (one name: one link);
         ``trainable``: the most trainable elements a rank holds. With the microbatch size symbolic nothing is
         simulated: the exposure is 0 (a lower bound)."""
-        if c.dp == 1:
+        if c.dp_cp == 1:
             return 0, Exposure()
         link, whole = links
-        loss = ring_all_reduce(8, c.dp, whole.p2p())  # the step's loss averaged over dp: one element, no payload
+        loss = ring_all_reduce(8, c.dp_cp, whole.p2p())  # the step's loss averaged over dp x cp: one element, no payload
         serial = loss
         if c.zero in (1, 2):  # the updated shards gathered after the optimizer step
             serial += ring_gather(trainable * self.precision.param, c.zero_ranks, link,
@@ -129,7 +129,7 @@ class DataParallel:
         reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
         compares both with the whole program)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
-        key = ("sim", id(stages), same, c.dp, c.dp_shard, c.zero, split, c.zero_prefetch, *map(id, links), streams)
+        key = ("sim", id(stages), same, c.dp_cp, c.dp_shard, c.zero, split, c.zero_prefetch, *map(id, links), streams)
         if key not in self.cache:
             self.cache[key] = ({}, self._units(c, stages, seconds(stages), links, streams, split))
         sims, (units, plan) = self.cache[key]
@@ -170,7 +170,7 @@ class DataParallel:
         """The events of a rank's step (``step_program``), all ``microbatches`` of them (default: the config's)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
         units, plan = self._units(c, stages, times, links, streams, split)
-        return step_program(units, plan if c.dp > 1 else None, microbatches or c.microbatches, tp_link=streams[1])
+        return step_program(units, plan if c.dp_cp > 1 else None, microbatches or c.microbatches, tp_link=streams[1])
 
     def _units(self, c: Any, stages: list[list[SegmentValues]], times: list[tuple], links: tuple[Link, Link],
                streams: tuple[str, ...], split: bool) -> tuple[list[Unit], DataParallelPlan]:

@@ -57,6 +57,7 @@ from autopar.planner.expert_cost import ExpertProfile, expert_profile, grouped_w
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
 from autopar.core.recompute_modes import COMMUNICATING
 from autopar.planner.profile_formulas import (b_sym, entering_elements, export_symbols, kept_elements, moved_elements,
+                                              ring_elements,
                                               numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)
 from autopar.passes.saved import saved_tensors
@@ -96,6 +97,8 @@ class Part:
     communicated: sympy.Expr = sympy.Integer(0)  # elements of tp collectives' forward outputs (recomputation keeps)
     deferred: dict[str, int] = field(default_factory=dict)  # parameter -> its matmuls whose gradient W computes
     entering: sympy.Expr | None = None  # sequence parallelism: elements entering, as sharded (None: the segment's)
+    ring_kv: sympy.Expr = sympy.Integer(0)  # elements of the attentions' K and V (a cp ring's block per step)
+    attention_flops: sympy.Expr = sympy.Integer(0)  # forward FLOPs of the attentions (a cp ring overlaps them)
 
     @property
     def param_elements(self) -> int:
@@ -256,6 +259,8 @@ class _Analysis:
                     flops=sum(flops.values(), zero), narrow=narrow, traffic=sympy.expand(traffic), saved=saved,
                     saved_other=saved_other, attention=attention, attention_fused=attention_fused, collectives=[],
                     ops=ops, kept_selective=kept_elements(self.saved, set(nodes), self.names, act_factor),
+                    ring_kv=ring_elements(set(nodes), self.names, act_factor),
+                    attention_flops=sum((f for nd, f in flops.items() if "scaled_dot_product" in str(nd.target)), zero),
                     deferred=dict(Counter(self.param_nodes[w] for nd in nodes
                                           if (w := deferred_weight(nd, self.trainable)) is not None)))
 

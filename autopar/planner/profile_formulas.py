@@ -104,6 +104,17 @@ def saved_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict,
     return floating, other_bytes, attention, attention_fused
 
 
+def ring_elements(nodes: set[fx.Node], names: dict, factors: dict[str, Any]) -> sympy.Expr:
+    """Elements of K and V of every ``scaled_dot_product_attention`` among ``nodes``: the block a context-parallel
+    ring passes on per step (as the attention receives them: after Hugging Face's ``repeat_kv`` for GQA)."""
+    out = sympy.Integer(0)
+    for node in nodes:
+        if "scaled_dot_product" in str(node.target):
+            k, v = node.args[1].meta["val"], node.args[2].meta["val"]
+            out += sympy.expand((to_sympy(k.numel(), names) + to_sympy(v.numel(), names)) * factors.get(node.name, 1))
+    return out
+
+
 def kept_elements(saved: SavedTensors, nodes: set[fx.Node], names: dict, factors: dict[str, Any]) -> sympy.Expr:
     """Elements of the outputs selective recomputation keeps (matmuls, attention) that ``nodes`` make;
     ``factors``: local/full size by node name."""

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
 from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
+from autopar.planner.context_report import context_reasons
 from autopar.planner.expert_report import expert_reasons
 from autopar.planner.megatron import HELD_OUT_ERROR
 
 if TYPE_CHECKING:
     from autopar.planner.search import Candidate, PlanResult
 
-TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "expert_parallel", "bubble", "shared_cores", "data_parallel",
-             "contention", "optimizer")
+TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "expert_parallel", "context_parallel", "bubble",
+             "shared_cores", "data_parallel", "contention", "optimizer")
 AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline",
               "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, after backward"}
 
@@ -70,8 +71,9 @@ def render_table(result: PlanResult, top: int = 10) -> str:
 
 
 def _ep(cfg: Config) -> str:
-    """The mesh column's expert parallelism: ``" ep4"`` (folded onto dp), nothing at ep=1."""
-    return f" ep{cfg.ep}" if cfg.ep > 1 else ""
+    """The mesh column's expert and context parallelism: ``" ep4"`` (folded onto dp), ``" cp4"`` (its own axis,
+    multiplying the ranks), nothing at 1."""
+    return (f" ep{cfg.ep}" if cfg.ep > 1 else "") + (f" cp{cfg.cp}" if cfg.cp > 1 else "")
 
 
 def render_plan(result: PlanResult, top: int = 10) -> str:
@@ -106,7 +108,7 @@ def explain(result: PlanResult) -> list[str]:
                    f"{gb(best.total_memory)}; add devices, lower the global batch or sequence, or use recomputation")
         return out
     c, e = best.config, best.estimate
-    out += _zero_reason(result) + _hybrid_reason(result) + expert_reasons(result)
+    out += _zero_reason(result) + _hybrid_reason(result) + expert_reasons(result) + context_reasons(result)
     b_max = result.max_microbatch_size(c)
     expr = result.memory_expr(c)
     at_one, at_two = float(expr.subs(b_sym, 1)), float(expr.subs(b_sym, 2))

@@ -23,12 +23,13 @@ from typing import Any, Iterator
 import sympy
 import torch
 
-from autopar.core.mesh import Mesh
+from autopar.core.mesh import AXES as MESH_AXES, Mesh
 from autopar.options import Parallelism
 from autopar.planner.bound import rank_key, timed_candidates
 from autopar.planner.cluster import Cluster, gb
 from autopar.core.dualpipe import min_microbatches
 from autopar.planner.config import MIXED_WITH, SCHEDULE_NAMES
+from autopar.planner.context_cost import LONG_SEQUENCE, context_sizes
 from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision,
                                         precision_of)
 from autopar.planner.model_profile import ModelProfile, profile_model
@@ -67,6 +68,9 @@ class Candidate:
             sizes["dp"] = (c.replicas, c.dp_shard)
         if c.ep > 1:  # expert parallelism folded onto dp: Mesh(dp=, ep=)
             sizes = {"dp": sizes["dp"], "ep": c.ep, **{k: v for k, v in sizes.items() if k != "dp"}}
+        if c.cp > 1:  # context parallelism: an axis of its own after dp, Mesh(dp=, cp=)
+            sizes = {**{k: v for k, v in sizes.items() if k == "dp"}, "cp": c.cp,
+                     **{k: v for k, v in sizes.items() if k != "dp"}}
         return Mesh(**(sizes or {"dp": 1}))
 
     @property
@@ -98,7 +102,7 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
         return {
-            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep}, "dp_shard": c.dp_shard, "zero": c.zero,
+            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep, "cp": c.cp}, "dp_shard": c.dp_shard, "zero": c.zero,
             "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
@@ -209,6 +213,7 @@ def plan(
     recompute_collectives: bool = False,
     hybrid: bool = True,
     expert_imbalance: float = 1.0,
+    cp: tuple[int, ...] | None = None,
     profile: ModelProfile | None = None,
     top: int | None = 20,
 ) -> PlanResult:
@@ -237,6 +242,9 @@ def plan(
     ``expert_imbalance``: for a model with routed experts, the busiest rank's routed rows over the mean
     under expert parallelism (1: balanced routing; it scales that rank's expert FLOPs and all-to-all bytes);
     every ep degree that divides dp and the expert count is searched (``autopar/planner/expert_cost.py``).
+    ``cp``: the context-parallel degrees searched (``autopar/planner/context_cost.py``); None: each divisor
+    of ``devices`` whose ``2 cp`` chunks divide ``seq_len``, searched when the sequence is long
+    (``LONG_SEQUENCE`` tokens or more) or when no configuration without cp fits; ``()``: none.
     ``profile``: reuse a ``profile_model`` result (planning several clusters or batch sizes).
     ``top``: rank exactly the best ``top`` configurations, the best of each
     tp and each pp size and the best autopar runs; the step time of a
@@ -264,6 +272,13 @@ def plan(
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch,
                                               node=node)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
+    if seq_len and profile.has_sequence and (cp or (cp is None and (
+            seq_len >= LONG_SEQUENCE or (evaluated and not any(c.fits for c in evaluated))))):
+        for n in context_sizes(devices, seq_len, cp):
+            evaluated += [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
+                                                       recompute=recompute, tp=tp, pp=pp,
+                                                       max_microbatch=max_microbatch, cp=n)
+                          if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
     evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
     evaluated += sequence_parallel(cost, evaluated, cluster, prec, profile)
     if not evaluated:
@@ -291,12 +306,19 @@ def plan(
 def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero: tuple[int, ...] = (0, 1, 2, 3),
                  schedules: tuple[str, ...] = SCHEDULE_NAMES,
                  recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
-                 pp: tuple[int, ...] | None = None, max_microbatch: int = 16, node: int = 0) -> Iterator[Config]:
+                 pp: tuple[int, ...] | None = None, max_microbatch: int = 16, node: int = 0,
+                 cp: int = 1) -> Iterator[Config]:
     """Every configuration of ``devices`` devices that splits ``global_batch`` evenly; with ``node`` (devices per
     node), at ZeRO 1-3 also hybrid sharding over each shard size whose group of ``shard * pp * tp`` consecutive
     ranks stays inside a node (``Config.dp_shard``); for a model with routed experts, without hybrid sharding,
-    also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count)."""
+    also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count).
+    With ``cp`` > 1: the configurations of ``devices / cp`` ranks per cp rank (``Config.cp``), without hybrid
+    sharding or ep, ZeRO sharding over dp x cp."""
     layers = sum(seg.count for seg in profile.layers)
+    if devices % cp:
+        return
+    devices //= cp
+    node = node if cp == 1 else 0
     for t in sorted(profile.tp_sizes):
         if devices % t or (tp is not None and t not in tp):
             continue
@@ -307,17 +329,17 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
             if global_batch % dp:
                 continue
             local = global_batch // dp
-            eps = [1] + (profile.experts.ep_sizes(dp) if profile.experts is not None else [])
+            eps = [1] + (profile.experts.ep_sizes(dp) if profile.experts is not None and cp == 1 else [])
             for b in [d for d in _divisors(local) if d <= max_microbatch]:
                 m = local // b
                 for sched, v in _schedules(schedules, p, m, layers):
-                    for z in [z for z in zero if dp > 1 or z == 0]:
+                    for z in [z for z in zero if dp * cp > 1 or z == 0]:
                         for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
                             for rc in recompute:
                                 for e in eps if not shard else [1]:
                                     yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
                                                  microbatches=m, microbatch_size=b, recompute=rc, dp_shard=shard,
-                                                 ep=e)
+                                                 ep=e, cp=cp)
 
 
 def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:
@@ -388,6 +410,8 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
     if config.ep > 1 and (why := expert_parallel_refused(config, prec, profile)):
         return why
+    if config.cp > 1 and (why := context_parallel_refused(config, prec)):
+        return why
     if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
         return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
     if prec != precision_of(profile.dtype):
@@ -410,6 +434,27 @@ def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfi
         return (f"ep={config.ep} needs experts written as a loop; Hugging Face's grouped matmul is refused under ep "
                 "(set model.config._experts_implementation = 'eager')")
     return ""
+
+
+def context_parallel_refused(config: Config, prec: Precision) -> str:
+    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=)`` composes
+    with dp and microbatches alone, in fp32, without ZeRO or recomputation (``program.check_context_parallel``),
+    and needs a runtime with the ``cp`` axis."""
+    if "cp" not in MESH_AXES:
+        return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
+    others = _beyond_dp(config, prec)
+    if others:
+        return f"context parallelism (cp={config.cp}) does not compose with {', '.join(others)} yet"
+    return ""
+
+
+def _beyond_dp(config: Config, prec: Precision) -> list[str]:
+    """What ``config`` runs beyond data parallelism in the model's precision without recomputation (what ep and
+    cp do not compose with yet), each as the error names it."""
+    others = [f"{axis}={n}" for axis, n in (("pp", config.pp), ("tp", config.tp)) if n > 1]
+    others += [f"zero={config.zero}"] * bool(config.zero)
+    others += [f"precision={prec.name!r}"] * (prec.name in ("bf16", "mixed"))
+    return others + [f"recompute={config.recompute_label()!r}"] * config.recomputes
 
 
 def _divisors(n: int) -> list[int]:

@@ -35,6 +35,8 @@ class SegmentValues:
     kind: str
     owner: str  # a layer's module path and a dot: the parameters under it are the layer's own
     deferred: dict[str, int] = field(default_factory=dict)  # parameter -> its matmuls whose gradient W computes
+    ring_kv: Any = 0  # bytes of the attentions' K and V per microbatch (a context-parallel ring's block)
+    attention_flops: Any = 0  # forward FLOPs of the attentions (part of ``flops``)
     # derived: the parameters stored once per rank, and the elements of the others
     common: dict[str, int] = field(init=False, repr=False)
     own: int = field(init=False, repr=False)
