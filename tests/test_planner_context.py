@@ -143,3 +143,25 @@ def test_runnable_only_never_picks_what_the_runtime_refuses(profile):
     for c in result.candidates:
         if c.config.cp > 1:
             assert c.config.zero == 0 and c.config.tp == c.config.pp == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_runnable_cp_candidates_are_exactly_those_the_runtime_accepts(profile, precision: str) -> None:
+    """Each cp candidate's runnability against the runtime's own check (``program.check_context_parallel``)."""
+    from autopar.core.errors import UnsupportedError
+    from autopar.options import Options
+    from autopar.program import check_context_parallel
+
+    result = _plan(profile, 16384, precision=precision, zero=(0, 3), top=None)
+    cps = [c for c in result.every.values() if c.config.cp > 1 and not c.config.dp_shard and c.config.ep == 1]
+    assert cps
+    for c in cps:
+        opts = c.parallelize_options()
+        options = Options(zero=opts["zero"], precision=opts["precision"], recompute=opts["recompute"],
+                          sequence_parallel=opts["sequence_parallel"])
+        try:
+            check_context_parallel(c.mesh, options)
+            accepted = True
+        except UnsupportedError:
+            accepted = False
+        assert c.runnable == accepted, (c.config.describe(), c.not_runnable)
