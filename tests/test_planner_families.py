@@ -38,7 +38,7 @@ TESTS = str(Path(__file__).parent)
 T = transformers
 # T5 captures an encoder and a decoder at four tp sizes: about 15 s each on 2 cores; Mistral, Qwen2, Gemma and
 # LLaMA-2 7B are decoders like LLaMA-2 70B, which the default run keeps
-SLOW = {"t5-3b", "t5-11b", "llama2-7b", "mistral-7b", "qwen2-7b", "gemma-7b"}
+SLOW = {"t5-3b", "t5-11b", "llama2-7b", "llama2-70b", "mistral-7b", "qwen2-7b", "gemma-7b", "vit-huge"}
 
 
 def _active_params(layer: torch.nn.Module) -> int:
@@ -112,6 +112,7 @@ def test_a_meta_models_profile_is_the_cpu_models(factory: Callable) -> None:
                 [(x.op, x.direction, x.elements) for x in c.collectives]
 
 
+@pytest.mark.slow
 def test_t5s_first_block_is_profiled_apart_and_the_shortened_capture_matches_the_full_one() -> None:
     with torch.device("meta"):
         model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=4,
