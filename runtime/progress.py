@@ -35,6 +35,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from autopar.runtime.groups import TIMEOUT
+
 KEY = "progress/{index}/{rank}"  # (index: the how-manieth runtime of the job on every rank, from 1)
 RUNTIMES = "runtimes/{rank}"
 FAILURE = "failure"
@@ -43,8 +45,7 @@ CHECK_S = float(os.environ.get("AUTOPAR_DESYNC_CHECK_S", "5"))
 
 def stall_s() -> float:
     """Seconds a peer may stay away from the call another rank waits in before the job stops naming it."""
-    timeout = float(os.environ.get("AUTOPAR_TIMEOUT_S", "300"))
-    return float(os.environ.get("AUTOPAR_STALL_S", str(0.9 * timeout)))
+    return float(os.environ.get("AUTOPAR_STALL_S", str(0.9 * TIMEOUT.total_seconds())))
 
 
 @dataclass(frozen=True)
