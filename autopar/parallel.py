@@ -125,15 +125,18 @@ class ParallelModel:
     def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds).
 
-        ``layers``: with them, ZeRO's events of the same run, by start: each layer's gathers, backward
-        compute and gradient reduce-scatters (``runtime/zero_trace.py``; docs/zero.md).
+        ``layers``: with them, the events inside those actions, by start: ZeRO's gathers, backward compute and
+        gradient reduce-scatters of each layer (``runtime/zero_trace.py``; docs/zero.md), and each wait of ring
+        attention for a K/V block or its gradients (``"ring_wait"``: the ring's exposed communication).
         """
         if self._rt is None:
             return []
         actions = list(self._rt.executor.timeline)
-        if not (layers and actions and self._rt.zero is not None):
+        if not (layers and actions):
             return actions
-        events = self._rt.zero.trace.between(actions[0][1], actions[-1][2])
+        events = list(self._rt.binding.waits)
+        if self._rt.zero is not None:
+            events += self._rt.zero.trace.between(actions[0][1], actions[-1][2])
         return sorted(actions + events, key=lambda record: record[1])
 
     def communication(self, *, calls: bool = False) -> dict[str, int]:

@@ -207,7 +207,7 @@ class Cluster:
         link = Link(bandwidth, latency, gather=gather, scatter=scatter, p2p_latency=p2p)
         return cls(name=f"local cpu ({ranks} ranks, measured)", devices_per_node=ranks, memory=memory,
                    peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
-                   contention=contention, op_overhead=overhead, fused_attention=False, memory_bandwidth=stream,
+                   contention=contention, op_overhead=overhead, fused_attention=True, memory_bandwidth=stream,
                    cores=os.cpu_count() or 1)
 
 
@@ -447,7 +447,7 @@ PRESETS: dict[str, Cluster] = {
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,
         peak_flops=100e9, peak_flops_fp32=100e9, intra=_CPU_LINK, inter=_CPU_LINK, efficiency=1.0, contention=1.0,
-        op_overhead=4.5e-6, fused_attention=False, memory_bandwidth=5.5 * GB, cores=2),
+        op_overhead=4.5e-6, fused_attention=True, memory_bandwidth=5.5 * GB, cores=2),
 }
 
 
