@@ -248,6 +248,7 @@ def parallelize(
     recompute: str | dict[str, str] | Callable[[str], str] | None = None,
     sequence_parallel: bool | None = None,
     batch: str = "global",
+    cp_attention: str = "ring",
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -288,6 +289,11 @@ def parallelize(
     a local batch too, and ``pm(x)`` returns this rank's outputs (scalars such as a
     loss averaged over dp); training equals single-device training on the shards
     concatenated in dp order. "global" (the default): every rank passes the global batch.
+    ``cp_attention`` (meshes with cp > 1): ``"ring"`` (the default) passes K/V blocks
+    around the cp ranks, each exchange overlapped with a block's attention;
+    ``"all_to_all"`` exchanges heads for sequence (DeepSpeed-Ulysses): each rank
+    computes the whole sequence's attention for ``heads / cp`` heads, fewer bytes
+    than the ring from cp = 4 on, not overlapped; the head count must divide by cp.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -307,7 +313,7 @@ def parallelize(
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
                       max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
                       recompute="none" if recompute is None else recompute,
-                      sequence_parallel=bool(sequence_parallel), batch=batch)
+                      sequence_parallel=bool(sequence_parallel), batch=batch, cp_attention=cp_attention)
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

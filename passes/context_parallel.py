@@ -6,6 +6,8 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 - each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
   becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
   around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
+  With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
+  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
 - each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
@@ -37,6 +39,8 @@ from autopar.core.errors import UnsupportedError
 from autopar.core.graph import Captured, SlotKind, copy_module
 from autopar.core.plan import Collective, Plan
 from autopar.core.ring_attention import cp_positions, ring_attention
+from autopar.core.ulysses import fake_outputs as ulysses_shapes
+from autopar.core.ulysses import ulysses_attention
 
 aten = torch.ops.aten
 AXIS = "cp"
@@ -54,6 +58,7 @@ SLICE = aten.slice.Tensor
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
+ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
 GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
 
 
@@ -66,12 +71,26 @@ class ContextParallelGraph:
     positions: int  # aranges and slices made global
     shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
 
+    # all_to_all: bytes of the rank's Q, K, V and output (with its log-sum-exp) exchanged per forward, and of
+    # the output's gradient, dQ, dK and dV per backward, per microbatch (None for the ring)
+    exchanged: tuple[int, int] | None = None
+
     def add_to(self, plan: Plan, cp: int) -> None:
-        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch; backward
-        ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one home)."""
+        """The exchanges per step. The ring: forward ``cp - 1`` K/V blocks per attention and microbatch;
+        backward ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one
+        home). All-to-all: forward Q, K, V and the output (4 calls), backward the output's gradient and dQ, dK,
+        dV (4 calls), each the rank's whole tensor (``(cp - 1) / cp`` of it leaves the rank)."""
         m = plan.microbatches
         kv = sum(b for _, _, b in self.attentions)
         n = len(self.attentions) * m
+        if self.exchanged:
+            forward, backward = self.exchanged
+            plan.collectives += [
+                Collective(AXIS, "all_to_all", 4 * n, forward * m, "forward, heads for sequence: Q, K, V, output",
+                           "forward"),
+                Collective(AXIS, "all_to_all", 4 * n, backward * m,
+                           "backward, the output's gradient and dQ, dK, dV", "backward")]
+            return
         plan.collectives += [
             Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
                        "forward"),
@@ -80,12 +99,15 @@ class ContextParallelGraph:
         ]
 
 
-def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph:
-    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc)."""
+def context_parallel(cap: Captured, cp: int, local: int, attention: str = "ring") -> ContextParallelGraph:
+    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc), each
+    attention a ring or (``attention="all_to_all"``) an exchange of heads for sequence."""
     gm = copy_module(cap.gm)
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
-    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target in ATTENTIONS]
+    exchanged = [0, 0]
+    attentions = [_ring(graph, n, local, cp if attention == "all_to_all" else 0, exchanged)
+                  for n in list(graph.nodes) if n.target in ATTENTIONS]
     shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
@@ -104,7 +126,7 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
     _check_no_sequence_shift(graph, kinds, local)
     graph.lint()
     gm.recompile()
-    return ContextParallelGraph(gm, attentions, moved, shifted)
+    return ContextParallelGraph(gm, attentions, moved, shifted, tuple(exchanged) if exchanged[0] else None)
 
 
 def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
@@ -133,7 +155,10 @@ def _form(node: fx.Node) -> tuple[bool, str]:
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
-def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
+def _ring(graph: fx.Graph, node: fx.Node, local: int, heads_over: int,
+          exchanged: list[int]) -> tuple[str, tuple[int, ...], int]:
+    """``node`` as a ring, or with ``heads_over`` (the cp size) as an exchange of heads for sequence, adding its
+    forward and backward bytes to ``exchanged``."""
     args = _arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
     if args.get("attn_mask") is not None:
@@ -149,19 +174,29 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, .
                              f"{local}")
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
+    call = (q, k, v, scale, bool(args.get("is_causal", False)), AXIS)
+    if heads_over:
+        if any(s[1] % heads_over for s in shapes):
+            raise _refused(node, f"query/key/value heads {[s[1] for s in shapes]} do not divide by cp={heads_over} "
+                                 f"for the all-to-all; use cp_attention='ring' or a cp dividing the heads")
+        call += (heads_over,)
+        vals = [x.meta["val"] for x in (q, k, v)]
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        exchanged[0] += sum(map(size, vals)) + size(vals[0]) // vals[0].shape[-1] * (vals[2].shape[-1] + 1)
+        exchanged[1] += sum(map(size, vals)) + size(vals[0]) // vals[0].shape[-1] * vals[2].shape[-1]
     with graph.inserting_after(node):
-        ring = graph.call_function(RING, (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
+        ring = graph.call_function(ULYSSES if heads_over else RING, call)
+    val = node.meta["val"][0] if node.target is CPU_SDPA else node.meta["val"]
+    ring.meta["val"] = ulysses_shapes(*(x.meta["val"] for x in (q, k, v)), *call[3:]) if heads_over else \
+        (val, val.new_empty(val.shape[:-1]))
     if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
         if any(u.args[1] != 0 and u.users for u in node.users):
             raise _refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
                                  "only")
-        ring.meta["val"] = node.meta["val"]
         _replace(graph, node, ring)
     else:
         with graph.inserting_after(ring):
             out = graph.call_function(operator.getitem, (ring, 0))
-        val = node.meta["val"]
-        ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
         _replace(graph, node, out)
     kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
     return node.name, shapes[1], kv

@@ -6,9 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import autopar
+import models
+from autopar import Mesh
 from autopar.core.collectives import Binding, bind
+from autopar.core.errors import UnsupportedError
 from autopar.core.ring_attention import positions
 from autopar.core.ulysses import ulysses_attention
+from autopar.testing import assert_equivalent
 
 B, H, S, D = 2, 4, 16, 8
 
@@ -33,3 +38,38 @@ def _rank(causal: bool) -> float:
 @pytest.mark.parametrize("cp, causal", [(2, True), (2, False), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_ulysses_equals_whole_sequence_attention(launcher, cp: int, causal: bool) -> None:
     assert max(launcher(_rank, cp, causal)) < 1e-13
+
+
+IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+TARGET = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("name, mesh", [("llama", Mesh(cp=2)), pytest.param("gpt2", Mesh(cp=4), marks=pytest.mark.slow),
+                                        pytest.param("llama", Mesh(dp=2, cp=2), marks=pytest.mark.slow)])
+def test_all_to_all_attention_equals_one_device(launcher, name: str, mesh: Mesh) -> None:
+    """``cp_attention="all_to_all"``: every attention exchanges heads for sequence; AdamW, float64."""
+    assert_equivalent(models.factory(getattr(models, name)), mesh, (IDS,), TARGET, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, cp_attention="all_to_all")
+
+
+def _exchanges() -> tuple[dict[str, int], dict[str, int], list[tuple[int, int]], str]:
+    pm = autopar.parallelize(models.llama(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                             cp_attention="all_to_all")
+    pm.step(IDS, target=TARGET)
+    return (pm.communication(calls=True), pm.communication(),
+            [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp"], pm.graph(0).code)
+
+
+def test_all_to_alls_run_as_planned(launcher) -> None:
+    """The plan's all-to-alls (4 per attention forward, 4 backward) are the calls and bytes a step runs."""
+    for calls, sent, planned, code in launcher(_exchanges, 2):
+        assert (calls["all_to_all@cp"], sent["all_to_all@cp"]) == tuple(map(sum, zip(*planned)))
+        assert [c for c, _ in planned] == [8, 8]  # 2 layers
+        assert code.count("torch.ops.autopar.ulysses_attention.default(") == 2
+
+
+def test_heads_not_dividing_by_cp_are_refused() -> None:
+    pm = autopar.parallelize(models.llama(heads=2, kv_heads=2), Mesh(cp=4), loss_fn=models.lm_loss,
+                             optimizer=models.adamw, cp_attention="all_to_all")
+    with pytest.raises(UnsupportedError, match=r"heads \[2, 2, 2\] do not divide by cp=4.*cp_attention='ring'"):
+        pm.compile((IDS,), {}, TARGET)

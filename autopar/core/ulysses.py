@@ -122,14 +122,14 @@ def ulysses_attention_backward(dout: torch.Tensor, qg: torch.Tensor, kg: torch.T
     return dq, dk, dv
 
 
-def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
+def fake_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
           cp: int) -> tuple[torch.Tensor, ...]:
     b, h, s, d = q.shape
     group = [x.new_empty(b, h // cp, cp * s, x.shape[-1]) for x in (q, k, v, v)]
     return (q.new_empty(b, h, s, v.shape[-1]), q.new_empty(b, h, s), *group, q.new_empty(b, h // cp, cp * s))
 
 
-ulysses_attention.register_fake(_fake)
+ulysses_attention.register_fake(fake_outputs)
 ulysses_attention_backward.register_fake(lambda dout, qg, kg, vg, out, lse, scale, causal, axis: (
     torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)))
 
