@@ -375,13 +375,9 @@ def per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
 
 
 def check_composes(mesh: Mesh, *, zero: int = 0, precision: str = "fp32", recompute: object = "none") -> None:
-    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result).
-    ZeRO, precision and recomputation all compose with it; they are accepted so that a caller can ask about a
-    whole configuration."""
-    if mesh.hybrid:
-        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with hybrid sharding "
-                               f"dp={mesh.dp_split} yet; use Mesh(dp={mesh.dp}, ep={mesh.ep}) with zero=1-3 (expert "
-                               "state is then sharded over the ranks holding the same experts), or drop ep")
+    """Refuses, naming the numbers, what expert parallelism does not compose with (never a wrong result): nothing
+    today. ZeRO, hybrid sharding (``Mesh`` checks that ep divides the shard size), precision and recomputation
+    all compose with it; they are accepted so that a caller can ask about a whole configuration."""
 
 
 def no_experts_found(model: torch.nn.Module, ep: int) -> UnsupportedError:
