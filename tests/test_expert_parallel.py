@@ -143,11 +143,13 @@ def test_experts_that_do_not_divide_by_ep_are_refused() -> None:
 
 
 def test_experts_it_does_not_recognise_are_refused() -> None:
-    """Hugging Face's grouped-matmul experts have no loop to split: named, with the switch that gives one."""
-    with pytest.raises(UnsupportedError, match=r"ep=2, but MixtralForCausalLM has no routed-experts layer .*"
-                                               r"model.config._experts_implementation = 'eager'"):
-        parallelize(models.mixtral(layers=1, dtype=torch.float64), Mesh(dp=2, ep=2), example_inputs=(IDS,),
-                    example_target=TARGET, loss_fn=models.lm_loss)
+    """Hugging Face's batched-matmul experts (every expert on every token, then masked): named, with the switches
+    that give a form it takes (tests/test_expert_grouped.py runs the grouped one)."""
+    with pytest.raises(UnsupportedError, match=r"ep=2, but MixtralForCausalLM has no routed-experts layer .*run as "
+                                               r"'batched_mm': set model.config._experts_implementation = "
+                                               r"'grouped_mm' \(Hugging Face's default\) or 'eager'"):
+        parallelize(models.mixtral(layers=1, experts_implementation="batched_mm"), Mesh(dp=2, ep=2),
+                    example_inputs=(IDS,), example_target=TARGET, loss_fn=models.lm_loss)
 
 
 class _WeightedInputs(torch.nn.Module):
