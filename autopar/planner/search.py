@@ -425,14 +425,13 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
 # ---------------------------------------------------------------------------
 
 def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why the runtime refuses ``config``'s expert parallelism ("" when it runs it): it composes with dp, pp, tp,
-    ZeRO 1-3, bf16/mixed precision and recomputation, not with hybrid sharding, on experts written as a loop
-    (``passes/expert_parallel.check_composes``)."""
+    """Why ``config``'s expert parallelism is not offered ("" when it is): the runtime runs it with dp, pp, tp,
+    ZeRO 1-3, hybrid sharding, bf16/mixed precision and recomputation, on experts written as a loop or as Hugging
+    Face's grouped matmul (``passes/expert_parallel.check_composes``); the search does not weigh it with hybrid
+    sharding."""
     if config.dp_shard:
-        return f"expert parallelism (ep={config.ep}) does not compose with hybrid sharding yet"
-    if profile.experts is not None and "grouped" in profile.experts.forms:
-        return (f"ep={config.ep} needs experts written as a loop; Hugging Face's grouped matmul is refused under ep "
-                "(set model.config._experts_implementation = 'eager')")
+        return (f"the planner does not model expert parallelism (ep={config.ep}) with hybrid sharding; the runtime "
+                f"runs it when given the mesh, Mesh(dp=({config.replicas}, {config.dp_shard}), ep={config.ep})")
     return ""
 
 
