@@ -183,8 +183,10 @@ class Mesh:
 
     @property
     def zero_axis(self) -> str:
-        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, else ``dp``."""
-        return DP_SUBAXES[1] if self.hybrid else "dp"
+        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, ``dp_cp`` under context parallelism
+        (parameters are replicated over cp, so their state is sharded over dp x cp; docs/decisions.md), else
+        ``dp``."""
+        return DP_SUBAXES[1] if self.hybrid else DP_CP if self.cp > 1 else "dp"
 
     def coord(self, rank: int, axis: str) -> int:
         """``rank``'s index on ``axis`` or on a dp sub-axis."""
@@ -195,6 +197,8 @@ class Mesh:
         if axis in EP_SUBAXES:
             g, i = divmod(d.dp, self.ep)
             return i if axis == "ep" else g
+        if axis == DP_CP:  # (the order of ``group_of``: dp-major)
+            return d.dp * self.cp + d.cp
         return d.on(axis)
 
     def coords(self, rank: int) -> Coords:
