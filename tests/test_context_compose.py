@@ -13,6 +13,7 @@ import torch
 import models
 from autopar import Mesh, parallelize
 from autopar.core.errors import UnsupportedError
+from autopar.passes.context_parallel import RING
 from autopar.testing import assert_equivalent
 from harness.mixed import assert_mixed
 
@@ -80,3 +81,22 @@ def test_compositions_not_supported_are_refused(mesh: Mesh, options: dict, named
     with pytest.raises(UnsupportedError, match=rf"with {named}: context parallelism \(cp=2\) does not compose"):
         pm = parallelize(models.gpt2(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
         pm.compile((IDS,), {}, TARGET)
+
+
+def _ring_under_tp(sequence_parallel: bool) -> tuple[dict, dict, list, list]:
+    """One LLaMA step on Mesh(tp=2, cp=2): ring exchanges run (calls, bytes), planned, and the rings' q shapes."""
+    pm = parallelize(LLAMA(), Mesh(tp=2, cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                     sequence_parallel=sequence_parallel)
+    pm.step(IDS, target=TARGET)
+    rings = [tuple(nd.args[0].meta["val"].shape) for nd in pm.graph(0).graph.nodes if nd.target is RING]
+    return (pm.communication(calls=True), pm.communication(),
+            [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp"], rings)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_tp_shards_the_heads_and_the_ring_passes_them(launcher, sequence_parallel: bool) -> None:
+    """LLaMA's 4 heads: 2 per tp rank in every ring (batch 4, 4 tokens per cp rank, head dim 8), and each ring
+    passes those heads' K and V: the exchanges run are the plan's, calls and bytes."""
+    for calls, sent, planned, rings in launcher(_ring_under_tp, 4, sequence_parallel):
+        assert rings == [(4, 2, 4, 8)] * 2
+        assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
