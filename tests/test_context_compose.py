@@ -100,3 +100,18 @@ def test_tp_shards_the_heads_and_the_ring_passes_them(launcher, sequence_paralle
     for calls, sent, planned, rings in launcher(_ring_under_tp, 4, sequence_parallel):
         assert rings == [(4, 2, 4, 8)] * 2
         assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
+
+
+def _ring_calls(mode: str) -> int:
+    """Ring exchanges of one LLaMA step (2 attentions) at cp=2 under recompute ``mode``."""
+    pm = parallelize(LLAMA(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw, recompute=mode)
+    pm.step(IDS, target=TARGET)
+    return pm.communication(calls=True)["ring_send_recv@cp"]
+
+
+def test_full_recomputation_replays_the_ring_and_selective_keeps_it(launcher) -> None:
+    """At cp=2 an attention exchanges K/V once forward and three times backward: 8 calls for two attentions.
+    "full" runs each ring's forward again in backward (2 more); "selective" keeps the ring's output as it keeps
+    an attention's, and exchanges no more than without recomputation."""
+    calls = {mode: launcher(_ring_calls, 2, mode) for mode in ("none", "selective", "full")}
+    assert calls == {"none": [8, 8], "selective": [8, 8], "full": [10, 10]}, calls
