@@ -62,7 +62,8 @@ def test_recomputation_replays_the_ring(launcher, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mesh, options", [(Mesh(tp=2, cp=2), {}), (Mesh(tp=2, cp=2), {"sequence_parallel": True}),
-                                           (Mesh(pp=2, cp=2), {"microbatches": 2})])
+                                           (Mesh(pp=2, cp=2), {"microbatches": 2})],
+                         ids=["tp2-cp2", "tp2-cp2-sp", "pp2-cp2"])
 def test_tp_and_pp_with_cp(launcher, mesh: Mesh, options: dict) -> None:
     _exact(LLAMA, mesh, launcher, **options)
 
