@@ -200,8 +200,10 @@ class Mesh:
 
     @property
     def zero_axis(self) -> str:
-        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, else ``dp``."""
-        return DP_SUBAXES[1] if self.hybrid else "dp"
+        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, ``dp_cp`` under context parallelism
+        (parameters are replicated over cp, so their state is sharded over dp x cp; docs/decisions.md), else
+        ``dp``."""
+        return DP_SUBAXES[1] if self.hybrid else DP_CP if self.cp > 1 else "dp"
 
     def coord(self, rank: int, axis: str) -> int:
         """``rank``'s index on ``axis`` or on a dp sub-axis."""
@@ -212,6 +214,8 @@ class Mesh:
         if axis in EP_SUBAXES:
             g, i = divmod(d.dp if axis != "ep_shard" else d.dp % self.dp_shard, self.ep)
             return i if axis == "ep" else g
+        if axis == DP_CP:  # (the order of ``group_of``: dp-major)
+            return d.dp * self.cp + d.cp
         return d.on(axis)
 
     def coords(self, rank: int) -> Coords:

@@ -436,24 +436,12 @@ def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfi
 
 
 def context_parallel_refused(config: Config, prec: Precision) -> str:
-    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=)`` composes
-    with dp and microbatches alone, in fp32, without ZeRO or recomputation (``program.check_context_parallel``),
-    and needs a runtime with the ``cp`` axis."""
+    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=, pp=, tp=)``
+    composes with ZeRO 1-3, bf16/mixed precision and recomputation (``program.check_context_parallel``; hybrid
+    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis."""
     if "cp" not in MESH_AXES:
         return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
-    others = _beyond_dp(config, prec)
-    if others:
-        return f"context parallelism (cp={config.cp}) does not compose with {', '.join(others)} yet"
     return ""
-
-
-def _beyond_dp(config: Config, prec: Precision) -> list[str]:
-    """What ``config`` runs beyond data parallelism in the model's precision without recomputation (what ep and
-    cp do not compose with yet), each as the error names it."""
-    others = [f"{axis}={n}" for axis, n in (("pp", config.pp), ("tp", config.tp)) if n > 1]
-    others += [f"zero={config.zero}"] * bool(config.zero)
-    others += [f"precision={prec.name!r}"] * (prec.name in ("bf16", "mixed"))
-    return others + [f"recompute={config.recompute_label()!r}"] * config.recomputes
 
 
 def _divisors(n: int) -> list[int]:
