@@ -20,15 +20,38 @@ IDS16 = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3)
 TARGET16 = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
 
 
-def _equivalent(launcher, make: object, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor, **kwargs: object) -> None:
-    assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
-                      launcher=launcher, kwargs=kwargs or None)
+def _equivalent(launcher, make: object, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor,
+                bounds: dict | None = None, **kwargs: object) -> None:
+    assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, launcher=launcher,
+                      kwargs=kwargs or None, **(bounds or {"rtol": 1e-9, "atol": 1e-10}))
 
 
 @pytest.mark.parametrize("window", [3, 4])
 def test_mistral_sliding_window_cp2(launcher, window: int) -> None:
     """A window of 3 or 4 tokens on 8: it binds on the whole sequence (a chunk holds 2, a rank 4 tokens)."""
     _equivalent(launcher, models.factory(models.mistral, window=window), Mesh(cp=2), IDS, TARGET)
+
+
+def gemma2_sdpa() -> torch.nn.Module:
+    """Gemma-2 (alternating sliding-window and global layers) without attention soft-capping, on its SDPA
+    attention: Hugging Face declines SDPA for Gemma-2 at construction because of soft-capping, so the model is
+    built eager and switched (with soft-capping on, eager attention is refused: test_context_parallel.py)."""
+    model = models.gemma2()
+    model.config.attn_logit_softcapping = None
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+# Gemma-2's norms compute in float32 and sum their weights' gradients over the tokens in float32: over the cp
+# ranks' chunks in another order than on one device, so its bounds are float32's (updates measured within 4.5e-8)
+FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-7, "update_rtol": 1e-5}
+
+
+def test_gemma2_alternating_windows_cp2(launcher) -> None:
+    """Layer 0 with a window of 4 tokens on 8, layer 1 global (causal): two masks, each from the graph."""
+    _equivalent(launcher, gemma2_sdpa, Mesh(cp=2), IDS, TARGET, FLOAT32_NORMS)
 
 
 def _padding(left: bool) -> torch.Tensor:
@@ -89,3 +112,58 @@ def test_mask_from_an_op_without_a_rule_is_refused() -> None:
 def _compile(model: torch.nn.Module, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor, **kwargs: object) -> None:
     pm = autopar.parallelize(model, mesh, loss_fn=models.lm_loss, optimizer=models.adamw)
     pm.compile((ids,), kwargs, target)
+
+
+@pytest.mark.parametrize("name, mesh, kwargs", [
+    ("mistral", Mesh(dp=2, cp=2), {}), ("llama", Mesh(dp=2, cp=2), {"padded": True}),
+    pytest.param("mistral", Mesh(cp=4), {}, marks=pytest.mark.slow),
+    pytest.param("bert", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
+    pytest.param("llama", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
+    pytest.param("gemma2_sdpa", Mesh(cp=4), {}, marks=pytest.mark.slow),
+])
+def test_wider_meshes_with_masks(launcher, name: str, mesh: Mesh, kwargs: dict) -> None:
+    """16 tokens: Mistral's window of 4 spans a chunk boundary on every rank at cp=4 (chunks of 2); padded
+    sequences (4 and 3 pads, labels ignored there) with the padding gathered from four ranks."""
+    ids, target = torch.cat([IDS16, IDS16.flip(1)]), torch.cat([TARGET16, TARGET16.flip(0)])
+    make = gemma2_sdpa if name == "gemma2_sdpa" else models.factory(getattr(models, name))
+    extra = {}
+    if kwargs.get("padded"):
+        mask = torch.ones_like(ids)
+        mask[0, 12:], mask[1, :3], mask[2, :5], mask[3, 9:] = 0, 0, 0, 0
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    bounds = FLOAT32_NORMS if name == "gemma2_sdpa" else None
+    _equivalent(launcher, make, mesh, ids, target, bounds, **extra)
+
+
+@pytest.mark.parametrize("cp, window", [(2, 3), (4, 3), (4, 5)])
+def test_blocks_a_window_leaves_empty_are_skipped(cp: int, window: int) -> None:
+    """Each rank computes exactly the (query chunk, key chunk) pairs where its rows of a sliding-window mask
+    let some query see some key; the others are skipped."""
+    from autopar.core.ring_attention import _pairs, balanced_chunks, positions
+
+    n, c = 4 * cp, 2  # sequence length, chunk length
+    q, k = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+    whole = (k <= q) & (k > q - window)  # (S, S)
+    blocks = whole.view(2 * cp, c, 2 * cp, c).any(3).any(1)  # (query chunk, key chunk): non-empty
+    for me in range(cp):
+        rows = whole[positions(2 * c, cp, me)][None, None]  # (1, 1, local, S)
+        computed = {(balanced_chunks(cp, me)[a], balanced_chunks(cp, src)[b])
+                    for src in range(cp) for a, b, _, _ in _pairs(cp, me, src, False, rows, c)}
+        assert computed == {(qc, kc) for qc in balanced_chunks(cp, me) for kc in range(2 * cp) if blocks[qc, kc]}
+    assert int(blocks.sum()) < (2 * cp) * (2 * cp + 1) // 2  # fewer than causal attention alone computes
+
+
+def _gathers() -> tuple[dict[str, int], dict[str, int], list[tuple[int, int]]]:
+    """One step of BERT with a padding mask at cp=2: the gathers run (calls, bytes) and the plan's."""
+    mask = _padding(False)
+    pm = autopar.parallelize(models.bert(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.step(IDS, attention_mask=mask, target=_ignored(TARGET, mask))
+    return (pm.communication(calls=True), pm.communication(),
+            [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp" and c.op == "all_gather"])
+
+
+def test_padding_gathers_run_as_planned(launcher) -> None:
+    """The padding mask is gathered once per step for all layers: one all-gather of each rank's (2, 4) chunk."""
+    for calls, sent, planned in launcher(_gathers, 2):
+        assert planned == [(1, 2 * 4 * 8)]
+        assert (calls["all_gather@cp"], sent["all_gather@cp"]) == planned[0]
