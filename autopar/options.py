@@ -86,3 +86,4 @@ class Parallelism:
     precision: str = "fp32"
     recompute: Choice = "none"
     sequence_parallel: bool = False
+    cp_attention: str = "ring"

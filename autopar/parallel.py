@@ -306,6 +306,7 @@ def parallelize(
         stages_per_rank, precision = chosen.stages_per_rank, chosen.precision
         recompute = chosen.recompute if recompute is None else recompute
         sequence_parallel = chosen.sequence_parallel if sequence_parallel is None else sequence_parallel
+        cp_attention = chosen.cp_attention
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,

@@ -85,3 +85,26 @@ def test_mask_tensors_and_tp_are_refused() -> None:
         pm.compile((IDS,), {"attention_mask": mask}, TARGET)
     with pytest.raises(UnsupportedError, match=r"cp_attention='all_to_all'.*use cp_attention='ring' with tp=2"):
         autopar.parallelize(models.llama(), Mesh(cp=2, tp=2), cp_attention="all_to_all")
+
+
+def test_planner_weighs_the_all_to_all_against_the_ring() -> None:
+    """The planner offers each cp configuration at tp = 1 with the ring and, where cp divides the heads, with
+    the all-to-all; its all-to-all bytes are the runtime's plan's (the log-sum-exp column apart), and the
+    chosen form travels to ``parallelize`` with the configuration."""
+    from autopar.planner import plan
+    from autopar.planner.config import Config
+
+    result = plan(models.llama(), 2, cluster="cpu", global_batch=2, seq_len=16, precision="fp64", optimizer="adam",
+                  tp=(1,), pp=(1,), zero=(0,), recompute=("none",), cp=(2,), top=None,
+                  example_inputs=(IDS,))
+    ring, a2a = (result.candidate(Config(dp=1, cp=2, microbatch_size=2, cp_attention=how))
+                 for how in ("ring", "all_to_all"))
+    assert a2a.parallelism.cp_attention == "all_to_all" and ring.parallelism.cp_attention == "ring"
+    attentions, calls, nbytes = result.cost.ring_exchanges(a2a.config)
+    assert (attentions, calls) == (2, 16)
+    runtime = autopar.parallelize(models.llama(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                                  cp_attention="all_to_all")
+    runtime.compile((IDS,), {}, TARGET)
+    planned = sum(c.bytes for c in runtime.plan.collectives if c.axis == "cp")
+    assert nbytes == pytest.approx(planned, rel=0.05)  # the output's log-sum-exp column: 1 / (D + 1) of a tensor
+    assert result.cost.ring_exchanges(ring.config)[2] == nbytes  # cp = 2: as many bytes as the ring
