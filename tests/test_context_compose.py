@@ -84,12 +84,12 @@ def test_compositions_not_supported_are_refused(mesh: Mesh, options: dict, named
         pm.compile((IDS,), {}, TARGET)
 
 
-def _ring_under_tp(sequence_parallel: bool) -> tuple[dict, dict, list, list]:
-    """One LLaMA step on Mesh(tp=2, cp=2): ring exchanges run (calls, bytes), planned, and the rings' q shapes."""
-    pm = parallelize(LLAMA(), Mesh(tp=2, cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
-                     sequence_parallel=sequence_parallel)
+def _ring_traffic(mesh: Mesh, options: dict) -> tuple[dict, dict, list, list]:
+    """One LLaMA step: ring exchanges run (calls, bytes), planned, and the q shapes of the rank's rings."""
+    pm = parallelize(LLAMA(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
     pm.step(IDS, target=TARGET)
-    rings = [tuple(nd.args[0].meta["val"].shape) for nd in pm.graph(0).graph.nodes if nd.target is RING]
+    own = pm.compile((IDS,), {}, TARGET).own_stages(torch.distributed.get_rank())  # (the program the step ran)
+    rings = [tuple(nd.args[0].meta["val"].shape) for st in own for nd in st.gm.graph.nodes if nd.target is RING]
     return (pm.communication(calls=True), pm.communication(),
             [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp"], rings)
 
@@ -98,8 +98,17 @@ def _ring_under_tp(sequence_parallel: bool) -> tuple[dict, dict, list, list]:
 def test_tp_shards_the_heads_and_the_ring_passes_them(launcher, sequence_parallel: bool) -> None:
     """LLaMA's 4 heads: 2 per tp rank in every ring (batch 4, 4 tokens per cp rank, head dim 8), and each ring
     passes those heads' K and V: the exchanges run are the plan's, calls and bytes."""
-    for calls, sent, planned, rings in launcher(_ring_under_tp, 4, sequence_parallel):
+    for calls, sent, planned, rings in launcher(_ring_traffic, 4, Mesh(tp=2, cp=2),
+                                                {"sequence_parallel": sequence_parallel}):
         assert rings == [(4, 2, 4, 8)] * 2
+        assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
+
+
+def test_pp_ranks_plan_the_rings_of_their_stages(launcher) -> None:
+    """pp=2 x cp=2, two microbatches: each pp rank holds one of LLaMA's two attentions (whole heads, 2 sequences
+    of 4 tokens per microbatch), and the plan counts that rank's exchanges, not the whole model's."""
+    for calls, sent, planned, rings in launcher(_ring_traffic, 4, Mesh(pp=2, cp=2), {"microbatches": 2}):
+        assert rings == [(2, 4, 4, 8)]
         assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
 
 
@@ -116,3 +125,19 @@ def test_full_recomputation_replays_the_ring_and_selective_keeps_it(launcher) ->
     an attention's, and exchanges no more than without recomputation."""
     calls = {mode: launcher(_ring_calls, 2, mode) for mode in ("none", "selective", "full")}
     assert calls == {"none": [8, 8], "selective": [8, 8], "full": [10, 10]}, calls
+
+
+@pytest.mark.slow  # three legs on up to 4 ranks
+def test_zero_checkpoints_move_between_cp_and_other_meshes(launcher, tmp_path) -> None:
+    """LLaMA saved on dp=2 x cp=2 at ZeRO-3 (state sharded over the four ranks), resumed on dp=2 at ZeRO-1, then
+    on cp=2 at ZeRO-2: equal to one uninterrupted device."""
+    from test_checkpoint_reshard import _assert_chain_equals_one_device
+
+    _assert_chain_equals_one_device(launcher, str(tmp_path / "ckpt"), models.factory(models.llama),
+                                    [(dict(dp=2, cp=2), 3, 2), (dict(dp=2), 1, 1), (dict(cp=2), 2, 1)])
+
+
+@pytest.mark.slow  # eight ranks
+def test_cp_with_pp_tp_and_zero3(launcher) -> None:
+    """Every axis at once: cp=2 x pp=2 x tp=2, ZeRO-3 over the cp ranks, two microbatches."""
+    _exact(LLAMA, Mesh(cp=2, pp=2, tp=2), launcher, zero=3, microbatches=2)
