@@ -1,6 +1,6 @@
 """Context parallelism composed with ZeRO, mixed precision, recomputation, tp and pp: float64, exact.
 
-Each run trains LLaMA or GPT-2 with AdamW for two steps on balanced chunks of every sequence (ring attention
+Each run trains LLaMA with AdamW for two steps on balanced chunks of every sequence (ring attention
 over cp) and compares the loss of each step, the outputs and every parameter with one device
 (``assert_equivalent``). Under ZeRO the parameters' state is sharded over dp x cp (``Mesh.zero_axis``):
 parameters are replicated over cp, so the ``dp * cp`` ranks share one copy (docs/decisions.md).
@@ -58,6 +58,7 @@ def test_zero_memory_divides_by_dp_times_cp(launcher, zero: int) -> None:
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recomputation_replays_the_ring(launcher, mode: str) -> None:
+    """cp=2: each layer's region recomputed in backward (full: with its ring, whose exchanges run again)."""
     _exact(LLAMA, Mesh(cp=2), launcher, recompute=mode)
 
 
@@ -65,11 +66,15 @@ def test_recomputation_replays_the_ring(launcher, mode: str) -> None:
                                            (Mesh(pp=2, cp=2), {"microbatches": 2})],
                          ids=["tp2-cp2", "tp2-cp2-sp", "pp2-cp2"])
 def test_tp_and_pp_with_cp(launcher, mesh: Mesh, options: dict) -> None:
+    """tp=2 x cp=2 (the rings hold a tp rank's heads), with sequence parallelism (the sp shards are shards of
+    the local chunk), and pp=2 x cp=2 (the stages pass the local chunks)."""
     _exact(LLAMA, mesh, launcher, **options)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mixed"])
 def test_precision_with_cp(launcher, precision: str) -> None:
+    """bf16 compute (the rings in bf16) with fp32 masters, ZeRO-3 over dp x cp: within the mixed-precision
+    bounds of one device running the same policy (SGD, so a gradient off by a factor shows per parameter)."""
     assert_mixed(models.factory(models.llama, dtype=torch.float32), Mesh(dp=2, cp=2), (IDS,), TARGET, models.lm_loss,
                  models.sgd, 3, launcher, precision, zero=3)
 
@@ -79,6 +84,7 @@ def test_precision_with_cp(launcher, precision: str) -> None:
     (Mesh(dp=2, cp=2), {"batch": "local"}, "batch='local'"),
 ])
 def test_compositions_not_supported_are_refused(mesh: Mesh, options: dict, named: str) -> None:
+    """ep, hybrid sharding and local batches under cp: refused at compile time, naming each."""
     with pytest.raises(UnsupportedError, match=rf"with {named}: context parallelism \(cp=2\) does not compose"):
         pm = parallelize(models.gpt2(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
         pm.compile((IDS,), {}, TARGET)
@@ -141,3 +147,19 @@ def test_zero_checkpoints_move_between_cp_and_other_meshes(launcher, tmp_path) -
 def test_cp_with_pp_tp_and_zero3(launcher) -> None:
     """Every axis at once: cp=2 x pp=2 x tp=2, ZeRO-3 over the cp ranks, two microbatches."""
     _exact(LLAMA, Mesh(cp=2, pp=2, tp=2), launcher, zero=3, microbatches=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", [
+    (Mesh(dp=2, cp=2), {"zero": 3, "recompute": "selective"}), (Mesh(dp=2, cp=2), {"zero": 3, "recompute": "full"}),
+    (Mesh(tp=2, cp=2), {"recompute": "full"}), (Mesh(pp=2, cp=2), {"microbatches": 2, "recompute": "selective"}),
+], ids=["dp2-cp2-zero3-selective", "dp2-cp2-zero3-full", "tp2-cp2-full", "pp2-cp2-selective"])
+def test_recomputation_with_other_axes(launcher, mesh: Mesh, options: dict) -> None:
+    _exact(LLAMA, mesh, launcher, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_precision_with_tp_and_cp(launcher, precision: str) -> None:
+    assert_mixed(models.factory(models.llama, dtype=torch.float32), Mesh(tp=2, cp=2), (IDS,), TARGET,
+                 models.lm_loss, models.sgd, 3, launcher, precision)
