@@ -33,6 +33,14 @@ def test_zero_over_dp_and_cp(launcher, zero: int) -> None:
     _exact(LLAMA, Mesh(dp=2, cp=2), launcher, zero=zero)
 
 
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=(2, 1), cp=2), 3),
+                                        pytest.param(Mesh(dp=(2, 2), cp=2), 2, marks=pytest.mark.slow)],
+                         ids=["dp(2,1)-cp2-zero3", "dp(2,2)-cp2-zero2"])
+def test_hybrid_sharding_shards_over_dp_shard_and_cp(launcher, mesh: Mesh, zero: int) -> None:
+    """Hybrid sharding: ZeRO over each replica's dp_shard x cp ranks (``dp_shard_cp``), replicas averaged."""
+    _exact(LLAMA, mesh, launcher, zero=zero)
+
+
 def _memory(mesh: Mesh, zero: int) -> tuple[dict, dict, int]:
     model = LLAMA()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -80,11 +88,10 @@ def test_precision_with_cp(launcher, precision: str) -> None:
 
 
 @pytest.mark.parametrize("mesh, options, named", [
-    (Mesh(dp=2, cp=2, ep=2), {}, "ep"), (Mesh(dp=(2, 2), cp=2), {"zero": 3}, "hybrid dp"),
-    (Mesh(dp=2, cp=2), {"batch": "local"}, "batch='local'"),
+    (Mesh(dp=2, cp=2, ep=2), {}, "ep"), (Mesh(dp=2, cp=2), {"batch": "local"}, "batch='local'"),
 ])
 def test_compositions_not_supported_are_refused(mesh: Mesh, options: dict, named: str) -> None:
-    """ep, hybrid sharding and local batches under cp: refused at compile time, naming each."""
+    """ep and local batches under cp: refused at compile time, naming each."""
     with pytest.raises(UnsupportedError, match=rf"with {named}: context parallelism \(cp=2\) does not compose"):
         pm = parallelize(models.gpt2(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
         pm.compile((IDS,), {}, TARGET)
@@ -163,3 +170,14 @@ def test_recomputation_with_other_axes(launcher, mesh: Mesh, options: dict) -> N
 def test_precision_with_tp_and_cp(launcher, precision: str) -> None:
     assert_mixed(models.factory(models.llama, dtype=torch.float32), Mesh(tp=2, cp=2), (IDS,), TARGET,
                  models.lm_loss, models.sgd, 3, launcher, precision)
+
+
+def test_zero_groups_under_cp() -> None:
+    """ZeRO's axis under cp: all dp x cp ranks, or each replica's dp_shard x cp ranks under hybrid sharding."""
+    assert Mesh(dp=2, cp=2).zero_axis == "dp_cp" and Mesh(dp=2, cp=2, tp=2).groups("dp_cp") == [[0, 2, 4, 6],
+                                                                                              [1, 3, 5, 7]]
+    hybrid = Mesh(dp=(2, 2), cp=2)
+    assert hybrid.zero_axis == "dp_shard_cp" and hybrid["dp_shard_cp"] == 4
+    assert hybrid.groups("dp_shard_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [hybrid.coord(r, "dp_shard_cp") for r in range(8)] == [0, 1, 2, 3] * 2
+    assert hybrid.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
