@@ -126,12 +126,14 @@ def _context_parallel(c: Compilation) -> None:
     if local is None:
         raise UnsupportedError(f"{c.mesh} has cp={c.mesh.cp}, but no input has a sequence dim (dim 1 of a "
                                f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
-    same_attention(_export(c, c.whole).gm, c.captured.gm)  # the model's masks at the local length and the whole
-    found = context_parallel(c.captured, c.mesh.cp, local)
+    whole = _export(c, c.whole).gm  # the model on whole sequences: its attentions' forms and masks
+    same_attention(whole, c.captured.gm)
+    found = context_parallel(c.captured, c.mesh.cp, local, whole, c.options.cp_attention)
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
-    c.detail = (f"{len(found.attentions)} attentions as rings over cp={c.mesh.cp}, {found.positions} positions "
+    c.detail = (f"{len(found.attentions)} attentions as {c.options.cp_attention} over cp={c.mesh.cp}, "
+                f"{found.positions} positions "
                 f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
 
 

@@ -214,6 +214,10 @@ def check_context_parallel(mesh: Mesh, options: Options) -> None:
         raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) does not "
                                f"compose with expert parallelism or batch='local' in this version; use "
                                f"{_without_ep(mesh)} with batch='global', or drop cp")
+    if options.cp_attention == "all_to_all" and mesh.tp > 1:
+        raise UnsupportedError(f"{mesh} with cp_attention='all_to_all': the all-to-all attention has no tp sharding "
+                               f"rule in this version (the ring has: its heads are sharded over tp); use "
+                               f"cp_attention='ring' with tp={mesh.tp}, or tp=1")
 
 
 def _without_ep(mesh: Mesh) -> str:

@@ -6,6 +6,8 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 - each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
   becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
   around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
+  With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
+  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
 - each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
@@ -37,6 +39,9 @@ from autopar.core.errors import UnsupportedError
 from autopar.core.graph import Captured, SlotKind, copy_module
 from autopar.core.plan import Collective, Plan
 from autopar.core.ring_attention import cp_positions, ring_attention
+from autopar.core.ulysses import fake_outputs as ulysses_shapes
+from autopar.core.ulysses import ulysses_attention
+from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
 AXIS = "cp"
@@ -54,6 +59,7 @@ SLICE = aten.slice.Tensor
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
+ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
 GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
 
 
@@ -65,13 +71,30 @@ class ContextParallelGraph:
     attentions: list[tuple[str, tuple[int, ...], int]]  # (node, k shape, bytes of K and V) per attention
     positions: int  # aranges and slices made global
     shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
+    gathered: tuple[int, ...] = ()  # bytes per rank of each input masks read on whole sequences (gathered)
+    # all_to_all: bytes of the rank's Q, K, V and output (with its log-sum-exp) exchanged per forward, and of
+    # the output's gradient, dQ, dK and dV per backward, per microbatch (None for the ring)
+    exchanged: tuple[int, int] | None = None
 
     def add_to(self, plan: Plan, cp: int) -> None:
-        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch; backward
-        ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one home)."""
+        """The exchanges per step. The ring: forward ``cp - 1`` K/V blocks per attention and microbatch;
+        backward ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one
+        home). All-to-all: forward Q, K, V and the output (4 calls), backward the output's gradient and dQ, dK,
+        dV (4 calls), each the rank's whole tensor (``(cp - 1) / cp`` of it leaves the rank)."""
         m = plan.microbatches
         kv = sum(b for _, _, b in self.attentions)
         n = len(self.attentions) * m
+        if self.exchanged:
+            forward, backward = self.exchanged
+            plan.collectives += [
+                Collective(AXIS, "all_to_all", 4 * n, forward * m, "forward, heads for sequence: Q, K, V, output",
+                           "forward"),
+                Collective(AXIS, "all_to_all", 4 * n, backward * m,
+                           "backward, the output's gradient and dQ, dK, dV", "backward")]
+            return
+        plan.collectives += [Collective(AXIS, "all_gather", len(self.gathered) * m, sum(self.gathered) * m,
+                                        "forward, inputs attention masks read on whole sequences", "forward")
+                             ] if self.gathered else []
         plan.collectives += [
             Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
                        "forward"),
@@ -80,12 +103,19 @@ class ContextParallelGraph:
         ]
 
 
-def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph:
-    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc)."""
+def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule | None = None,
+                     attention: str = "ring") -> ContextParallelGraph:
+    """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc);
+    ``whole``: the model captured on whole sequences, whose attention masks the rank evaluates on its rows;
+    each attention a ring or (``attention="all_to_all"``) an exchange of heads for sequence."""
     gm = copy_module(cap.gm)
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
-    attentions = [_ring(graph, n, local) for n in list(graph.nodes) if n.target in ATTENTIONS]
+    nodes = [n for n in graph.nodes if n.target in ATTENTIONS]
+    wholes = _whole_attentions(whole, len(nodes))
+    exchanged = [0, 0]
+    rings = [_ring(graph, n, local, w, cp if attention == "all_to_all" else 0, exchanged)
+             for n, w in zip(nodes, wholes)]
     shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
@@ -98,22 +128,25 @@ def context_parallel(cap: Captured, cp: int, local: int) -> ContextParallelGraph
                 picked = graph.call_function(aten.index_select.default, (node.args[0], _dim(node), pos))
             _replace(graph, node, picked)
             moved += 1
+    masks = _attach_masks(graph, whole, kinds, local, rings, wholes)
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
     _check_no_sequence_square(graph, local)
     _check_no_sequence_shift(graph, kinds, local)
     graph.lint()
     gm.recompile()
-    return ContextParallelGraph(gm, attentions, moved, shifted)
+    return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
+                                tuple(exchanged) if exchanged[0] else None)
 
 
 def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
-    """The attentions of the graph captured on whole sequences and on one rank's chunks agree in form (mask
-    tensor or none, causal or not): a model may build its mask from the sequence length (Mistral's sliding
-    window is dropped when the window covers the sequence), and the rank's graph must keep the whole one's."""
+    """The attentions of the graph captured on whole sequences and on one rank's chunks agree in form (causal
+    or not) where the whole one has no mask tensor; where it has one, the rank evaluates that mask on its rows
+    whatever the local capture holds (Mistral's sliding window is folded to ``is_causal`` on a chunk no longer
+    than the window)."""
     forms = [[_form(n) for n in gm.graph.nodes if n.target in ATTENTIONS] for gm in (whole, local)]
     for i, (a, b) in enumerate(zip(*forms)):
-        if a != b:
+        if a != b and not a[0]:
             raise UnsupportedError(f"context parallelism: attention {i} is {a[1]} on whole sequences and {b[1]} on "
                                    f"one cp rank's chunks: the model builds its mask from the sequence length (e.g. a "
                                    f"sliding window), which this version does not shard; run it without cp")
@@ -133,38 +166,88 @@ def _form(node: fx.Node) -> tuple[bool, str]:
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
-def _ring(graph: fx.Graph, node: fx.Node, local: int) -> tuple[str, tuple[int, ...], int]:
+def _whole_attentions(whole: fx.GraphModule | None, n: int) -> list[fx.Node | None]:
+    """The attentions of the whole-sequence graph, in order (Nones without one)."""
+    if whole is None:
+        return [None] * n
+    found = [node for node in whole.graph.nodes if node.target in ATTENTIONS]
+    if len(found) != n:
+        raise UnsupportedError(f"context parallelism: the model has {len(found)} attentions on whole sequences "
+                               f"and {n} on one cp rank's chunks; run it without cp")
+    return found
+
+
+def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, heads_over: int,
+          exchanged: list[int]) -> tuple[fx.Node, tuple[str, tuple[int, ...], int]]:
+    """``node`` rewritten to the ring (``whole``: the same attention on whole sequences, whose form it takes),
+    or with ``heads_over`` (the cp size) to an exchange of heads for sequence, its forward and backward bytes
+    added to ``exchanged``."""
     args = _arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
-    if args.get("attn_mask") is not None:
-        raise _refused(node, f"its mask {args['attn_mask'].name} is a tensor; context parallelism evaluates "
-                             f"causal masks (is_causal=True) or none per block, and does not shard a mask tensor")
+    causal = bool((_arguments(whole) if whole is not None else args).get("is_causal", False))
+    if whole is None and args.get("attn_mask") is not None:
+        raise refused(node, f"its mask {args['attn_mask'].name} is a tensor, and the graph on whole sequences "
+                            f"it is taken from is not given")
     if args.get("dropout_p", 0.0):
-        raise _refused(node, f"it has dropout_p={args['dropout_p']}; set the attention dropout to 0")
+        raise refused(node, f"it has dropout_p={args['dropout_p']}; set the attention dropout to 0")
     if args.get("enable_gqa", False):
-        raise _refused(node, "it shares K/V heads (enable_gqa=True); repeat them before the attention")
+        raise refused(node, "it shares K/V heads (enable_gqa=True); repeat them before the attention")
     shapes = [tuple(x.meta["val"].shape) for x in (q, k, v)]
     if any(s[-2] != local for s in shapes):
-        raise _refused(node, f"query/key/value lengths {[s[-2] for s in shapes]} are not the local sequence length "
+        raise refused(node, f"query/key/value lengths {[s[-2] for s in shapes]} are not the local sequence length "
                              f"{local}")
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
+    call = (q, k, v, scale, causal, AXIS)
+    if heads_over:
+        call += (heads_over,)
+        _all_to_all_bytes(node, [x.meta["val"] for x in (q, k, v)], heads_over, exchanged)
     with graph.inserting_after(node):
-        ring = graph.call_function(RING, (q, k, v, scale, bool(args.get("is_causal", False)), AXIS))
+        ring = graph.call_function(ULYSSES if heads_over else RING, call)
+    val = node.meta["val"][0] if node.target is CPU_SDPA else node.meta["val"]
+    ring.meta["val"] = ulysses_shapes(*(x.meta["val"] for x in (q, k, v)), *call[3:]) if heads_over else \
+        (val, val.new_empty(val.shape[:-1]))
     if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
         if any(u.args[1] != 0 and u.users for u in node.users):
-            raise _refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
+            raise refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
                                  "only")
-        ring.meta["val"] = node.meta["val"]
         _replace(graph, node, ring)
     else:
         with graph.inserting_after(ring):
             out = graph.call_function(operator.getitem, (ring, 0))
-        val = node.meta["val"]
-        ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
         _replace(graph, node, out)
     kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
-    return node.name, shapes[1], kv
+    return ring, (node.name, shapes[1], kv)
+
+
+def _all_to_all_bytes(node: fx.Node, qkv: list[torch.Tensor], cp: int, exchanged: list[int]) -> None:
+    """Adds what the all-to-alls of one attention send to ``exchanged`` (forward: Q, K, V and the output with its
+    log-sum-exp; backward: the output's gradient, dQ, dK, dV); refuses heads that do not divide by ``cp``."""
+    heads = [x.shape[1] for x in qkv]
+    if any(h % cp for h in heads):
+        raise refused(node, f"query/key/value heads {heads} do not divide by cp={cp} for the all-to-all; use "
+                            f"cp_attention='ring' or a cp dividing the heads")
+    size = [x.numel() * x.element_size() for x in qkv]
+    row = size[0] // qkv[0].shape[-1]  # bytes of one element per query row and head
+    exchanged[0] += sum(size) + row * (qkv[2].shape[-1] + 1)
+    exchanged[1] += sum(size) + row * qkv[2].shape[-1]
+
+
+def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.Node, SlotKind], local: int,
+                  rings: list[tuple[fx.Node, tuple]], wholes: list[fx.Node | None]) -> tuple[int, ...]:
+    """Each ring whose attention has a mask tensor on whole sequences reads the rank's rows of that mask
+    (``passes/context_masks.py``); the bytes per rank of the inputs gathered for them."""
+    if whole is None:
+        return ()
+    copies = MaskCopies(graph, whole.graph, kinds, local, AXIS)
+    for (ring, _), attention in zip(rings, wholes):
+        mask = _arguments(attention).get("attn_mask")
+        if mask is not None and ring.target is ULYSSES:
+            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='all_to_all' evaluates causal "
+                                     f"masks or none; use cp_attention='ring'")
+        if mask is not None:
+            ring.args = (*ring.args, copies.rows_of(mask, ring))
+    return tuple(x.meta["val"].numel() * x.meta["val"].element_size() for x in copies.gathered)
 
 
 def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
@@ -173,14 +256,14 @@ def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
     live = _live(graph)
     for node in graph.nodes:
         if node in live and node.target in FUSED:
-            raise _refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
+            raise refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
                                  "on the CPU (autopar does by default) or with scaled_dot_product_attention")
         val = node.meta.get("val")
         if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
             continue
         if (node.target in SOFTMAXES and val.shape[-1] == local) or (
                 node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
-            raise _refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
+            raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
                                  f"itself: an attention in a form context parallelism does not rewrite (eager "
                                  f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
                                  f"without cp")
@@ -222,7 +305,7 @@ def _label_shifts(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -
         if not all(u.target is SLICE and _dim(u) in (1, -1) and u.args[2] == 1 for u in cuts):
             continue
         if set(x.users) != {node}:
-            raise _refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
+            raise refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
                                  f"labels before the model (and pass the shifted ones)")
         for cut in cuts:
             cut.replace_all_uses_with(x)
@@ -256,10 +339,10 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
         if node.target is SLICE:
             start, end = (list(node.args[2:4]) + [None, None])[:2]
             if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
-                raise _refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
+                raise refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
                                      f"a shift inside the sequence, which crosses the cp ranks' chunks")
         elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
-            raise _refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
+            raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
 
 
 def _sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -310,9 +393,3 @@ def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
             new.meta.setdefault(key, old.meta[key])
     old.replace_all_uses_with(new)
     graph.erase_node(old)
-
-
-def _refused(node: fx.Node, why: str) -> UnsupportedError:
-    trace = node.meta.get("stack_trace")
-    where = f" (at {trace.strip().splitlines()[-1].strip()})" if trace else ""
-    return UnsupportedError(f"context parallelism: node {node.name} ({node.target}){where}: {why}")

@@ -88,25 +88,10 @@ def test_sequence_not_divisible_by_two_cp_is_refused() -> None:
         _compile(models.gpt2, Mesh(cp=2), IDS[:, :6], TARGET[:, :6])
 
 
-def test_mask_tensor_is_refused_not_replaced() -> None:
-    """BERT with a padding mask: the attention's mask is a tensor, which this version does not shard."""
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[:, 6:] = 0
-    with pytest.raises(UnsupportedError, match=r"scaled_dot_product_attention.*its mask .* is a tensor"):
-        _compile(models.bert, Mesh(cp=2), IDS, TARGET, attention_mask=mask)
-
-
 def test_eager_attention_is_refused() -> None:
     """Gemma-2 in eager attention (matmul-softmax-matmul, sliding-window masks): refused, naming the node."""
     with pytest.raises(UnsupportedError, match=r"relates the local sequence \(4 tokens\) to itself.*sdpa"):
         _compile(models.gemma2, Mesh(cp=2), IDS, TARGET)
-
-
-def test_sliding_window_is_refused_not_dropped() -> None:
-    """Mistral's window of 4 tokens binds on the 8-token sequence but not on a rank's 4 tokens, where Hugging Face
-    drops the mask for ``is_causal``: the rank's graph would lose the window. Refused, naming both forms."""
-    with pytest.raises(UnsupportedError, match=r"masked by a tensor on whole sequences and causal on one cp rank"):
-        _compile(models.mistral, Mesh(cp=2), IDS, TARGET)
 
 
 def test_sliding_window_covering_the_sequence_runs(launcher) -> None:

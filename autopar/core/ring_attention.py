@@ -4,12 +4,18 @@ Layout (``balanced_chunks``): a sequence of ``S`` tokens is cut into ``2 * cp`` 
 cp rank ``i`` holds chunks ``i`` and ``2 * cp - 1 - i``, concatenated, so that under a causal mask every
 rank does the same work. ``positions`` are the global positions of a rank's tokens.
 
-``ring_attention(q, k, v, scale, causal, axis)`` -> ``(out, lse)``: the rank's queries ``q`` (B, H, s, D)
-attend to the keys and values of the whole sequence. The K/V blocks travel around the cp group (rank ``r``
+``ring_attention(q, k, v, scale, causal, axis, mask)`` -> ``(out, lse)``: the rank's queries ``q`` (B, H, s, D)
+attend to the keys and values of the whole sequence. ``mask`` (optional): the rows of the single-device mask for
+the rank's queries against every key in global order, (B or 1, H or 1, s or 1, S), boolean (True: attend) or
+added to the scores; each block reads its columns, and a block it leaves entirely masked is skipped. Rows that
+no key may attend give 0 (as SDPA's), not NaN. The K/V blocks travel around the cp group (rank ``r``
 sends to ``r + 1``, receives from ``r - 1``; the next block's exchange is started before the current one is
 computed); each block's partial result is merged into ``out`` by its log-sum-exp. The causal mask is
 evaluated per pair of chunks from their global positions: a pair whose keys all lie after its queries is
 skipped, one whose keys all lie before is computed without a mask, the diagonal pair with ``k_pos <= q_pos``.
+
+``cp_sequence(x, dim, axis)``: the whole sequence from every cp rank's chunks of ``x`` along ``dim``, in global
+order (the inputs a mask reads on whole sequences, e.g. a (batch, sequence) padding mask).
 
 Backward (``ring_attention_backward``) recomputes each block's probabilities from the saved ``lse``
 (flash-attention's recurrence): ``dq`` accumulates on the rank; the K/V blocks travel again (the next one
@@ -22,12 +28,13 @@ order, up to the order of floating-point sums; the backward is its exact gradien
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import _BINDING, axis_index, bind, current
+from autopar.core.collectives import _BINDING, _fake, axis_index, bind, current
 
 CHUNKS_PER_RANK = 2
 
@@ -51,25 +58,50 @@ def _visible(qc: int, kc: int, causal: bool) -> str:
     return "none" if kc > qc else "diagonal"
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, how: str) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, how: str,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, c, c)
     if how == "diagonal":
         n = s.shape[-1]
         above = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return s
 
 
-def _pairs(cp: int, me: int, src: int, causal: bool) -> list[tuple[int, int, str]]:
-    """(query half, key half, visibility) for the rank's queries against the block of rank ``src``."""
+def _block_mask(mask: torch.Tensor | None, a: int, kc: int, c: int) -> torch.Tensor | None:
+    """The part of the rank's mask rows for its query half ``a`` against global key chunk ``kc`` (of ``c``)."""
+    if mask is None:
+        return None
+    rows = mask if mask.shape[-2] == 1 else mask[..., a * c:(a + 1) * c, :]
+    return rows[..., kc * c:(kc + 1) * c]
+
+
+def _empty(block: torch.Tensor | None) -> bool:
+    """Whether a block's mask lets no query see any key (the block is skipped)."""
+    if block is None:
+        return False
+    return not bool(block.any()) if block.dtype == torch.bool else bool((block == float("-inf")).all())
+
+
+def _pairs(cp: int, me: int, src: int, causal: bool, mask: torch.Tensor | None = None,
+           c: int = 0) -> list[tuple[int, int, str, torch.Tensor | None]]:
+    """(query half, key half, visibility, block mask) for the rank's queries against the block of rank ``src``:
+    the pairs the causal mask or ``mask`` (rows of chunk length ``c``) leave non-empty."""
     mine, theirs = balanced_chunks(cp, me), balanced_chunks(cp, src)
     out = []
     for a, qc in enumerate(mine):
         for b, kc in enumerate(theirs):
-            how = _visible(qc, kc, causal)
-            if how != "none":
-                out.append((a, b, how))
+            how, block = _visible(qc, kc, causal), _block_mask(mask, a, kc, c)
+            if how != "none" and not _empty(block):
+                out.append((a, b, how, block))
     return out
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the -inf of rows no key may attend replaced by 0, so that their probabilities are 0, not NaN."""
+    return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
 
 
 # -- the ring -------------------------------------------------------------------------------------------------
@@ -88,8 +120,10 @@ def _exchange(tensors: list[torch.Tensor], axis: str, tag: int = 0) -> tuple[lis
 
 def _received(pending: tuple[list[Any], torch.Tensor, list[torch.Tensor]]) -> list[torch.Tensor]:
     requests, into, templates = pending
+    start = time.perf_counter()
     for r in requests:
         r.wait()
+    current().waits.append(("ring_wait", start, time.perf_counter()))  # the exchange's exposed part
     return [part.view_as(t) for part, t in zip(into.split([t.numel() for t in templates]), templates)]
 
 
@@ -97,8 +131,8 @@ def _halves(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.chunk(CHUNKS_PER_RANK, dim=-2))
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-             axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
+             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n, me = dist.get_world_size(current().group(axis)), axis_index(axis)
     qs = _halves(q)
     outs = [torch.zeros(*x.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) for x in qs]
@@ -107,12 +141,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
     for step in range(n):
         pending = _exchange(block, axis) if step < n - 1 else None
         ks, vs = _halves(block[0]), _halves(block[1])
-        for a, b, how in _pairs(n, me, (me - step) % n, causal):
-            s = _scores(qs[a], ks[b], scale, how)  # (B, H, c, c)
+        for a, b, how, block_mask in _pairs(n, me, (me - step) % n, causal, mask, qs[0].shape[-2]):
+            s = _scores(qs[a], ks[b], scale, how, block_mask)  # (B, H, c, c)
             lse_b = torch.logsumexp(s, dim=-1)
-            out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vs[b])
+            out_b = torch.matmul(torch.exp(s - _finite(lse_b).unsqueeze(-1)), vs[b])
             merged = torch.logaddexp(lses[a], lse_b)  # the online-softmax merge
-            outs[a] = outs[a] * torch.exp(lses[a] - merged).unsqueeze(-1) + out_b * torch.exp(lse_b - merged).unsqueeze(-1)
+            m = _finite(merged)
+            outs[a] = outs[a] * torch.exp(lses[a] - m).unsqueeze(-1) + out_b * torch.exp(lse_b - m).unsqueeze(-1)
             lses[a] = merged
         if pending is not None:
             block = _received(pending)
@@ -120,9 +155,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, scale: float, causal: bool, axis: str) -> tuple[torch.Tensor, ...]:
+              lse: torch.Tensor, scale: float, causal: bool, axis: str,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     n, me = dist.get_world_size(current().group(axis)), axis_index(axis)
-    qs, dos, lses = _halves(q), _halves(dout), list(lse.chunk(CHUNKS_PER_RANK, dim=-1))
+    qs, dos, lses = _halves(q), _halves(dout), list(_finite(lse).chunk(CHUNKS_PER_RANK, dim=-1))
     deltas = _halves((dout * out).sum(-1, keepdim=True))  # (B, H, c, 1) each
     dqs = [torch.zeros_like(x) for x in qs]
     block, sums = [k.contiguous(), v.contiguous()], None  # sums: the block's dk, dv from the ranks before
@@ -131,8 +167,8 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         ks, vs = _halves(block[0]), _halves(block[1])
         before = _received(sums) if sums is not None else [torch.zeros_like(k), torch.zeros_like(v)]
         dks, dvs = _halves(before[0]), _halves(before[1])  # this block's sums from the ranks before, added to
-        for a, b, how in _pairs(n, me, (me - step) % n, causal):
-            p = torch.exp(_scores(qs[a], ks[b], scale, how) - lses[a].unsqueeze(-1))  # (B, H, c, c)
+        for a, b, how, block_mask in _pairs(n, me, (me - step) % n, causal, mask, qs[0].shape[-2]):
+            p = torch.exp(_scores(qs[a], ks[b], scale, how, block_mask) - lses[a].unsqueeze(-1))  # (B, H, c, c)
             dvs[b] = dvs[b] + torch.matmul(p.transpose(-2, -1), dos[a])
             ds = p * (torch.matmul(dos[a], vs[b].transpose(-2, -1)) - deltas[a])
             dqs[a] = dqs[a] + torch.matmul(ds, ks[b]) * scale
@@ -147,15 +183,16 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 # -- the ops ---------------------------------------------------------------------------------------------------
 @torch.library.custom_op("autopar::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   axis: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, scale, causal, axis)
+                   axis: str, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, scale, causal, axis, mask)
 
 
 @torch.library.custom_op("autopar::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-                            axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, scale, causal, axis)
+                            axis: str, mask: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, scale, causal, axis, mask)
 
 
 @torch.library.custom_op("autopar::cp_positions", mutates_args=())
@@ -165,17 +202,35 @@ def cp_positions(local: int, axis: str, device: torch.device) -> torch.Tensor:
     return positions(local, dist.get_world_size(g), dist.get_rank(g), device)
 
 
-ring_attention.register_fake(lambda q, k, v, scale, causal, axis: (
+@torch.library.custom_op("autopar::cp_sequence", mutates_args=())
+def cp_sequence(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """The whole sequence along ``dim`` from every cp rank's pair of chunks of ``x``, in global order."""
+    g = current().group(axis)
+    n = dist.get_world_size(g)
+    pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    current().record("all_gather", axis, x)
+    dist.all_gather(pieces, x.contiguous(), group=g)
+    chunks: list[torch.Tensor | None] = [None] * (CHUNKS_PER_RANK * n)
+    for r, piece in enumerate(pieces):
+        for j, part in zip(balanced_chunks(n, r), piece.chunk(CHUNKS_PER_RANK, dim=dim)):
+            chunks[j] = part
+    return torch.cat(chunks, dim=dim)
+
+
+ring_attention.register_fake(lambda q, k, v, scale, causal, axis, mask=None: (
     q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])))
-ring_attention_backward.register_fake(lambda dout, q, k, v, out, lse, scale, causal, axis: (
+ring_attention_backward.register_fake(lambda dout, q, k, v, out, lse, scale, causal, axis, mask=None: (
     torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 cp_positions.register_fake(lambda local, axis, device: torch.empty(local, dtype=torch.int64, device=device))
 
 
+cp_sequence.register_fake(lambda x, dim, axis: _fake(x, axis, gathered=dim))
+
+
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, scale, causal, axis = inputs
+    q, k, v, scale, causal, axis, mask = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (scale, causal, axis)
+    ctx.args, ctx.mask = (scale, causal, axis), mask  # (the mask takes no gradient)
     ctx.binding = _BINDING.get()  # backward binds it again (it may run on another thread)
 
 
@@ -183,8 +238,8 @@ def _ring_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> t
     """The gradients of ``q``, ``k``, ``v`` (the graphs read ``out`` only: ``lse`` gets no gradient)."""
     q, k, v, out, lse = ctx.saved_tensors
     with bind(ctx.binding):
-        dq, dk, dv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args, ctx.mask)
+    return dq, dk, dv, None, None, None, None
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_setup)

@@ -1,0 +1,280 @@
+"""Attention masks under context parallelism: a cp rank's rows of the mask the whole-sequence graph computes.
+
+A model builds an attention's mask from the sequence (Hugging Face: ``arange``s of query and key positions,
+compared for causality and sliding windows, the (batch, sequence) padding mask indexed at key positions, the
+position ids' packed-sequence ids indexed at both). On one rank's chunks those would be the wrong positions
+and a part of the padding, and a capture at the local length may even fold a mask that binds on the whole
+sequence into ``is_causal`` (a sliding window as long as a chunk). So the mask is taken from the graph
+captured on whole sequences, and ``mask_rows`` copies its computation into the rank's graph with:
+
+- each ``arange`` that indexes the mask's query dim (``Role.QUERY``) replaced by the rank's global positions,
+  and each size the copy ``expand``s along that dim cut to the local length: the copy computes the rows of
+  the rank's queries against all keys, (B, 1, local, S);
+- everything the mask reads through an ``index`` (a (batch, sequence) value: the padding mask, position ids)
+  computed on whole sequences as captured: each user input there gathered from the cp ranks' chunks
+  (``autopar::cp_sequence``), ``arange``s of the whole length kept (they are whole-sequence positions).
+
+The roles come from the mask's dims backwards (``RULES``: one entry per op); a mask computed by an op with
+no rule on its query or key dims, an input laid out over (query, key), or an ``arange`` that is not of the
+whole length is refused with ``UnsupportedError`` naming the node: never replaced.
+
+Invariant: the copy's value equals the rows of the whole graph's mask at the rank's global query positions.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import UnsupportedError
+from autopar.core.graph import SlotKind
+from autopar.core.ring_attention import cp_positions, cp_sequence
+
+aten = torch.ops.aten
+POSITIONS, SEQUENCE = cp_positions._opoverload, cp_sequence._opoverload  # autopar::cp_positions, ::cp_sequence
+
+
+class Role(enum.Enum):
+    """What a dim of a mask value runs over."""
+
+    QUERY = "query"
+    KEY = "key"
+
+
+Roles = tuple[Role | None, ...]  # per dim of a value (None: batch, heads or broadcast)
+ELEMENTWISE = {  # broadcasting ops a mask is built with: each tensor input's dims align with the output's from the right
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
+    aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
+    aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar,
+    aten.remainder.Scalar, aten.floor_divide.default, aten.abs.default, aten.where.self, aten.where.ScalarSelf,
+    aten.where.ScalarOther, aten.masked_fill.Scalar, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten._to_copy.default, aten.clone.default, aten.expand.default,
+}
+LIKE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default}  # read their input's dtype, device
+ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+
+@dataclass
+class MaskCopies:
+    """The masks copied into one rank's graph, shared by the attentions that read the same mask."""
+
+    graph: fx.Graph
+    whole: fx.Graph
+    kinds: dict[fx.Node, SlotKind]  # the rank graph's placeholders
+    local: int
+    axis: str
+    whole_length: int = 0
+    rows: dict[fx.Node, fx.Node] = field(default_factory=dict)  # whole graph's mask -> the rank's rows
+    gathered: dict[fx.Node, fx.Node] = field(default_factory=dict)  # rank's input -> its whole sequence
+
+    def rows_of(self, mask: fx.Node, before: fx.Node) -> fx.Node:
+        """The rank's rows of the whole graph's ``mask``, computed in the rank's graph before ``before``."""
+        if mask not in self.rows:
+            with self.graph.inserting_before(before):
+                self.rows[mask] = self._copy(mask)
+        return self.rows[mask]
+
+    def _copy(self, mask: fx.Node) -> fx.Node:
+        shape = tuple(mask.meta["val"].shape)
+        self.whole_length = shape[-1]
+        if len(shape) < 2 or shape[-2] not in (1, shape[-1]):
+            raise refused(mask, f"the attention's mask has shape {shape}; context parallelism needs "
+                                 f"(..., S or 1, S) over queries and keys")
+        out: Roles = (None,) * (len(shape) - 2) + (Role.QUERY if shape[-2] > 1 else None, Role.KEY)
+        roles, whole_side = _roles(mask, out)
+        whole_env: dict[fx.Node, fx.Node] = {}  # values read on whole sequences, copied as they are
+        rows_env: dict[fx.Node, fx.Node] = {}  # values over query or key dims, over the rank's queries
+        places = dict(zip(_placeholders(self.whole), _placeholders(self.graph)))
+        for node in self.whole.nodes:  # in order: every input is copied before its users
+            if node in whole_side:
+                whole_env[node] = self._node(node, None, whole_env.__getitem__, places)
+            if node in roles:
+                rows_env[node] = self._node(node, roles[node], lambda x: rows_env.get(x) or whole_env[x], places)
+        return rows_env[mask]
+
+    def _node(self, node: fx.Node, roles: Roles | None, env: Callable[[fx.Node], fx.Node],
+              places: dict[fx.Node, fx.Node]) -> fx.Node:
+        if node.op == "placeholder":
+            return self._input(node, places[node])
+        if roles and Role.QUERY in roles and node.target in ARANGES:
+            return self._positions(node)
+        val = node.meta.get("val")
+        if node.target in LIKE:  # a constant: the input gave its dtype and device only
+            fill = {aten.new_ones.default: 1, aten.new_zeros.default: 0}.get(node.target, node.args[-1])
+            copy = self.graph.call_function(aten.full.default, (list(val.shape), fill),
+                                            {"dtype": val.dtype, "device": val.device})
+            copy.meta["val"] = val
+            return copy
+        args = fx.node.map_arg(node.args, env)
+        if node.target is aten.expand.default and roles:
+            args = (args[0], [self.local if r is Role.QUERY and s != -1 else s for s, r in zip(args[1], roles)])
+        copy = self.graph.call_function(node.target, args, fx.node.map_arg(node.kwargs, env))
+        if isinstance(val, torch.Tensor):
+            copy.meta["val"] = val.new_empty([self.local if r is Role.QUERY else s
+                                              for s, r in zip(val.shape, roles or (None,) * val.dim())])
+        return copy
+
+    def _input(self, whole: fx.Node, mine: fx.Node) -> fx.Node:
+        """The rank's placeholder for a whole-graph one: model state as it is, a user input's chunks gathered."""
+        if self.kinds.get(mine) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT):
+            return mine
+        want, have = tuple(whole.meta["val"].shape), tuple(mine.meta["val"].shape)
+        if want == have:
+            return mine
+        if len(want) < 2 or want[1] != self.whole_length or have[1] != self.local or want[:1] + want[2:] != have[:1] + have[2:]:
+            raise refused(whole, f"the mask reads the input {whole.name} of shape {want} on whole sequences and "
+                                  f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) inputs only")
+        if mine not in self.gathered:
+            gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis))
+            gathered.meta["val"] = whole.meta["val"]
+            self.gathered[mine] = gathered
+        return self.gathered[mine]
+
+    def _positions(self, node: fx.Node) -> fx.Node:
+        """The rank's global positions for a query ``arange`` of the whole length."""
+        if _length(node) != self.whole_length:
+            raise refused(node, f"the mask's query positions come from {node.target} with arguments {node.args}, "
+                                 f"not an arange(0, {self.whole_length}) context parallelism can move")
+        val = node.meta["val"]
+        pos = self.graph.call_function(POSITIONS, (self.local, self.axis, val.device))
+        pos.meta["val"] = val.new_empty(self.local, dtype=torch.int64)
+        if val.dtype != torch.int64:
+            pos = self.graph.call_function(aten._to_copy.default, (pos,), {"dtype": val.dtype})
+            pos.meta["val"] = val.new_empty(self.local)
+        return pos
+
+
+# -- the roles of the mask's dims, backwards -----------------------------------------------------------------
+def _roles(mask: fx.Node, out: Roles) -> tuple[dict[fx.Node, Roles], set[fx.Node]]:
+    """The roles of every value the mask computes over its query or key dims, and the values it reads on whole
+    sequences (through an ``index``, or without a query or key dim): those and their inputs are copied as is."""
+    roles: dict[fx.Node, Roles] = {mask: out}
+    whole_side: set[fx.Node] = set()
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    todo = [mask]
+    while todo:
+        todo.sort(key=order.__getitem__)
+        node = todo.pop()  # the latest first: every user's roles are known before a node's are read
+        r = roles[node]
+        if node.target in LIKE:  # a constant of the given size (``MaskCopies._node``)
+            continue
+        if not any(r):
+            _whole(node, whole_side)
+            continue
+        rule = RULES.get(node.target) if node.op == "call_function" else None
+        if node.op == "placeholder" and Role.QUERY in r:
+            raise refused(node, f"the mask reads the input {node.name} already laid out over (query, key) "
+                                 f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
+        if node.op == "placeholder":  # over keys only: read whole (gathered where the runtime cut it)
+            _whole(node, whole_side)
+            continue
+        if node.target in ARANGES:
+            continue
+        if rule is None:
+            raise refused(node, "the attention's mask is computed over its query or key positions by an op "
+                                 "context parallelism has no rule for; build the mask from aranges, comparisons "
+                                 "and a (batch, sequence) padding mask, or run without cp")
+        for x, rx in rule(node, r):
+            if x in roles and roles[x] != rx:
+                raise refused(x, f"the mask reads this value with its dims as {_names(roles[x])} and as "
+                                  f"{_names(rx)}")
+            if x not in roles:
+                roles[x] = rx
+                todo.append(x)
+        for x in _read_whole(node):
+            _whole(x, whole_side)
+    both = [n for n in whole_side if Role.QUERY in roles.get(n, ())]
+    if both:
+        raise refused(both[0], "the mask reads this value both over its query positions and on whole sequences")
+    return roles, whole_side
+
+
+def _whole(node: fx.Node, into: set[fx.Node]) -> None:
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in into:
+            into.add(n)
+            todo.extend(n.all_input_nodes)
+
+
+def _aligned(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
+    """Broadcasting: each tensor input's dims take the roles of the output's they align with from the right."""
+    return _align(node.all_input_nodes, out)
+
+
+def _align(xs: list[fx.Node], out: Roles) -> list[tuple[fx.Node, Roles]]:
+    found = []
+    for x in xs:
+        val = x.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            tail = out[len(out) - val.dim():] if val.dim() else ()
+            found.append((x, tuple(r if s != 1 else None for s, r in zip(val.shape, tail))))
+    return found
+
+
+def _unsqueezed(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
+    d = node.args[1] % len(out)
+    return [(node.args[0], out[:d] + out[d + 1:])]
+
+
+def _sliced(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
+    """A slice keeping a whole dim (``x[:, None, None, :]``) is the identity; another one has no rule."""
+    x = node.args[0]
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    if start not in (0, None) or step != 1 or (end is not None and end < x.meta["val"].shape[dim]):
+        raise refused(node, f"the mask slices [{start}:{end}:{step}] along dim {dim}; context parallelism "
+                             f"follows whole dims only")
+    return [(x, out)]
+
+
+def _indexed(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
+    """``x[i0, i1, ...]`` with an index per dim of ``x``: the indices take the output's roles; ``x`` is read on
+    whole sequences (``_read_whole``)."""
+    x, indices = node.args[0], list(node.args[1])
+    if any(i is None for i in indices) or len(indices) != x.meta["val"].dim():
+        raise refused(node, "the mask indexes a value with slices or fewer indices than dims; context parallelism "
+                             "follows x[i0, i1, ...] with one index tensor per dim")
+    return _align(indices, out)
+
+
+def _read_whole(node: fx.Node) -> list[fx.Node]:
+    return [node.args[0]] if node.target is aten.index.Tensor else []
+
+
+RULES: dict[object, Callable[[fx.Node, Roles], list[tuple[fx.Node, Roles]]]] = {
+    **{op: _aligned for op in ELEMENTWISE},  # broadcast: align from the right
+    aten.unsqueeze.default: _unsqueezed,  # the new dim dropped
+    aten.index.Tensor: _indexed,  # the index tensors take the output's dims
+    aten.slice.Tensor: _sliced,  # a whole dim: the identity
+}
+
+
+# -- small helpers --------------------------------------------------------------------------------------------
+def _length(node: fx.Node) -> int | None:
+    """The length of an ``arange`` from 0 with step 1 (None otherwise)."""
+    if node.target is aten.arange.default:
+        return node.args[0] if isinstance(node.args[0], int) else None
+    start, end = node.args[0], node.args[1]
+    step = node.args[2] if node.target is aten.arange.start_step else 1
+    return end if start == 0 and step == 1 and isinstance(end, int) else None
+
+
+def _placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def _names(roles: Roles) -> str:
+    return "(" + ", ".join(r.value if r else "-" for r in roles) + ")"
+
+
+def refused(node: fx.Node, why: str) -> UnsupportedError:
+    """An error naming ``node``, its op and the user's source line, then ``why``."""
+    trace = node.meta.get("stack_trace")
+    where = f" (at {trace.strip().splitlines()[-1].strip()})" if trace else ""
+    return UnsupportedError(f"context parallelism: node {node.name} ({node.target}){where}: {why}")

@@ -1,0 +1,169 @@
+"""Context parallelism with attention masks the graph computes (sliding windows, padding), equal to one device.
+
+Each mask is taken from the model captured on whole sequences; a cp rank evaluates its rows (its queries'
+global positions against every key, the padding gathered from the cp ranks) and the ring skips the blocks it
+leaves empty (``passes/context_masks.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+import models
+from autopar import Mesh
+from autopar.core.errors import UnsupportedError
+from autopar.testing import assert_equivalent
+
+IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+TARGET = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+IDS16 = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+TARGET16 = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
+
+
+def _equivalent(launcher, make: object, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor,
+                bounds: dict | None = None, **kwargs: object) -> None:
+    assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, launcher=launcher,
+                      kwargs=kwargs or None, **(bounds or {"rtol": 1e-9, "atol": 1e-10}))
+
+
+@pytest.mark.parametrize("window", [3, 4])
+def test_mistral_sliding_window_cp2(launcher, window: int) -> None:
+    """A window of 3 or 4 tokens on 8: it binds on the whole sequence (a chunk holds 2, a rank 4 tokens)."""
+    _equivalent(launcher, models.factory(models.mistral, window=window), Mesh(cp=2), IDS, TARGET)
+
+
+def gemma2_sdpa() -> torch.nn.Module:
+    """Gemma-2 (alternating sliding-window and global layers) without attention soft-capping, on its SDPA
+    attention: Hugging Face declines SDPA for Gemma-2 at construction because of soft-capping, so the model is
+    built eager and switched (with soft-capping on, eager attention is refused: test_context_parallel.py)."""
+    model = models.gemma2()
+    model.config.attn_logit_softcapping = None
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+# Gemma-2's norms compute in float32 and sum their weights' gradients over the tokens in float32: over the cp
+# ranks' chunks in another order than on one device, so its bounds are float32's (updates measured within 4.5e-8)
+FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-7, "update_rtol": 1e-5}
+
+
+def test_gemma2_alternating_windows_cp2(launcher) -> None:
+    """Layer 0 with a window of 4 tokens on 8, layer 1 global (causal): two masks, each from the graph."""
+    _equivalent(launcher, gemma2_sdpa, Mesh(cp=2), IDS, TARGET, FLOAT32_NORMS)
+
+
+def _padding(left: bool) -> torch.Tensor:
+    """(2, 8) attention mask: sequence 0 padded at its end (3 tokens), sequence 1 at its start (2 tokens), or both
+    at the start (``left``)."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    if left:
+        mask[0, :3] = 0
+    else:
+        mask[0, 5:] = 0
+    mask[1, :2] = 0
+    return mask
+
+
+def _ignored(target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return target.masked_fill(mask == 0, -100)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_bert_padding_mask_cp2(launcher, left: bool) -> None:
+    """BERT (bidirectional) with pads on both ends of the sequences; labels ignored at the pads."""
+    mask = _padding(left)
+    _equivalent(launcher, models.factory(models.bert), Mesh(cp=2), IDS, _ignored(TARGET, mask), attention_mask=mask)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_llama_padding_mask_cp2(launcher, left: bool) -> None:
+    """A causal LM with right or left padding (a pad query at the start sees no key: its row is 0, not NaN)."""
+    mask = _padding(left)
+    _equivalent(launcher, models.factory(models.llama), Mesh(cp=2), IDS, _ignored(TARGET, mask), attention_mask=mask)
+
+
+class MaskedAttention(torch.nn.Module):
+    """One attention layer whose mask is ``build(S, device)``."""
+
+    def __init__(self, build: object) -> None:
+        super().__init__()
+        self.embed, self.qkv, self.out = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 96)
+        self.build = build
+        self.to(torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(ids)).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)  # (B, H, S, D) each
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.build(ids.shape[1], ids.device))
+        return self.out(x.transpose(1, 2).flatten(2))
+
+
+def _one_future_token(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril(1)
+
+
+def test_mask_from_an_op_without_a_rule_is_refused() -> None:
+    """A mask built with ``tril`` over (query, key): no rule follows its dims, so it is refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=r"node tril.*no rule for"):
+        _compile(MaskedAttention(_one_future_token), Mesh(cp=2), IDS, TARGET)
+
+
+def _compile(model: torch.nn.Module, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor, **kwargs: object) -> None:
+    pm = autopar.parallelize(model, mesh, loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.compile((ids,), kwargs, target)
+
+
+@pytest.mark.parametrize("name, mesh, kwargs", [
+    ("mistral", Mesh(dp=2, cp=2), {}), ("llama", Mesh(dp=2, cp=2), {"padded": True}),
+    pytest.param("mistral", Mesh(cp=4), {}, marks=pytest.mark.slow),
+    pytest.param("bert", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
+    pytest.param("llama", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
+    pytest.param("gemma2_sdpa", Mesh(cp=4), {}, marks=pytest.mark.slow),
+])
+def test_wider_meshes_with_masks(launcher, name: str, mesh: Mesh, kwargs: dict) -> None:
+    """16 tokens: Mistral's window of 4 spans a chunk boundary on every rank at cp=4 (chunks of 2); padded
+    sequences (4 and 3 pads, labels ignored there) with the padding gathered from four ranks."""
+    ids, target = torch.cat([IDS16, IDS16.flip(1)]), torch.cat([TARGET16, TARGET16.flip(0)])
+    make = gemma2_sdpa if name == "gemma2_sdpa" else models.factory(getattr(models, name))
+    extra = {}
+    if kwargs.get("padded"):
+        mask = torch.ones_like(ids)
+        mask[0, 12:], mask[1, :3], mask[2, :5], mask[3, 9:] = 0, 0, 0, 0
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    bounds = FLOAT32_NORMS if name == "gemma2_sdpa" else None
+    _equivalent(launcher, make, mesh, ids, target, bounds, **extra)
+
+
+@pytest.mark.parametrize("cp, window", [(2, 3), (4, 3), (4, 5)])
+def test_blocks_a_window_leaves_empty_are_skipped(cp: int, window: int) -> None:
+    """Each rank computes exactly the (query chunk, key chunk) pairs where its rows of a sliding-window mask
+    let some query see some key; the others are skipped."""
+    from autopar.core.ring_attention import _pairs, balanced_chunks, positions
+
+    n, c = 4 * cp, 2  # sequence length, chunk length
+    q, k = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+    whole = (k <= q) & (k > q - window)  # (S, S)
+    blocks = whole.view(2 * cp, c, 2 * cp, c).any(3).any(1)  # (query chunk, key chunk): non-empty
+    for me in range(cp):
+        rows = whole[positions(2 * c, cp, me)][None, None]  # (1, 1, local, S)
+        computed = {(balanced_chunks(cp, me)[a], balanced_chunks(cp, src)[b])
+                    for src in range(cp) for a, b, _, _ in _pairs(cp, me, src, False, rows, c)}
+        assert computed == {(qc, kc) for qc in balanced_chunks(cp, me) for kc in range(2 * cp) if blocks[qc, kc]}
+    assert int(blocks.sum()) < (2 * cp) * (2 * cp + 1) // 2  # fewer than causal attention alone computes
+
+
+def _gathers() -> tuple[dict[str, int], dict[str, int], list[tuple[int, int]]]:
+    """One step of BERT with a padding mask at cp=2: the gathers run (calls, bytes) and the plan's."""
+    mask = _padding(False)
+    pm = autopar.parallelize(models.bert(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.step(IDS, attention_mask=mask, target=_ignored(TARGET, mask))
+    return (pm.communication(calls=True), pm.communication(),
+            [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "cp" and c.op == "all_gather"])
+
+
+def test_padding_gathers_run_as_planned(launcher) -> None:
+    """The padding mask is gathered once per step for all layers: one all-gather of each rank's (2, 4) chunk."""
+    for calls, sent, planned in launcher(_gathers, 2):
+        assert planned == [(1, 2 * 4 * 8)]
+        assert (calls["all_gather@cp"], sent["all_gather@cp"]) == planned[0]
