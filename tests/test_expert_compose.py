@@ -56,10 +56,11 @@ def test_hybrid_sharding_shards_expert_state_inside_each_replica(launcher, make,
 
 
 def _formula(dense: int, experts: int, mesh: Mesh, zero: int) -> dict[str, int]:
-    """ZeRO's bytes per rank with the routed experts split over ep first: dense state over dp, this rank's
-    experts (``experts / ep``) over their ``dp / ep`` replicas; AdamW keeps two elements per parameter."""
-    held, replicas = experts // mesh.ep, mesh.dp // mesh.ep
-    sharded = dense // mesh.dp + held // replicas
+    """ZeRO's bytes per rank with the routed experts split over ep first: dense state over dp (its shard size
+    under hybrid sharding), this rank's experts (``experts / ep``) over their ``dp / ep`` holders (those of its
+    replica); AdamW keeps two elements per parameter."""
+    held, replicas = experts // mesh.ep, mesh.dp_shard // mesh.ep
+    sharded = dense // mesh.dp_shard + held // replicas
     return {"parameters": dense + held if zero < 3 else sharded, "gradients": dense + held if zero == 1 else sharded,
             "optimizer": 2 * sharded}
 
@@ -80,6 +81,17 @@ def test_memory_per_rank_divides_expert_state_by_ep_then_by_its_replicas(launche
     every expert on every rank would hold 49% more parameter bytes (148,992 against 99,840)."""
     mesh = Mesh(dp=4, ep=2)
     for measured, planned, formula in launcher(_memory, mesh.size, LOOP, mesh, zero):
+        for key, want in formula.items():
+            assert measured[key] == pytest.approx(want, rel=0.05), (key, measured, formula)
+            assert planned[key] == pytest.approx(want, rel=0.05), (key, planned, formula)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=(2, 2), ep=2), pytest.param(Mesh(dp=(2, 4), ep=2),
+                                                                    marks=pytest.mark.slow)], ids=["2x2", "2x4"])
+def test_memory_per_rank_under_hybrid_sharding_divides_expert_state_inside_a_replica(launcher, mesh: Mesh) -> None:
+    """ZeRO-3 with dp=(replicate, shard): dense state over the shard size, each rank's experts over the ranks of
+    its replica holding them; measured and planned within 5% of that formula."""
+    for measured, planned, formula in launcher(_memory, mesh.size, LOOP, mesh, 3):
         for key, want in formula.items():
             assert measured[key] == pytest.approx(want, rel=0.05), (key, measured, formula)
             assert planned[key] == pytest.approx(want, rel=0.05), (key, planned, formula)
@@ -213,6 +225,14 @@ def test_zero_checkpoints_with_experts_move_between_meshes(launcher, tmp_path, m
     under ZeRO-3 at dp=2, ep=2 and then on one device: losses and final state equal one uninterrupted run."""
     legs = [(Mesh(dp=4, ep=2), (2,)), (Mesh(dp=2, ep=2), (3,)), (Mesh(dp=1), (0,))]
     assert_resumes_like_one_run(launcher, _leg, legs, make, (IDS8,), TARGET8, models.lm_loss, models.adamw,
+                                str(tmp_path / "ckpt"))
+
+
+def test_checkpoints_move_between_hybrid_sharding_with_ep_and_other_meshes(launcher, tmp_path) -> None:
+    """Saved under ZeRO-2 at dp=(2, 2), ep=2 (each replica holds the same slices; every copy writes the same
+    values), resumed under ZeRO-3 at dp=4, ep=2 and on one device: equal to one uninterrupted run."""
+    legs = [(Mesh(dp=(2, 2), ep=2), (2,)), (Mesh(dp=4, ep=2), (3,)), (Mesh(dp=1), (0,))]
+    assert_resumes_like_one_run(launcher, _leg, legs, LOOP, (IDS8,), TARGET8, models.lm_loss, models.adamw,
                                 str(tmp_path / "ckpt"))
 
 

@@ -74,6 +74,10 @@ def render_experts(layers: list[ExpertLayer], mesh: Mesh) -> list[str]:
     lines = [f"expert parallelism: ep={ep} folded onto dp={mesh.dp} (groups of {ep} consecutive dp ranks, e.g. "
              f"{mesh.group_of(0, 'ep')}); expert gradients averaged over the {mesh.dp // ep} ranks holding the "
              f"same experts (ep_replicate, e.g. {mesh.group_of(0, 'ep_replicate')})"]
+    if mesh.hybrid:
+        lines.append(f"    hybrid sharding: ZeRO shards each rank's experts over the {mesh['ep_shard']} ranks of its "
+                     f"replica holding them (ep_shard, e.g. {mesh.group_of(0, 'ep_shard')}), averaged over the "
+                     f"{mesh.dp_replicate} replicas (dp_replicate)")
     for layer in layers:
         held = "; ".join(f"ranks {[r for r in range(mesh.size) if mesh.coord(r, 'ep') == i]}: experts "
                          f"{layer.held_by(i).start}-{layer.held_by(i).stop - 1}" for i in range(ep))
