@@ -79,6 +79,7 @@ for _ in range(3 if os.environ["RANK"] == "0" else 2):  # rank 1's loader is sho
 """
 
 
+@pytest.mark.slow  # two torchrun agents starting ranks (about 25 s idle); the launch pool's cases cover the naming
 def test_under_torchrun_a_rank_that_exited_early_is_named(tmp_path: Path) -> None:
     """Rank 1 exits after its loop: rank 0's step fails at once (the connection closed) and says why."""
     script = tmp_path / "job.py"
