@@ -45,7 +45,7 @@ class Role(enum.Enum):
 
 
 Roles = tuple[Role | None, ...]  # per dim of a value (None: batch, heads or broadcast)
-ELEMENTWISE = {  # broadcasting ops a mask is built with: each tensor input's dims align with the output's from the right
+ELEMENTWISE = {  # broadcasting ops masks are built with: the inputs' dims align with the output's from the right
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
     aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
@@ -84,12 +84,12 @@ class MaskCopies:
         self.whole_length = shape[-1]
         if len(shape) < 2 or shape[-2] not in (1, shape[-1]):
             raise refused(mask, f"the attention's mask has shape {shape}; context parallelism needs "
-                                 f"(..., S or 1, S) over queries and keys")
+                                f"(..., S or 1, S) over queries and keys")
         out: Roles = (None,) * (len(shape) - 2) + (Role.QUERY if shape[-2] > 1 else None, Role.KEY)
         roles, whole_side = _roles(mask, out)
         whole_env: dict[fx.Node, fx.Node] = {}  # values read on whole sequences, copied as they are
         rows_env: dict[fx.Node, fx.Node] = {}  # values over query or key dims, over the rank's queries
-        places = dict(zip(_placeholders(self.whole), _placeholders(self.graph)))
+        places = {n.name: n for n in _placeholders(self.graph)}  # the same signature, captured twice
         for node in self.whole.nodes:  # in order: every input is copied before its users
             if node in whole_side:
                 whole_env[node] = self._node(node, None, whole_env.__getitem__, places)
@@ -98,9 +98,11 @@ class MaskCopies:
         return rows_env[mask]
 
     def _node(self, node: fx.Node, roles: Roles | None, env: Callable[[fx.Node], fx.Node],
-              places: dict[fx.Node, fx.Node]) -> fx.Node:
+              places: dict[str, fx.Node]) -> fx.Node:
         if node.op == "placeholder":
-            return self._input(node, places[node])
+            if node.name not in places:
+                raise refused(node, "the mask reads an input the graph of one cp rank does not have")
+            return self._input(node, places[node.name])
         if roles and Role.QUERY in roles and node.target in ARANGES:
             return self._positions(node)
         val = node.meta.get("val")
@@ -126,9 +128,11 @@ class MaskCopies:
         want, have = tuple(whole.meta["val"].shape), tuple(mine.meta["val"].shape)
         if want == have:
             return mine
-        if len(want) < 2 or want[1] != self.whole_length or have[1] != self.local or want[:1] + want[2:] != have[:1] + have[2:]:
+        cut = len(want) > 1 and (want[1], have[1]) == (self.whole_length, self.local)
+        if not cut or want[:1] + want[2:] != have[:1] + have[2:]:
             raise refused(whole, f"the mask reads the input {whole.name} of shape {want} on whole sequences and "
-                                  f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) inputs only")
+                                 f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) "
+                                 f"inputs only")
         if mine not in self.gathered:
             gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis))
             gathered.meta["val"] = whole.meta["val"]
@@ -139,7 +143,7 @@ class MaskCopies:
         """The rank's global positions for a query ``arange`` of the whole length."""
         if _length(node) != self.whole_length:
             raise refused(node, f"the mask's query positions come from {node.target} with arguments {node.args}, "
-                                 f"not an arange(0, {self.whole_length}) context parallelism can move")
+                                f"not an arange(0, {self.whole_length}) context parallelism can move")
         val = node.meta["val"]
         pos = self.graph.call_function(POSITIONS, (self.local, self.axis, val.device))
         pos.meta["val"] = val.new_empty(self.local, dtype=torch.int64)
@@ -169,7 +173,7 @@ def _roles(mask: fx.Node, out: Roles) -> tuple[dict[fx.Node, Roles], set[fx.Node
         rule = RULES.get(node.target) if node.op == "call_function" else None
         if node.op == "placeholder" and Role.QUERY in r:
             raise refused(node, f"the mask reads the input {node.name} already laid out over (query, key) "
-                                 f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
+                                f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
         if node.op == "placeholder":  # over keys only: read whole (gathered where the runtime cut it)
             _whole(node, whole_side)
             continue
@@ -177,12 +181,12 @@ def _roles(mask: fx.Node, out: Roles) -> tuple[dict[fx.Node, Roles], set[fx.Node
             continue
         if rule is None:
             raise refused(node, "the attention's mask is computed over its query or key positions by an op "
-                                 "context parallelism has no rule for; build the mask from aranges, comparisons "
-                                 "and a (batch, sequence) padding mask, or run without cp")
+                                "context parallelism has no rule for; build the mask from aranges, comparisons "
+                                "and a (batch, sequence) padding mask, or run without cp")
         for x, rx in rule(node, r):
             if x in roles and roles[x] != rx:
                 raise refused(x, f"the mask reads this value with its dims as {_names(roles[x])} and as "
-                                  f"{_names(rx)}")
+                                 f"{_names(rx)}")
             if x not in roles:
                 roles[x] = rx
                 todo.append(x)
@@ -229,7 +233,7 @@ def _sliced(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
     if start not in (0, None) or step != 1 or (end is not None and end < x.meta["val"].shape[dim]):
         raise refused(node, f"the mask slices [{start}:{end}:{step}] along dim {dim}; context parallelism "
-                             f"follows whole dims only")
+                            f"follows whole dims only")
     return [(x, out)]
 
 
@@ -239,7 +243,7 @@ def _indexed(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
     x, indices = node.args[0], list(node.args[1])
     if any(i is None for i in indices) or len(indices) != x.meta["val"].dim():
         raise refused(node, "the mask indexes a value with slices or fewer indices than dims; context parallelism "
-                             "follows x[i0, i1, ...] with one index tensor per dim")
+                            "follows x[i0, i1, ...] with one index tensor per dim")
     return _align(indices, out)
 
 
