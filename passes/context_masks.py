@@ -14,9 +14,10 @@ captured on whole sequences, and ``mask_rows`` copies its computation into the r
   computed on whole sequences as captured: each user input there gathered from the cp ranks' chunks
   (``autopar::cp_sequence``), ``arange``s of the whole length kept (they are whole-sequence positions).
 
-The roles come from the mask's dims backwards (``RULES``: one entry per op); a mask computed by an op with
-no rule on its query or key dims, an input laid out over (query, key), or an ``arange`` that is not of the
-whole length is refused with ``UnsupportedError`` naming the node: never replaced.
+The roles come from the mask's dims backwards (``RULES``: one entry per op); a value read in two roles (one
+``arange`` as queries and as keys) is copied once per role. A mask computed by an op with no rule on its
+query or key dims, an input laid out over (query, key), or a query ``arange`` that is not of the whole
+length is refused with ``UnsupportedError`` naming the node: never replaced.
 
 Invariant: the copy's value equals the rows of the whole graph's mask at the rank's global query positions.
 """
@@ -45,6 +46,7 @@ class Role(enum.Enum):
 
 
 Roles = tuple[Role | None, ...]  # per dim of a value (None: batch, heads or broadcast)
+Use = tuple[fx.Node, Roles]  # a value read with its dims in those roles
 ELEMENTWISE = {  # broadcasting ops masks are built with: the inputs' dims align with the output's from the right
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
@@ -86,16 +88,21 @@ class MaskCopies:
             raise refused(mask, f"the attention's mask has shape {shape}; context parallelism needs "
                                 f"(..., S or 1, S) over queries and keys")
         out: Roles = (None,) * (len(shape) - 2) + (Role.QUERY if shape[-2] > 1 else None, Role.KEY)
-        roles, whole_side = _roles(mask, out)
+        uses, whole_side = _roles(mask, out)
         whole_env: dict[fx.Node, fx.Node] = {}  # values read on whole sequences, copied as they are
-        rows_env: dict[fx.Node, fx.Node] = {}  # values over query or key dims, over the rank's queries
+        rows_env: dict[Use, fx.Node] = {}  # values over query or key dims, over the rank's queries
         places = {n.name: n for n in _placeholders(self.graph)}  # the same signature, captured twice
+        by_node: dict[fx.Node, list[Use]] = {}
+        for use in uses:
+            by_node.setdefault(use[0], []).append(use)
         for node in self.whole.nodes:  # in order: every input is copied before its users
             if node in whole_side:
                 whole_env[node] = self._node(node, None, whole_env.__getitem__, places)
-            if node in roles:
-                rows_env[node] = self._node(node, roles[node], lambda x: rows_env.get(x) or whole_env[x], places)
-        return rows_env[mask]
+            for use in by_node.get(node, []):
+                inputs = dict(uses[use])
+                rows_env[use] = whole_env[node] if node in whole_side and not any(use[1]) else self._node(
+                    node, use[1], lambda x: rows_env[(x, inputs[x])] if x in inputs else whole_env[x], places)
+        return rows_env[(mask, out)]
 
     def _node(self, node: fx.Node, roles: Roles | None, env: Callable[[fx.Node], fx.Node],
               places: dict[str, fx.Node]) -> fx.Node:
@@ -154,48 +161,36 @@ class MaskCopies:
 
 
 # -- the roles of the mask's dims, backwards -----------------------------------------------------------------
-def _roles(mask: fx.Node, out: Roles) -> tuple[dict[fx.Node, Roles], set[fx.Node]]:
-    """The roles of every value the mask computes over its query or key dims, and the values it reads on whole
-    sequences (through an ``index``, or without a query or key dim): those and their inputs are copied as is."""
-    roles: dict[fx.Node, Roles] = {mask: out}
+def _roles(mask: fx.Node, out: Roles) -> tuple[dict[Use, list[Use]], set[fx.Node]]:
+    """Every (value, roles of its dims) the mask computes over its query or key dims, with the (input, roles)
+    each reads (one value may be read over queries and over keys: ``pos[None, :] - pos[:, None]``), and the
+    values read on whole sequences (through an ``index``, or without a query or key dim), copied as they are."""
+    uses: dict[Use, list[Use]] = {}
     whole_side: set[fx.Node] = set()
-    order = {n: i for i, n in enumerate(mask.graph.nodes)}
-    todo = [mask]
+    todo = [(mask, out)]
     while todo:
-        todo.sort(key=order.__getitem__)
-        node = todo.pop()  # the latest first: every user's roles are known before a node's are read
-        r = roles[node]
-        if node.target in LIKE:  # a constant of the given size (``MaskCopies._node``)
+        node, r = todo.pop()
+        if (node, r) in uses:
             continue
-        if not any(r):
+        uses[(node, r)] = []
+        if node.target in LIKE or node.target in ARANGES:  # a constant of the given size (``MaskCopies._node``)
+            continue
+        if not any(r) or (node.op == "placeholder" and Role.QUERY not in r):  # (keys only: read whole)
             _whole(node, whole_side)
             continue
-        rule = RULES.get(node.target) if node.op == "call_function" else None
-        if node.op == "placeholder" and Role.QUERY in r:
+        if node.op == "placeholder":
             raise refused(node, f"the mask reads the input {node.name} already laid out over (query, key) "
                                 f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
-        if node.op == "placeholder":  # over keys only: read whole (gathered where the runtime cut it)
-            _whole(node, whole_side)
-            continue
-        if node.target in ARANGES:
-            continue
+        rule = RULES.get(node.target) if node.op == "call_function" else None
         if rule is None:
             raise refused(node, "the attention's mask is computed over its query or key positions by an op "
                                 "context parallelism has no rule for; build the mask from aranges, comparisons "
                                 "and a (batch, sequence) padding mask, or run without cp")
-        for x, rx in rule(node, r):
-            if x in roles and roles[x] != rx:
-                raise refused(x, f"the mask reads this value with its dims as {_names(roles[x])} and as "
-                                 f"{_names(rx)}")
-            if x not in roles:
-                roles[x] = rx
-                todo.append(x)
+        uses[(node, r)] = rule(node, r)
+        todo.extend(uses[(node, r)])
         for x in _read_whole(node):
             _whole(x, whole_side)
-    both = [n for n in whole_side if Role.QUERY in roles.get(n, ())]
-    if both:
-        raise refused(both[0], "the mask reads this value both over its query positions and on whole sequences")
-    return roles, whole_side
+    return uses, whole_side
 
 
 def _whole(node: fx.Node, into: set[fx.Node]) -> None:

@@ -5,6 +5,8 @@ global positions against every key, the padding gathered from the cp ranks) and 
 leaves empty (``passes/context_masks.py``)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -101,6 +103,19 @@ class MaskedAttention(torch.nn.Module):
 
 def _one_future_token(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril(1)
+
+
+def _alibi(n: int, device: torch.device) -> torch.Tensor:
+    """A float (1, H, S, S) bias: minus each head's slope times the distance, -inf above the diagonal (ALiBi)."""
+    pos = torch.arange(n, device=device)
+    distance = (pos[None, :] - pos[:, None]).to(torch.float64)  # (S, S): key - query
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, device=device)[:, None, None]  # (H, 1, 1)
+    return (distance.abs() * -slopes).masked_fill(distance > 0, float("-inf"))[None]
+
+
+def test_float_bias_per_head_cp2(launcher) -> None:
+    """A float mask added to the scores, different per head, built from aranges of query and key positions."""
+    _equivalent(launcher, functools.partial(MaskedAttention, _alibi), Mesh(cp=2), IDS, TARGET)
 
 
 def test_mask_from_an_op_without_a_rule_is_refused() -> None:
