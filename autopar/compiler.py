@@ -7,6 +7,7 @@ every pass's invariant before the next one starts. docs/architecture.md shows th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.context_parallel import ATTENTIONS, context_parallel, same_attention
+from autopar.passes.context_parallel import ATTENTIONS, RING, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -127,20 +128,32 @@ def _context_parallel(c: Compilation) -> None:
                                f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
     whole = _export(c, c.whole).gm  # the model on whole sequences: its attentions' forms and masks
     same_attention(whole, c.captured.gm)
-    found = context_parallel(c.captured, c.mesh.cp, local, whole)
+    found = context_parallel(c.captured, c.mesh.cp, local, whole, c.options.cp_attention)
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
-    c.detail = (f"{len(found.attentions)} attentions as rings over cp={c.mesh.cp}, {found.positions} positions "
+    c.detail = (f"{len(found.attentions)} attentions as {c.options.cp_attention} over cp={c.mesh.cp}, "
+                f"{found.positions} positions "
                 f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
 
 
 def _tensor_parallel(c: Compilation) -> None:
+    whole_kv = ring_kv_bytes(c.lowered[0].gm)
     tp = tensor_parallel(c.lowered[0], c.mesh.tp, c.trainable, fixed=c.pinned,  # (expert layers already rewritten)
                          sequence_parallel=c.options.sequence_parallel)
     c.lowered, c.placements, c.layouts = [with_graph(c.captured, g) for g in tp.graphs], tp.placements, tp.layouts
     add_tensor_parallel_to_plan(c.plan, c.mesh, tp)
+    if whole_kv:  # context parallelism: the ring passes a tp rank's heads of K and V
+        local_kv = ring_kv_bytes(c.lowered[0].gm)
+        c.plan.collectives = [dataclasses.replace(x, bytes=x.bytes * local_kv // whole_kv) if x.axis == "cp" else x
+                              for x in c.plan.collectives]
     c.detail = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
+
+
+def ring_kv_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring (0 without context parallelism)."""
+    return sum(x.meta["val"].numel() * x.meta["val"].element_size()
+               for nd in gm.graph.nodes if nd.target is RING for x in nd.args[1:3])
 
 
 def _pipeline_cuts(c: Compilation) -> None:

@@ -12,6 +12,7 @@ from autopar.precision import Policy, policy
 
 SCHEDULES = tuple(GENERATORS)  # the schedule names (autopar.core.schedules)
 FIXED_STAGES_PER_RANK = STAGES_PER_RANK  # (the V holds two stages on every rank)
+CP_ATTENTIONS = ("ring", "all_to_all")  # how context parallelism computes attention (passes/context_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Options:
     recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
     sequence_parallel: bool = False  # tp: shard the values between tensor-parallel regions (least activations)
     batch: str = "global"  # "global": every rank passes the global batch; "local": each its dp shard
+    cp_attention: str = "ring"  # cp > 1: "ring" (K/V blocks around the ranks) or "all_to_all" (heads for sequence)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -48,6 +50,8 @@ class Options:
         if self.batch not in ("global", "local"):
             raise ValueError(f"batch={self.batch!r} must be 'global' (every rank passes the global batch) or 'local' "
                              f"(each data-parallel rank passes its shard)")
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise ValueError(f"cp_attention={self.cp_attention!r} must be one of {', '.join(CP_ATTENTIONS)}")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         object.__setattr__(self, "recompute", check_choice(self.recompute))  # a mapping is kept as (key, mode) pairs
@@ -82,3 +86,4 @@ class Parallelism:
     precision: str = "fp32"
     recompute: Choice = "none"
     sequence_parallel: bool = False
+    cp_attention: str = "ring"

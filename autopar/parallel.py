@@ -125,15 +125,18 @@ class ParallelModel:
     def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds).
 
-        ``layers``: with them, ZeRO's events of the same run, by start: each layer's gathers, backward
-        compute and gradient reduce-scatters (``runtime/zero_trace.py``; docs/zero.md).
+        ``layers``: with them, the events inside those actions, by start: ZeRO's gathers, backward compute and
+        gradient reduce-scatters of each layer (``runtime/zero_trace.py``; docs/zero.md), and each wait of ring
+        attention for a K/V block or its gradients (``"ring_wait"``: the ring's exposed communication).
         """
         if self._rt is None:
             return []
         actions = list(self._rt.executor.timeline)
-        if not (layers and actions and self._rt.zero is not None):
+        if not (layers and actions):
             return actions
-        events = self._rt.zero.trace.between(actions[0][1], actions[-1][2])
+        events = list(self._rt.binding.waits)
+        if self._rt.zero is not None:
+            events += self._rt.zero.trace.between(actions[0][1], actions[-1][2])
         return sorted(actions + events, key=lambda record: record[1])
 
     def communication(self, *, calls: bool = False) -> dict[str, int]:
@@ -245,6 +248,7 @@ def parallelize(
     recompute: str | dict[str, str] | Callable[[str], str] | None = None,
     sequence_parallel: bool | None = None,
     batch: str = "global",
+    cp_attention: str = "ring",
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -285,6 +289,11 @@ def parallelize(
     a local batch too, and ``pm(x)`` returns this rank's outputs (scalars such as a
     loss averaged over dp); training equals single-device training on the shards
     concatenated in dp order. "global" (the default): every rank passes the global batch.
+    ``cp_attention`` (meshes with cp > 1): ``"ring"`` (the default) passes K/V blocks
+    around the cp ranks, each exchange overlapped with a block's attention;
+    ``"all_to_all"`` exchanges heads for sequence (DeepSpeed-Ulysses): each rank
+    computes the whole sequence's attention for ``heads / cp`` heads, fewer bytes
+    than the ring from cp = 4 on, not overlapped; the head count must divide by cp.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -297,6 +306,7 @@ def parallelize(
         stages_per_rank, precision = chosen.stages_per_rank, chosen.precision
         recompute = chosen.recompute if recompute is None else recompute
         sequence_parallel = chosen.sequence_parallel if sequence_parallel is None else sequence_parallel
+        cp_attention = chosen.cp_attention
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,
@@ -304,7 +314,7 @@ def parallelize(
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
                       max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
                       recompute="none" if recompute is None else recompute,
-                      sequence_parallel=bool(sequence_parallel), batch=batch)
+                      sequence_parallel=bool(sequence_parallel), batch=batch, cp_attention=cp_attention)
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

@@ -206,17 +206,23 @@ def check_supported(mesh: Mesh, options: Options) -> None:
 
 
 def check_context_parallel(mesh: Mesh, options: Options) -> None:
-    """Context parallelism runs with data parallelism alone in this version: anything else is refused."""
-    others = {"tp": mesh.tp > 1, "pp": mesh.pp > 1, "ep": mesh.ep > 1, "hybrid dp": mesh.hybrid,
-              f"zero={options.zero}": options.zero > 0, f"precision={options.precision!r}": options.policy is not None,
-              f"recompute={options.recompute!r}": options.recompute != "none",
-              f"batch={options.batch!r}": options.batch != "global"}
+    """Context parallelism composes with dp, ZeRO 1-3 (sharded over dp x cp), mixed precision, recomputation,
+    tp and pp; what it does not compose with is refused by name."""
+    others = {"ep": mesh.ep > 1, "hybrid dp": mesh.hybrid, f"batch={options.batch!r}": options.batch != "global"}
     refused = [name for name, on in others.items() if on]
     if refused:
-        raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) composes "
-                               f"only with data parallelism (dp) so far; use Mesh(dp={mesh.dp}, cp={mesh.cp}) "
-                               f"with zero=0, precision='fp32', recompute='none' and batch='global', or drop "
-                               f"cp")
+        raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) does not "
+                               f"compose with expert parallelism, hybrid sharding or batch='local' in this "
+                               f"version; use {_without_them(mesh)} with batch='global', or drop cp")
+    if options.cp_attention == "all_to_all" and mesh.tp > 1:
+        raise UnsupportedError(f"{mesh} with cp_attention='all_to_all': the all-to-all attention has no tp sharding "
+                               f"rule in this version (the ring has: its heads are sharded over tp); use "
+                               f"cp_attention='ring' with tp={mesh.tp}, or tp=1")
+
+
+def _without_them(mesh: Mesh) -> str:
+    """``mesh`` without ep and with plain dp."""
+    return repr(Mesh(**dict(mesh.axes)))
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

@@ -65,6 +65,7 @@ def forward(mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]
 
 def _run(program: Program, rt: RankRuntime, flat: list[list[Any]], handlers: StepHandlers) -> Any:
     pp = rt.groups.coords.pp
+    rt.binding.waits.clear()  # the ops' waits of this run only (``pm.timeline(layers=True)``)
     with bind(rt.binding):  # the graphs' autopar::* ops run on this rank's groups
         return rt.executor.run(program.step.actions[pp], program.run_stages(rt.groups.rank), flat, rt.state,
                                program.captured.constants, handlers)

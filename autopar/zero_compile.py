@@ -62,7 +62,8 @@ def rank_layout(program: Program, model: torch.nn.Module, options: Options, rank
     mesh = program.plan.mesh
     return zero_layout(rank_parameters(program, model, rank, options.policy), stage=options.zero,
                        n=mesh[mesh.zero_axis], bucket_bytes=options.bucket_bytes, alone=shared_across_pp(program),
-                       routed=frozenset(program.plan.expert_params), routed_n=mesh["ep_replicate"])
+                       routed=frozenset(program.plan.expert_params), routed_n=mesh[mesh.expert_zero_axis],
+                       routed_axis=mesh.expert_zero_axis)
 
 
 def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Options, *, factor: int,
@@ -103,7 +104,7 @@ def apply_zero(program: Program, model: torch.nn.Module, mesh: Mesh, options: Op
                                 gather_dtype=pol.compute if pol and options.zero == 3 else None,
                                 reduce_dtype=pol.reduce if pol else None,
                                 split=program.schedule is not None and program.schedule.splits_backward,
-                                axis=on or axis, replicas=1 if on else mesh.dp_replicate)
+                                axis=on or axis, replicas=mesh.dp_replicate)
     return out
 
 
@@ -127,4 +128,4 @@ def _gather_layers(program: Program, mesh: Mesh, options: Options) -> None:
     prefetch, axis = options.zero_prefetch, mesh.zero_axis
     program.graphs.rewrite_per_group(lambda ranks, st: dataclasses.replace(st, gm=insert_gathers(
         st.gm, st.slots, program.zero_layouts[ranks[0]], axis=axis, ranks=mesh.group_of(ranks[0], axis),
-        prefetch=prefetch, routed_ranks=mesh.group_of(ranks[0], "ep_replicate"))))
+        prefetch=prefetch, routed_ranks=mesh.group_of(ranks[0], mesh.expert_zero_axis))))

@@ -7,7 +7,9 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
   around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions); where
   the attention has a mask tensor on whole sequences (``whole``: the model captured on them), the ring reads
-  the rank's rows of that mask, computed in the rank's graph (``passes/context_masks.py``);
+  the rank's rows of that mask, computed in the rank's graph (``passes/context_masks.py``).
+  With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
+  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
 - each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
@@ -40,6 +42,8 @@ from autopar.core.errors import UnsupportedError
 from autopar.core.graph import Captured, SlotKind, copy_module
 from autopar.core.plan import Collective, Plan
 from autopar.core.ring_attention import cp_positions, ring_attention
+from autopar.core.ulysses import fake_outputs as ulysses_shapes
+from autopar.core.ulysses import ulysses_attention
 from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
@@ -58,6 +62,7 @@ SLICE = aten.slice.Tensor
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
+ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
 GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
 
 
@@ -70,13 +75,26 @@ class ContextParallelGraph:
     positions: int  # aranges and slices made global
     shifted: dict[int, float]  # flat user input -> the fill of its last position: shifted left along dim 1
     gathered: tuple[int, ...] = ()  # bytes per rank of each input masks read on whole sequences (gathered)
+    # all_to_all: bytes of the rank's Q, K, V and output (with its log-sum-exp) exchanged per forward, and of
+    # the output's gradient, dQ, dK and dV per backward, per microbatch (None for the ring)
+    exchanged: tuple[int, int] | None = None
 
     def add_to(self, plan: Plan, cp: int) -> None:
-        """The ring's exchanges per step: forward ``cp - 1`` K/V blocks per attention and microbatch; backward
-        ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one home)."""
+        """The exchanges per step. The ring: forward ``cp - 1`` K/V blocks per attention and microbatch;
+        backward ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one
+        home). All-to-all: forward Q, K, V and the output (4 calls), backward the output's gradient and dQ, dK,
+        dV (4 calls), each the rank's whole tensor (``(cp - 1) / cp`` of it leaves the rank)."""
         m = plan.microbatches
         kv = sum(b for _, _, b in self.attentions)
         n = len(self.attentions) * m
+        if self.exchanged:
+            forward, backward = self.exchanged
+            plan.collectives += [
+                Collective(AXIS, "all_to_all", 4 * n, forward * m, "forward, heads for sequence: Q, K, V, output",
+                           "forward"),
+                Collective(AXIS, "all_to_all", 4 * n, backward * m,
+                           "backward, the output's gradient and dQ, dK, dV", "backward")]
+            return
         plan.collectives += [Collective(AXIS, "all_gather", len(self.gathered) * m, sum(self.gathered) * m,
                                         "forward, inputs attention masks read on whole sequences", "forward")
                              ] if self.gathered else []
@@ -88,15 +106,19 @@ class ContextParallelGraph:
         ]
 
 
-def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule | None = None) -> ContextParallelGraph:
+def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule | None = None,
+                     attention: str = "ring") -> ContextParallelGraph:
     """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc);
-    ``whole``: the model captured on whole sequences, whose attention masks the rank evaluates on its rows."""
+    ``whole``: the model captured on whole sequences, whose attention masks the rank evaluates on its rows;
+    each attention a ring or (``attention="all_to_all"``) an exchange of heads for sequence."""
     gm = copy_module(cap.gm)
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
     nodes = [n for n in graph.nodes if n.target in ATTENTIONS]
     wholes = _whole_attentions(whole, len(nodes))
-    rings = [_ring(graph, n, local, w) for n, w in zip(nodes, wholes)]
+    exchanged = [0, 0]
+    rings = [_ring(graph, n, local, w, cp if attention == "all_to_all" else 0, exchanged)
+             for n, w in zip(nodes, wholes)]
     shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
@@ -116,7 +138,8 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     _check_no_sequence_shift(graph, kinds, local)
     graph.lint()
     gm.recompile()
-    return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks)
+    return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
+                                tuple(exchanged) if exchanged[0] else None)
 
 
 def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
@@ -157,9 +180,11 @@ def _whole_attentions(whole: fx.GraphModule | None, n: int) -> list[fx.Node | No
     return found
 
 
-def _ring(graph: fx.Graph, node: fx.Node, local: int,
-          whole: fx.Node | None) -> tuple[fx.Node, tuple[str, tuple[int, ...], int]]:
-    """``node`` rewritten to the ring (``whole``: the same attention on whole sequences, whose form it takes)."""
+def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, heads_over: int,
+          exchanged: list[int]) -> tuple[fx.Node, tuple[str, tuple[int, ...], int]]:
+    """``node`` rewritten to the ring (``whole``: the same attention on whole sequences, whose form it takes),
+    or with ``heads_over`` (the cp size) to an exchange of heads for sequence, its forward and backward bytes
+    added to ``exchanged``."""
     args = _arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
     causal = bool((_arguments(whole) if whole is not None else args).get("is_causal", False))
@@ -176,22 +201,39 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int,
                             f"{local}")
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
+    call = (q, k, v, scale, causal, AXIS)
+    if heads_over:
+        call += (heads_over,)
+        _all_to_all_bytes(node, [x.meta["val"] for x in (q, k, v)], heads_over, exchanged)
     with graph.inserting_after(node):
-        ring = graph.call_function(RING, (q, k, v, scale, causal, AXIS))
+        ring = graph.call_function(ULYSSES if heads_over else RING, call)
+    val = node.meta["val"][0] if node.target is CPU_SDPA else node.meta["val"]
+    ring.meta["val"] = ulysses_shapes(*(x.meta["val"] for x in (q, k, v)), *call[3:]) if heads_over else \
+        (val, val.new_empty(val.shape[:-1]))
     if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
         if any(u.args[1] != 0 and u.users for u in node.users):
             raise refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
                                 "only")
-        ring.meta["val"] = node.meta["val"]
         _replace(graph, node, ring)
     else:
         with graph.inserting_after(ring):
             out = graph.call_function(operator.getitem, (ring, 0))
-        val = node.meta["val"]
-        ring.meta["val"] = (val, val.new_empty(val.shape[:-1]))
         _replace(graph, node, out)
     kv = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in (k, v))
     return ring, (node.name, shapes[1], kv)
+
+
+def _all_to_all_bytes(node: fx.Node, qkv: list[torch.Tensor], cp: int, exchanged: list[int]) -> None:
+    """Adds what the all-to-alls of one attention send to ``exchanged`` (forward: Q, K, V and the output with its
+    log-sum-exp; backward: the output's gradient, dQ, dK, dV); refuses heads that do not divide by ``cp``."""
+    heads = [x.shape[1] for x in qkv]
+    if any(h % cp for h in heads):
+        raise refused(node, f"query/key/value heads {heads} do not divide by cp={cp} for the all-to-all; use "
+                            f"cp_attention='ring' or a cp dividing the heads")
+    size = [x.numel() * x.element_size() for x in qkv]
+    row = size[0] // qkv[0].shape[-1]  # bytes of one element per query row and head
+    exchanged[0] += sum(size) + row * (qkv[2].shape[-1] + 1)
+    exchanged[1] += sum(size) + row * qkv[2].shape[-1]
 
 
 def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.Node, SlotKind], local: int,
@@ -203,6 +245,9 @@ def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.
     copies = MaskCopies(graph, whole.graph, kinds, local, AXIS)
     for (ring, _), attention in zip(rings, wholes):
         mask = _arguments(attention).get("attn_mask")
+        if mask is not None and ring.target is ULYSSES:
+            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='all_to_all' evaluates causal "
+                                     f"masks or none; use cp_attention='ring'")
         if mask is not None:
             ring.args = (*ring.args, copies.rows_of(mask, ring))
     return tuple(x.meta["val"].numel() * x.meta["val"].element_size() for x in copies.gathered)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -36,19 +35,12 @@ from autopar.core.expert_ops import ExpertParallel
 from autopar.core.graph import Captured, copy_module
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan
+from autopar.passes.expert_graph import CONVERSIONS, VIEWS, ancestors as _ancestors, check_rowwise, \
+    descendants as _descendants
+from autopar.passes.expert_grouped import grouped_sort, rewrite_grouped
 from autopar.passes.expert_loops import MASKS, module_name
 
 aten = torch.ops.aten
-CONVERSIONS = {aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default}  # dtype casts between y_e * w_e and acc
-VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default}
-MATMULS = {  # op -> (the argument of rows, the arguments that must not depend on the rows: weights, bias)
-    aten.linear.default: (0, (1, 2)), aten.mm.default: (0, (1,)), aten.matmul.default: (0, (1,)),
-    aten.addmm.default: (1, (0, 2)),
-}
-SPLITS = {  # op -> the index of its dim argument (default 0): row-wise when that dim is not the rows'
-    aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.chunk.default: 2, aten.slice.Tensor: 1,
-    aten.narrow.default: 1,
-}
 
 
 @dataclass
@@ -97,8 +89,10 @@ def expert_parallel(cap: Captured, ep: int) -> ExpertParallelGraph:
         indices = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 1), None)
         masks = {u.args[1]: u for u in (indices.users if indices is not None else ()) if u.target in MASKS
                  and isinstance(u.args[1], int)}
-        if masks:
-            layer, placed, x = _rewrite(gm, len(layers), indices, masks, ep, kinds, data)
+        sort = grouped_sort(indices) if indices is not None and not masks else None
+        if masks or sort is not None:
+            layer, placed, x = (_rewrite(gm, len(layers), indices, masks, ep, kinds, data) if masks else
+                                rewrite_grouped(gm, len(layers), indices, sort, ep, kinds, data))
             layers.append(layer)
             params.update(placed)
             val = x.meta["val"]
@@ -232,34 +226,12 @@ def _body(ex: _Expert, x: fx.Node, after_x: set[fx.Node], data: set[fx.Node],
         nodes.add(nd)
         stack.extend(nd.all_input_nodes)
     for nd in rows:
-        _check_rowwise(nd, rows | {x}, ex.e, where)
+        check_rowwise(nd, rows | {x}, ex.e, where, _refused)
         outside = [u for u in nd.users if u not in nodes and nd is not ex.y]
         if outside:
             raise _refused(where, f"expert {ex.e}'s {nd.name} is also used by {outside[0].format_node()}")
     order = list(ex.y.graph.nodes)
     return sorted(nodes, key=order.index), sorted(placeholders, key=order.index)
-
-
-def _check_rowwise(nd: fx.Node, rows: set[fx.Node], e: int, where: str) -> None:
-    """Each row of an expert's output must depend on the same row of its input only."""
-    target = nd.target
-    if target is operator.getitem or target in CONVERSIONS:
-        return
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-        return
-    if target in MATMULS:
-        row, others = MATMULS[target]
-        args = nd.args
-        if args[row] in rows and not any(isinstance(args[i], fx.Node) and args[i] in rows for i in others
-                                         if i < len(args)):
-            return
-    if target in SPLITS:
-        i = SPLITS[target]
-        dim = nd.args[i] if len(nd.args) > i else nd.kwargs.get("dim", 0)
-        if dim not in (0, -nd.args[0].meta["val"].dim()):
-            return
-    raise _refused(where, f"expert {e} computes {nd.format_node()}, which may mix tokens; expert parallelism "
-                          "runs each expert on the rows routed to it only")
 
 
 def _classify(bodies: list, kinds: dict, n: int, where: str) -> dict[fx.Node, int | None]:
@@ -310,25 +282,6 @@ def _depends_on_inputs(gm: fx.GraphModule, inputs: set[fx.Node]) -> set[fx.Node]
     return out
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    return _closure(node, lambda nd: list(nd.users))
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    return _closure(node, lambda nd: nd.all_input_nodes)
-
-
-def _closure(node: fx.Node, step: Callable[[fx.Node], list[fx.Node]]) -> set[fx.Node]:
-    """The nodes reached from ``node`` by repeated ``step`` (its users, or its inputs), ``node`` not included."""
-    seen, stack = set(), step(node)
-    while stack:
-        nd = stack.pop()
-        if nd not in seen:
-            seen.add(nd)
-            stack.extend(step(nd))
-    return seen
-
-
 def _unviewed(node: object) -> object:
     """``node`` without the trailing dims of size 1 that ``unsqueeze`` added."""
     while isinstance(node, fx.Node) and node.target is aten.unsqueeze.default:
@@ -375,23 +328,21 @@ def per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
 
 
 def check_composes(mesh: Mesh, *, zero: int = 0, precision: str = "fp32", recompute: object = "none") -> None:
-    """Refuses, naming the numbers, what expert parallelism does not compose with yet (never a wrong result).
-    ZeRO, precision and recomputation all compose with it; they are accepted so that a caller can ask about a
-    whole configuration."""
-    if mesh.hybrid:
-        raise UnsupportedError(f"expert parallelism (ep={mesh.ep}) does not compose with hybrid sharding "
-                               f"dp={mesh.dp_split} yet; use Mesh(dp={mesh.dp}, ep={mesh.ep}) with zero=1-3 (expert "
-                               "state is then sharded over the ranks holding the same experts), or drop ep")
+    """Refuses, naming the numbers, what expert parallelism does not compose with (never a wrong result): nothing
+    today. ZeRO, hybrid sharding (``Mesh`` checks that ep divides the shard size), precision and recomputation
+    all compose with it; they are accepted so that a caller can ask about a whole configuration."""
 
 
 def no_experts_found(model: torch.nn.Module, ep: int) -> UnsupportedError:
     """The error for ``ep > 1`` on a model without a routed-experts layer this pass recognises."""
     stacked = [name for name, m in model.named_modules() if isinstance(getattr(m, "down_proj", None), torch.Tensor)]
-    hint = (f"; its stacked experts ({', '.join(stacked[:2])}{', ...' if len(stacked) > 2 else ''}) run as one "
-            "grouped matmul: set model.config._experts_implementation = 'eager'") if stacked else ""
+    form = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    hint = (f"; its stacked experts ({', '.join(stacked[:2])}{', ...' if len(stacked) > 2 else ''}) run as "
+            f"{form!r}: set model.config._experts_implementation = 'grouped_mm' (Hugging Face's default) or "
+            "'eager'") if stacked else ""
     return UnsupportedError(f"ep={ep}, but {type(model).__name__} has no routed-experts layer expert parallelism "
-                            f"recognises (a top-k router, a loop over its experts, a weighted combine){hint}; or use "
-                            "a mesh without ep")
+                            f"recognises (a top-k router, a loop over its experts or a grouped matmul over them, a "
+                            f"weighted combine){hint}; or use a mesh without ep")
 
 
 def _refused(where: str, why: str) -> UnsupportedError:

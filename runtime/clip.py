@@ -15,7 +15,9 @@ copy of that element, and one all-reduce over all ranks adds the sums. Copies:
 - pp: a parameter used by stages on k pp ranks (tied embeddings) holds the
   same summed gradient on each of them (weight 1/k).
 - ep: an expert's parameter is held by the dp / ep ranks of its ``ep_replicate``
-  group only (weight ep/dp).
+  group only (weight ep/dp); under ZeRO its slices are disjoint over the ranks
+  holding the expert in one replica, so held as the dp ones are (weight
+  1/dp_replicate).
 
 Invariant: ``clip`` scales every gradient the optimizer will read by
 ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient, so the update equals
@@ -64,7 +66,7 @@ def global_grad_norm(rt: RankRuntime, model: torch.nn.Module, placements: dict[s
     for name, grad in _pieces(rt, model):
         copies = holders.get(name, 1)
         copies *= mesh.dp if rt.zero is None else mesh.dp_replicate
-        copies //= mesh.ep if name in experts else 1
+        copies //= mesh.ep if name in experts and rt.zero is None else 1  # (ZeRO: a slice of one replica)
         if not isinstance(placements.get(name), Shard):
             copies *= mesh.tp
         total += grad.detach().double().square().sum() / copies

@@ -168,7 +168,8 @@ def join(mesh: Mesh) -> Groups:
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
     by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES + EP_SUBAXES + (DP_CP,))
-    for axis in (mesh.names + (DP_SUBAXES if mesh.hybrid else ()) + (EP_SUBAXES if mesh.ep > 1 else ())
+    experts = tuple(a for a in EP_SUBAXES if a != "ep_shard" or mesh.hybrid) if mesh.ep > 1 else ()
+    for axis in (mesh.names + (DP_SUBAXES if mesh.hybrid else ()) + experts
                  + ((DP_CP,) if mesh.cp > 1 else ())):
         if mesh[axis] == 1 and axis != "ep_replicate":  # (expert gradients are averaged over it even alone)
             continue

@@ -92,8 +92,9 @@ class ZeroRuntime:
         stage-3 graph ops find each shard's group.
         ``values`` (``precision="mixed"``): the parameters' float32 values, from which each shard's master
         is cut for the optimizer to step (``runtime/master.py``).
-        ``routed`` (expert parallelism): the routed experts' parameters, sharded over ``ep_replicate`` (the ranks
-        holding the same experts); their gradients are summed there and divided by dp, since each holder's
+        ``routed`` (expert parallelism): the routed experts' parameters, sharded over ``mesh.expert_zero_axis``
+        (the ranks holding the same experts, inside one replica under hybrid sharding); their gradients are
+        summed there and divided by dp (by dp_shard, before the average over replicas), since each holder's
         gradient already sums the tokens of its ep group.
         """
         mesh = groups.mesh
@@ -106,7 +107,8 @@ class ZeroRuntime:
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.layout: ZeroLayout = zero_layout([(n, tuple(p.shape), p.dtype) for n, p in named], stage=self.stage,
                                               n=mesh[axis], bucket_bytes=settings.bucket_bytes, alone=alone,
-                                              routed=routed, routed_n=mesh["ep_replicate"])
+                                              routed=routed, routed_n=mesh[mesh.expert_zero_axis],
+                                              routed_axis=mesh.expert_zero_axis)
         check_optimizer(settings.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
@@ -119,7 +121,8 @@ class ZeroRuntime:
             fs = FlatShard(spec, index=groups.coord(on), group=groups[on] if mesh[on] > 1 else None,
                            ranks=mesh.group_of(groups.rank, on), device=groups.device, stage=self.stage,
                            tracker=self.tracker, queue=self.queue, reduce_dtype=settings.reduce_dtype, trace=self.trace,
-                           axis=on, binding=binding, divisor=mesh.dp if spec.axis else None)
+                           axis=on, binding=binding,
+                           divisor=mesh.dp // mesh.dp_replicate if spec.axis else None)
             members = [by_name[n] for n in spec.params]
             fs.load_full(members)
             self._adopt(fs, members)

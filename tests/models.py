@@ -439,3 +439,35 @@ def kernel_attention(vocab: int = 96, d: int = 16, heads: int = 2, length: int =
                      dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return KernelAttention(vocab, d, heads, length).to(dtype)
+
+
+def deepseek_v3_exact(**kw: object) -> nn.Module:
+    """``deepseek_v3`` with its router computing in the model's dtype. Hugging Face's router casts its input and
+    weight to float32, so in a float64 model any float64 rounding in front of it (tp's partial sums, the order in
+    which an expert's rows are added) moves routing weights and router gradients by float32's 6e-8: this one
+    computes the same grouped top-k (``DeepSeekRouter``) without the cast, so float64 runs compare within 1e-12."""
+    model = deepseek_v3(**kw)
+    for m in model.modules():
+        if type(m).__name__ == "DeepseekV3TopkRouter":
+            m.__class__ = type("DeepSeekRouter", (DeepSeekRouter, type(m)), {})
+    return model
+
+
+class DeepSeekRouter:
+    """DeepSeek-V3's routing (sigmoid scores, a correction bias that only steers the choice, the ``topk_group``
+    best of ``n_group`` groups by the sum of their two best scores, top-k within them, weights normalised and
+    scaled) in the dtype of its input; mixed into Hugging Face's router class, whose parameters it reads."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, groups = self.num_experts, self.num_group
+        logits = F.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.to(scores.dtype)
+        best = choice.view(-1, groups, n // groups).topk(2, dim=-1).values.sum(-1)  # (T, groups)
+        kept = torch.zeros_like(best).scatter(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
+        allowed = kept.repeat_interleave(n // groups, dim=1) > 0  # (T, E)
+        chosen = choice.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * self.routed_scaling_factor, chosen

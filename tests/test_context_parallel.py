@@ -109,16 +109,6 @@ def test_shift_inside_the_loss_is_refused() -> None:
         _compile(models.gpt2, Mesh(cp=2), IDS, TARGET, loss_fn=shifted_loss)
 
 
-@pytest.mark.parametrize("mesh, options, named", [
-    (Mesh(cp=2, tp=2), {}, "tp"), (Mesh(pp=2, cp=2), {}, "pp"), (Mesh(dp=2, cp=2), {"zero": 1}, "zero=1"),
-    (Mesh(cp=2), {"precision": "bf16"}, "precision='bf16'"),
-])
-def test_compositions_not_yet_supported_are_refused(mesh: Mesh, options: dict, named: str) -> None:
-    with pytest.raises(UnsupportedError, match=rf"with .*{named}.*composes only with data parallelism"):
-        pm = autopar.parallelize(models.gpt2(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw, **options)
-        pm.compile((IDS,), {}, TARGET)
-
-
 def test_mesh_layout_and_gradient_group() -> None:
     """cp is its own axis (it multiplies the world size); gradients are averaged over dp x cp."""
     mesh = Mesh(dp=2, cp=2)

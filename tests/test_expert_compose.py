@@ -40,6 +40,20 @@ def test_zero_with_stacked_experts(launcher, zero: int) -> None:
     _exact(MIXTRAL, Mesh(dp=4, ep=2), launcher, zero=zero)
 
 
+@pytest.mark.parametrize("make, mesh, zero", [
+    (LOOP, Mesh(dp=(2, 2), ep=2), 2),
+    pytest.param(LOOP, Mesh(dp=(2, 2), ep=2), 1, marks=pytest.mark.slow),
+    pytest.param(LOOP, Mesh(dp=(2, 2), ep=2), 3, marks=pytest.mark.slow),
+    pytest.param(LOOP, Mesh(dp=(2, 4), ep=2), 3, marks=pytest.mark.slow),
+    pytest.param(MIXTRAL, Mesh(dp=(2, 4), ep=2), 2, marks=pytest.mark.slow),
+], ids=["loop-2x2-zero2", "loop-2x2-zero1", "loop-2x2-zero3", "loop-2x4-zero3", "mixtral-2x4-zero2"])
+def test_hybrid_sharding_shards_expert_state_inside_each_replica(launcher, make, mesh: Mesh, zero: int) -> None:
+    """dp=(replicate, shard) with ep dividing the shard size: each ep group exchanges tokens inside one replica;
+    the routed experts' state is sharded over the ranks of a replica holding the same experts (``ep_shard``) and
+    averaged over the replicas like the rest (docs/decisions.md)."""
+    _exact(make, mesh, launcher, zero=zero)
+
+
 
 def _formula(dense: int, experts: int, mesh: Mesh, zero: int) -> dict[str, int]:
     """ZeRO's bytes per rank with the routed experts split over ep first: dense state over dp, this rank's
@@ -209,3 +223,13 @@ def test_zero_checkpoints_with_experts_move_between_meshes(launcher, tmp_path, m
 def test_zero_with_experts_composes_with_tp_and_pp(launcher, mesh: Mesh, zero: int) -> None:
     _exact(models.factory(models.mixtral_eager, layers=2, aux=False), mesh, launcher, zero=zero,
            microbatches=2 if mesh.pp > 1 else 1)
+
+
+@pytest.mark.parametrize("mesh, zero", [(Mesh(dp=4, ep=2), 2), pytest.param(Mesh(dp=(2, 4), ep=2), 3,
+                                                                            marks=pytest.mark.slow)],
+                         ids=["zero2", "hybrid-zero3"])
+def test_clipping_counts_each_expert_slice_once_under_zero(launcher, mesh: Mesh, zero: int) -> None:
+    """The global norm over ZeRO's slices: a slice of routed experts is held by one rank of its ``ep_shard`` group
+    and by each replica; SGD with a bound that clips."""
+    assert_equivalent(LOOP, mesh, (IDS8,), TARGET8, models.lm_loss, models.sgd, steps=2, rtol=1e-9, atol=1e-10,
+                      launcher=launcher, zero=zero, max_grad_norm=0.05)

@@ -143,11 +143,13 @@ def test_experts_that_do_not_divide_by_ep_are_refused() -> None:
 
 
 def test_experts_it_does_not_recognise_are_refused() -> None:
-    """Hugging Face's grouped-matmul experts have no loop to split: named, with the switch that gives one."""
-    with pytest.raises(UnsupportedError, match=r"ep=2, but MixtralForCausalLM has no routed-experts layer .*"
-                                               r"model.config._experts_implementation = 'eager'"):
-        parallelize(models.mixtral(layers=1, dtype=torch.float64), Mesh(dp=2, ep=2), example_inputs=(IDS,),
-                    example_target=TARGET, loss_fn=models.lm_loss)
+    """Hugging Face's batched-matmul experts (every expert on every token, then masked): named, with the switches
+    that give a form it takes (tests/test_expert_grouped.py runs the grouped one)."""
+    with pytest.raises(UnsupportedError, match=r"ep=2, but MixtralForCausalLM has no routed-experts layer .*run as "
+                                               r"'batched_mm': set model.config._experts_implementation = "
+                                               r"'grouped_mm' \(Hugging Face's default\) or 'eager'"):
+        parallelize(models.mixtral(layers=1, experts_implementation="batched_mm"), Mesh(dp=2, ep=2),
+                    example_inputs=(IDS,), example_target=TARGET, loss_fn=models.lm_loss)
 
 
 class _WeightedInputs(torch.nn.Module):
@@ -174,10 +176,16 @@ def test_a_combine_it_does_not_recognise_is_refused_naming_the_module() -> None:
         parallelize(_WeightedInputs(), Mesh(dp=2, ep=2), example_inputs=(x,))
 
 
-def test_what_does_not_compose_yet_is_refused() -> None:
-    with pytest.raises(UnsupportedError, match=r"expert parallelism \(ep=2\) does not compose with hybrid sharding "
-                                               r"dp=\(2, 2\) yet; use Mesh\(dp=4, ep=2\) with zero=1-3"):
-        parallelize(LOOP(), Mesh(dp=(2, 2), ep=2), loss_fn=models.lm_loss, zero=2)
+def test_ep_must_divide_the_shard_size_under_hybrid_sharding() -> None:
+    """Each ep group exchanges tokens inside one replica (docs/decisions.md)."""
+    with pytest.raises(ValueError, match=r"ep=4 must divide the shard size 2 of dp=\(2, 2\): each ep group exchanges "
+                                         r"tokens inside one replica; use ep in \[1, 2\]"):
+        Mesh(dp=(2, 2), ep=4)
+    mesh = Mesh(dp=(2, 4), ep=2)
+    assert mesh.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("ep_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]] and mesh.expert_zero_axis == "ep_shard"
+    assert mesh.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]  # same experts, same slice of them
+    assert Mesh(dp=8, ep=2).split_dp(4) == mesh
 
 
 def test_ep_must_divide_dp() -> None:

@@ -131,7 +131,7 @@ def expert_calls(gm: torch.fx.GraphModule, mesh: Mesh, rank: int) -> dict[str, s
     for name, module in gm.named_children():
         if isinstance(module, ExpertParallel):
             held = module.held_by(mesh.coord(rank, "ep"))
-            out[name] = (f"{module.name}: this rank's experts {held.start}-{held.stop - 1} of {len(module.experts)}; "
+            out[name] = (f"{module.name}: this rank's experts {held.start}-{held.stop - 1} of {module.count}; "
                          f"row counts all_to_all, dispatch and combine all_to_all_v over ep (both again in backward)")
     return out
 

@@ -49,6 +49,9 @@ class Binding:
     # id of a ZeRO-3 shard -> its flat group: a runtime record the core layer holds without knowing its type
     # (runtime/zero_kernels.py checks it with isinstance when it reads it back)
     shards: dict[int, object] = field(default_factory=dict)
+    # (what, start, end) perf_counter seconds a rank's host waited inside an op for a message (the ring's
+    # K/V blocks): the exposed part of communication the ops overlap themselves; cleared by each step
+    waits: list[tuple[str, float, float]] = field(default_factory=list)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         g = self.groups.get(axis)

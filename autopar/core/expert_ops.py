@@ -74,11 +74,12 @@ class ExpertParallel(torch.nn.Module):
         self.name, self.ep, self.dtype = name, ep, dtype
         self.experts = torch.nn.ModuleList(experts)
         self.uses = [list(u) for u in uses]
+        self.count = len(experts)  # the layer's experts
 
     @property
     def local(self) -> int:
         """Experts per rank."""
-        return len(self.experts) // self.ep
+        return self.count // self.ep
 
     def held_by(self, index: int) -> range:
         """The experts ep index ``index`` holds."""
@@ -89,7 +90,7 @@ class ExpertParallel(torch.nn.Module):
         if is_fake(x):  # shape propagation at compile time: the output's shape is static
             return x.new_empty(x.shape, dtype=self.dtype)
         t, k = indices.shape
-        n, local = len(self.experts), self.local
+        n, local = self.count, self.local
         flat = indices.reshape(-1)  # (T*k,)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
         tokens = order // k
@@ -113,3 +114,27 @@ class ExpertParallel(torch.nn.Module):
             for i, part in zip(mine, out.split([sizes[i] for i in mine])):
                 pieces[i] = part
         return torch.cat(pieces)
+
+
+class GroupedExpertParallel(ExpertParallel):
+    """``ExpertParallel`` for experts computed together as grouped matmuls (Hugging Face's grouped form):
+    ``body(rows (R, H), *stacked weights, offsets (E/ep,)) -> (R, H)`` runs this rank's experts at once on the
+    rows it received, ordered by expert, with its E/ep rows of each stacked weight (``params``) and offsets
+    (one past each local expert's last row) counted from what every rank sent."""
+
+    def __init__(self, name: str, body: fx.GraphModule, experts: int, ep: int, dtype: torch.dtype) -> None:
+        if experts % ep:
+            raise ValueError(f"{experts} experts do not divide by ep={ep}")
+        super().__init__(name, [], [], ep, dtype)
+        self.body, self.count = body, experts
+
+    def _run_local(self, rows: torch.Tensor, received: torch.Tensor, params: tuple) -> torch.Tensor:
+        """The rows arrive by source rank, then expert: regrouped by expert for ``body``, then put back."""
+        local = self.local
+        sizes = received.reshape(-1).tolist()  # source-major: (source rank, local expert)
+        pieces = rows.split(sizes)
+        order = [s * local + j for j in range(local) for s in range(self.ep)]  # expert-major
+        offsets = torch.cumsum(received.sum(0), 0, dtype=torch.int32)
+        out = self.body(torch.cat([pieces[i] for i in order]), *params, offsets)
+        back = dict(zip(order, out.split([sizes[i] for i in order])))
+        return torch.cat([back[i] for i in range(len(sizes))])

@@ -14,7 +14,12 @@ ranks, e.g. a node) and the ``R`` replicas hold the same shards.
 Expert parallelism folds onto dp's ranks and adds none: ``Mesh(dp=4, ep=2)`` has 4 ranks, and dp index
 ``d = g * ep + i`` is expert-parallel index ``i`` (sub-axis ``ep``: ``ep`` consecutive dp ranks that split
 the routed experts between them and exchange tokens) of group ``g`` (sub-axis ``ep_replicate``: the
-``dp / ep`` ranks holding the same experts, over which those experts' gradients are reduced).
+``dp / ep`` ranks holding the same experts, over which those experts' gradients are reduced). Under hybrid
+sharding ``ep`` divides the shard size, so each ep group lies inside one replica, and ZeRO shards the routed
+experts' state over sub-axis ``ep_shard``: the ``dp_shard / ep`` ranks of one replica holding the same experts
+(``mesh.expert_zero_axis``; without hybrid sharding it is ``ep_replicate``). The rank of the same ``dp_shard``
+index in every replica holds the same experts and the same slice of them, so ``dp_replicate`` averages those
+slices as it does the dense ones.
 
 Context parallelism is an axis of its own, multiplying the world size: ``Mesh(dp=2, cp=2)`` has 4 ranks, each
 cp rank holding a slice of every sequence (docs/decisions.md). Parameters are replicated over cp; their
@@ -30,7 +35,8 @@ from typing import Any
 
 AXES = ("dp", "cp", "pp", "tp")
 DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, shard)
-EP_SUBAXES = ("ep", "ep_replicate")  # expert parallelism folded onto dp: dp = ep_replicate x ep
+EP_SUBAXES = ("ep", "ep_replicate", "ep_shard")  # expert parallelism folded onto dp: dp = ep_replicate x ep;
+# ep_shard: the ep_replicate ranks inside one hybrid-sharding replica
 DP_CP = "dp_cp"  # the ranks that differ only on dp and cp: where gradients are averaged under context parallelism
 
 
@@ -96,6 +102,11 @@ class Mesh:
             fits = [k for k in range(1, dp + 1) if dp % k == 0]
             raise ValueError(f"ep={ep} must divide dp={dp}: expert parallelism folds onto the dp ranks (dp = "
                              f"ep_replicate x ep); use ep in {fits} or a dp that is a multiple of {ep}")
+        if split is not None and split[1] % ep:
+            fits = [k for k in range(1, split[1] + 1) if split[1] % k == 0]
+            raise ValueError(f"ep={ep} must divide the shard size {split[1]} of dp={split}: each ep group exchanges "
+                             f"tokens inside one replica; use ep in {fits} or a shard size that is a multiple of "
+                             f"{ep} (e.g. dp=({split[0] * split[1] // ep}, {ep}))")
 
     @classmethod
     def from_device_mesh(cls, device_mesh: Any) -> "Mesh":
@@ -123,7 +134,7 @@ class Mesh:
             fits = [k for k in range(1, dp + 1) if dp % k == 0]
             raise ValueError(f"hybrid sharding with shard={shard!r} on dp={dp}: the shard size must divide dp "
                              f"(dp = replicate x shard); use one of {fits}")
-        return Mesh(**{n: ((dp // shard, shard) if n == "dp" else s) for n, s in self.axes})
+        return Mesh(**{n: ((dp // shard, shard) if n == "dp" else s) for n, s in self.axes}, ep=self.ep)
 
     # sizes and coordinates -------------------------------------------------
     @property
@@ -143,7 +154,7 @@ class Mesh:
         if axis in DP_SUBAXES:
             return self.dp_replicate if axis == DP_SUBAXES[0] else self.dp_shard
         if axis in EP_SUBAXES:
-            return self.ep if axis == "ep" else self.dp // self.ep
+            return self.ep if axis == "ep" else (self.dp if axis == "ep_replicate" else self.dp_shard) // self.ep
         if axis == DP_CP:
             return self.dp * self.cp
         if axis not in AXES:
@@ -182,9 +193,17 @@ class Mesh:
         return self.dp_split[1] if self.dp_split is not None else self.dp
 
     @property
+    def expert_zero_axis(self) -> str:
+        """The axis ZeRO shards the routed experts' state over: the ranks holding the same experts, inside one
+        replica under hybrid sharding (``ep_shard``), else all of them (``ep_replicate``)."""
+        return "ep_shard" if self.hybrid else "ep_replicate"
+
+    @property
     def zero_axis(self) -> str:
-        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, else ``dp``."""
-        return DP_SUBAXES[1] if self.hybrid else "dp"
+        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, ``dp_cp`` under context parallelism
+        (parameters are replicated over cp, so their state is sharded over dp x cp; docs/decisions.md), else
+        ``dp``."""
+        return DP_SUBAXES[1] if self.hybrid else DP_CP if self.cp > 1 else "dp"
 
     def coord(self, rank: int, axis: str) -> int:
         """``rank``'s index on ``axis`` or on a dp sub-axis."""
@@ -193,8 +212,10 @@ class Mesh:
             r, s = divmod(d.dp, self.dp_shard)
             return r if axis == DP_SUBAXES[0] else s
         if axis in EP_SUBAXES:
-            g, i = divmod(d.dp, self.ep)
+            g, i = divmod(d.dp if axis != "ep_shard" else d.dp % self.dp_shard, self.ep)
             return i if axis == "ep" else g
+        if axis == DP_CP:  # (the order of ``group_of``: dp-major)
+            return d.dp * self.cp + d.cp
         return d.on(axis)
 
     def coords(self, rank: int) -> Coords:
@@ -242,6 +263,10 @@ class Mesh:
             n = self.dp_shard
             r, s = divmod(c.dp, n)
             dps = range(r * n, (r + 1) * n) if axis == DP_SUBAXES[1] else range(s, self.dp, n)
+            return [self.rank_at(c.replace(dp=d)) for d in dps]
+        if axis == "ep_shard":  # the replica's dp ranks with this ep index
+            start = c.dp - c.dp % self.dp_shard
+            dps = range(start + c.dp % self.ep, start + self.dp_shard, self.ep)
             return [self.rank_at(c.replace(dp=d)) for d in dps]
         if axis in EP_SUBAXES:
             g, i = divmod(c.dp, self.ep)

@@ -17,6 +17,10 @@ the region dispatches (``keeps``; ``keep_contexts`` applies it while the region 
   outputs (``KEPT_SELECTIVE``) and recomputes only the cheap operators between
   them: elementwise, normalization, softmax, dropout.
 
+Context parallelism's ring attention (``core/ring_attention.py``) is an attention
+here, though it communicates: "selective" keeps it, "full" runs it again in
+backward, K/V exchanges included, as Megatron-LM's full recomputation does.
+
 An operator that draws random numbers is never kept (a fused attention with
 dropout is recomputed), so the recomputation draws the same numbers in the same
 order. ZeRO-3's parameter all-gather is recomputed: backward gathers the layer
@@ -39,6 +43,8 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.core.collectives import Binding, bind, bound
 from autopar.core.comm import OPS
+from autopar.core.ring_attention import ring_attention
+from autopar.core.ulysses import ulysses_attention
 
 MODES = ("none", "selective", "full")
 FIX = ("pass recompute='none', 'selective' or 'full', a dict {layer or pattern: mode} "
@@ -106,7 +112,8 @@ MATMULS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_addmm_activat
 ATTENTION = _ops(torch.ops.aten, ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                                   "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-                                  "_efficient_attention_forward"))
+                                  "_efficient_attention_forward")) | {ring_attention._opoverload,
+                                                                  ulysses_attention._opoverload}  # (cp's)
 KEPT_SELECTIVE = MATMULS | ATTENTION
 _CANDIDATES = {"full": COMMUNICATING, "selective": COMMUNICATING | KEPT_SELECTIVE}  # what each mode may keep
 

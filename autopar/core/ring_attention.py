@@ -28,6 +28,7 @@ order, up to the order of floating-point sums; the backward is its exact gradien
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -119,8 +120,10 @@ def _exchange(tensors: list[torch.Tensor], axis: str, tag: int = 0) -> tuple[lis
 
 def _received(pending: tuple[list[Any], torch.Tensor, list[torch.Tensor]]) -> list[torch.Tensor]:
     requests, into, templates = pending
+    start = time.perf_counter()
     for r in requests:
         r.wait()
+    current().waits.append(("ring_wait", start, time.perf_counter()))  # the exchange's exposed part
     return [part.view_as(t) for part, t in zip(into.split([t.numel() for t in templates]), templates)]
 
 

@@ -12,7 +12,7 @@ then ``bucket_bytes``, as ``core.buckets`` cuts them); stage 3 groups by layer
 fetches one layer.
 
 Under expert parallelism the routed experts' parameters (``routed``) are laid out
-in groups of their own, over the ``ep_replicate`` sub-axis (``routed_n`` ranks
+in groups of their own, over the ``ep_replicate`` sub-axis (``ep_shard`` under hybrid sharding; ``routed_n`` ranks
 hold the same experts) instead of dp: such a group's ``axis`` names it.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ class FlatGroup:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     n: int
-    axis: str = ""  # the mesh axis its shards span ("": the layout's ZeRO axis; "ep_replicate": routed experts)
+    axis: str = ""  # the mesh axis its shards span ("": the layout's ZeRO axis; else routed experts': ep_replicate
+    # or, under hybrid sharding, ep_shard)
 
     @cached_property
     def numels(self) -> tuple[int, ...]:
@@ -96,7 +97,7 @@ class ZeroLayout:
         return {"stage": self.stage, "n": self.n, "groups": [g.describe() for g in self.groups]}
 
     def by_axis(self) -> dict[str, ZeroLayout]:
-        """The groups of each axis (``""``: the ZeRO axis; ``"ep_replicate"``: routed experts) as layouts of their
+        """The groups of each axis (``""``: the ZeRO axis; another: routed experts') as layouts of their
         own, each with its groups' shard count."""
         out: dict[str, list[FlatGroup]] = {}
         for g in self.groups:
@@ -122,12 +123,14 @@ def layer_of(name: str) -> str:
 
 def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage: int, n: int,
                 bucket_bytes: int, alone: set[str] | frozenset[str] = frozenset(),
-                routed: set[str] | frozenset[str] = frozenset(), routed_n: int = 1) -> ZeroLayout:
+                routed: set[str] | frozenset[str] = frozenset(), routed_n: int = 1,
+                routed_axis: str = "ep_replicate") -> ZeroLayout:
     """The flat groups of ``params`` (name, local shape, dtype) for ``stage`` over ``n`` dp ranks.
 
     Each parameter in ``alone`` gets a group of its own (named after it), ahead of the others. The parameters
-    in ``routed`` (routed experts) get groups of their own over ``routed_n`` ``ep_replicate`` ranks, after the
-    others (stages 1-2: ``expert_bucket<k>``; stage 3: ``<layer>:experts``).
+    in ``routed`` (routed experts) get groups of their own over ``routed_n`` ranks of ``routed_axis``
+    (``ep_replicate``, or ``ep_shard`` under hybrid sharding), after the others (stages 1-2: ``expert_bucket<k>``;
+    stage 3: ``<layer>:experts``).
     """
     if stage not in STAGES:
         raise ValueError(f"zero={stage!r}: a layout exists for stages 1, 2 and 3")
@@ -138,7 +141,7 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
                             alone=alone)
         experts = zero_layout([p for p in params if p[0] in routed], stage=stage, n=routed_n,
                               bucket_bytes=bucket_bytes)
-        return ZeroLayout(stage, n, dense.groups + tuple(_routed(g) for g in experts.groups))
+        return ZeroLayout(stage, n, dense.groups + tuple(_routed(g, routed_axis) for g in experts.groups))
     groups = [_group(name, [(name, shape)], dtype, n) for name, shape, dtype in params if name in alone]
     params = [p for p in params if p[0] not in alone]
     if stage == 3:
@@ -160,10 +163,10 @@ def zero_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], *, stage
     return ZeroLayout(stage, n, tuple(groups))
 
 
-def _routed(group: FlatGroup) -> FlatGroup:
-    """``group`` of routed experts' parameters, named and placed as such."""
+def _routed(group: FlatGroup, axis: str) -> FlatGroup:
+    """``group`` of routed experts' parameters, named and placed as such (on mesh axis ``axis``)."""
     name = f"expert_{group.name}" if group.name.startswith("bucket") else f"{group.name}:experts"
-    return FlatGroup(name, group.params, group.shapes, group.dtype, group.n, "ep_replicate")
+    return FlatGroup(name, group.params, group.shapes, group.dtype, group.n, axis)
 
 
 def _group(name: str, members: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, n: int) -> FlatGroup:

@@ -19,7 +19,9 @@ the DGX presets they are fitted to published Megatron-LM results
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -186,7 +188,9 @@ class Cluster:
         the bytes per second of an AdamW step on 8M elements (28 bytes each,
         224 MB: beyond the caches; about ``3 * seconds``); on all ranks, the latency of a message step and
         the bandwidth of gloo between bursts of compute, as training meets
-        them (``_measure_link``).
+        them (``_measure_link``), and the share of compute speed a collective
+        running beside it takes (``contention``, ``_measure_contention``; the
+        median over ranks).
         ``launcher(fn, nprocs, *args)`` defaults to ``autopar.launch``.
         """
         if launcher is None:
@@ -198,11 +202,12 @@ class Cluster:
         gather = max(r["gather"] for r in results) if ranks > 1 else 1.0
         scatter = max(r["scatter"] for r in results) if ranks > 1 else 1.0
         p2p = results[0]["p2p_latency"] if ranks > 1 else latency
+        contention = statistics.median(r["contention"] for r in results) if ranks > 1 else 0.0
         memory = _physical_memory() / max(ranks, 1)
         link = Link(bandwidth, latency, gather=gather, scatter=scatter, p2p_latency=p2p)
         return cls(name=f"local cpu ({ranks} ranks, measured)", devices_per_node=ranks, memory=memory,
                    peak_flops=flops, peak_flops_fp32=flops, intra=link, inter=link, efficiency=1.0,
-                   contention=1.0, op_overhead=overhead, fused_attention=False, memory_bandwidth=stream,
+                   contention=contention, op_overhead=overhead, fused_attention=True, memory_bandwidth=stream,
                    cores=os.cpu_count() or 1)
 
 
@@ -320,7 +325,31 @@ def _measure_link(dist: Any) -> dict[str, float]:
     ring = (n_ranks - 1) * (latency + big.numel() * 4 / n_ranks / bandwidth)
     hop = _ping_pong(dist, small) - small.numel() * 4 / bandwidth
     return {"latency": latency, "bandwidth": bandwidth, "gather": max(t_gather / ring, 0.5),
-            "scatter": max(t_scatter / ring, 0.5), "p2p_latency": min(max(hop, 1e-6), latency)}
+            "scatter": max(t_scatter / ring, 0.5), "p2p_latency": min(max(hop, 1e-6), latency),
+            "contention": _measure_contention(dist, compute, t_compute, t_big, big)}
+
+
+def _measure_contention(dist: Any, compute: Callable[[], Any], t_compute: float, t_message: float,
+                        message: Any, calls: int = 40, repeats: int = 3) -> float:
+    """The share of compute speed a collective takes while it runs beside compute, as a ZeRO step meets it.
+
+    Every rank times ``calls`` bursts of ``compute`` alone and then while asynchronous all-reduces of
+    ``message`` (``t_message`` seconds each on an idle rank) queued ahead keep the link busy for the whole
+    burst, as the runtime's prefetched gathers do: compute beside the link runs at ``t_alone / t_beside`` of
+    its speed, and ``1 - t_alone / t_beside`` is taken (median of ``repeats``, between 0 and 1).
+    """
+    queued = max(2, math.ceil(1.5 * calls * t_compute / max(t_message, 1e-6)))
+    shares = []
+    for _ in range(repeats):
+        dist.barrier()
+        alone = _timed_calls(compute, calls)
+        dist.barrier()
+        handles = [dist.all_reduce(message, async_op=True) for _ in range(queued)]
+        beside = _timed_calls(compute, calls)
+        for h in handles:
+            h.wait()
+        shares.append(min(max(1.0 - alone / beside, 0.0), 1.0))
+    return sorted(shares)[len(shares) // 2]
 
 
 def _ping_pong(dist: Any, message: Any, calls: int = 50) -> float:
@@ -418,7 +447,7 @@ PRESETS: dict[str, Cluster] = {
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,
         peak_flops=100e9, peak_flops_fp32=100e9, intra=_CPU_LINK, inter=_CPU_LINK, efficiency=1.0, contention=1.0,
-        op_overhead=4.5e-6, fused_attention=False, memory_bandwidth=5.5 * GB, cores=2),
+        op_overhead=4.5e-6, fused_attention=True, memory_bandwidth=5.5 * GB, cores=2),
 }
 
 

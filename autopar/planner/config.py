@@ -45,6 +45,7 @@ class Config:
     dp_shard: int = 0  # hybrid sharding: ZeRO over this many dp ranks, dp // dp_shard replicas; 0: over all of dp
     ep: int = 1  # expert parallelism folded onto dp: routed experts spread over groups of ep consecutive dp ranks
     cp: int = 1  # context parallelism: its own axis (Mesh(dp=, cp=)); each cp rank holds 1/cp of every sequence
+    cp_attention: str = "ring"  # cp > 1: "ring" or "all_to_all" (heads for sequence; tp = 1)
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -75,6 +76,10 @@ class Config:
         if self.cp < 1 or (self.cp > 1 and (self.dp_shard or self.ep > 1)):
             raise ValueError(f"cp={self.cp} must be >= 1; with cp > 1 the planner models neither hybrid sharding "
                              f"(dp_shard={self.dp_shard}) nor expert parallelism (ep={self.ep})")
+        if self.cp_attention not in ("ring", "all_to_all") or (self.cp_attention == "all_to_all" and (
+                self.cp == 1 or self.tp > 1)):
+            raise ValueError(f"cp_attention={self.cp_attention!r} must be 'ring' or 'all_to_all' (with cp > 1 and "
+                             f"tp = 1; got cp={self.cp}, tp={self.tp})")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
@@ -136,7 +141,7 @@ class Config:
     def describe(self) -> str:
         sp = " sequence-parallel" if self.sequence_parallel else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" cp={self.cp}" + ("/a2a" if self.cp_attention == "all_to_all" else "") if self.cp > 1 else ""
         mesh = f"dp={self.dp_label()}{ep}{cp} pp={self.pp} tp={self.tp}{sp}"
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"

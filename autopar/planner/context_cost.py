@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any
 
 from autopar.planner.cluster import Link
-from autopar.planner.comm_time import p2p
+from autopar.planner.comm_time import collective, p2p
 from autopar.planner.expr import largest
 from autopar.planner.segment_values import SegmentValues
 
@@ -82,6 +82,26 @@ def ring_seconds(units: list[SegmentValues], cp: int, link: Link, flops_per_s: f
 def ring_busy(units: list[SegmentValues], cp: int, link: Link) -> Any:
     """Seconds one microbatch's ring exchanges take on the link, overlapped or not."""
     return sum(p2p(u.ring_kv, link) for u in units if _has_ring(u)) * ((cp - 1) + (2 * cp - 1)) if cp > 1 else 0
+
+
+def heads_exchange_step(units: list[SegmentValues], cp: int, microbatches: int) -> tuple[int, int, Any]:
+    """(attentions, all-to-alls, bytes) a cp rank holding ``units`` (``sharded``) sends in one step with
+    ``cp_attention="all_to_all"``: per attention and microbatch 4 all-to-alls forward (Q, K, V, the output) and
+    4 backward (the output's gradient, dQ, dK, dV), each of the rank's whole tensor; Q and the output are taken
+    as large as K (the rewrite requires every head count to divide by cp, and Hugging Face's attentions receive
+    K and V with the query's heads after ``repeat_kv``), so the bytes are ``4 ring_kv`` per attention."""
+    if cp == 1:
+        return 0, 0, 0
+    attentions = sum(1 for u in units if _has_ring(u))
+    return attentions, attentions * microbatches * 8, sum(4 * u.ring_kv for u in units) * microbatches
+
+
+def heads_exchange_seconds(units: list[SegmentValues], cp: int, link: Link) -> Any:
+    """Seconds of one microbatch's all-to-alls on a cp rank holding ``units`` (``sharded``): 8 per attention of
+    a K-sized tensor each, none overlapped (the attention waits for its inputs, backward for its gradient)."""
+    if cp == 1:
+        return 0
+    return sum(8 * collective("all_to_all", cp * u.ring_kv / 2, cp, link) for u in units if _has_ring(u))
 
 
 def _has_ring(u: SegmentValues) -> bool:

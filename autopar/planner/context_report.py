@@ -64,6 +64,10 @@ def _ring(result: PlanResult, c: Candidate) -> str:
     span = cfg.cp * cfg.pp * cfg.tp
     where = "inside a node" if span <= result.cluster.devices_per_node else "between nodes"
     exposed = float(c.estimate.time["context_parallel"])
+    if cfg.cp_attention == "all_to_all":
+        return (f"its attentions exchange heads for sequence: {exchanges} all-to-alls over {attentions} attentions "
+                f"send {gb(float(nbytes))} per rank and step ({where}), {_seconds(exposed)} "
+                f"({exposed / c.step_time:.1%} of the step), none of it overlapped")
     return (f"its ring sends {gb(float(nbytes))} of K/V blocks and their gradients per rank and step "
             f"({exchanges} exchanges over {attentions} attentions, {where}), {_seconds(exposed)} of it exposed "
             f"beyond the block computations ({exposed / c.step_time:.1%} of the step)")

@@ -25,7 +25,7 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
-from autopar.planner.context_cost import ring_seconds, ring_step, sharded
+from autopar.planner.context_cost import heads_exchange_seconds, heads_exchange_step, ring_seconds, ring_step, sharded
 from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
@@ -169,19 +169,22 @@ class CostModel(MemoryAccount):
         return self._per_stage[key]
 
     def ring_exchanges(self, config: Config, rank: int = 0) -> tuple[int, int, Any]:
-        """(attentions, exchanges, bytes) of the cp ring pp rank ``rank`` sends in one step
-        (``context_cost.ring_step``); zeros without cp."""
+        """(attentions, exchanges, bytes) of the cp ring (or all-to-alls) pp rank ``rank`` sends in one step
+        (``context_cost.ring_step``, ``heads_exchange_step``); zeros without cp."""
         units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
-        return ring_step(units, config.cp, config.microbatches)
+        step = heads_exchange_step if config.cp_attention == "all_to_all" else ring_step
+        return step(units, config.cp, config.microbatches)
 
     def _ring_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
         """Exposed seconds of one microbatch's cp ring on a rank holding ``stages``, on the link its cp group
         spans (``cp`` ranks ``pp * tp`` apart: ``cp * pp * tp`` consecutive ranks)."""
         if c.cp == 1:
             return 0
+        units, link = [u for st in stages for u in st], self.cluster.link(c.cp * c.pp * c.tp)
+        if c.cp_attention == "all_to_all":
+            return heads_exchange_seconds(units, c.cp, link)
         flops_per_s = self.cluster.peak(self.precision.name) * self.cluster.efficiency
-        return ring_seconds([u for st in stages for u in st], c.cp, self.cluster.link(c.cp * c.pp * c.tp).p2p(),
-                            flops_per_s)
+        return ring_seconds(units, c.cp, link.p2p(), flops_per_s)
 
     def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:
         """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step, its own rows included

@@ -36,7 +36,7 @@ def _experts_line(result: PlanResult) -> str:
     experts = result.profile.experts
     kinds = sorted({(x.experts, x.top_k, x.form) for x in experts.layers})
     loop = "a loop (dense dispatch at ep=1: E/k = {:g}x the routed FLOPs)"
-    grouped = "one grouped matmul (routed FLOPs, refused under ep)"
+    grouped = "one grouped matmul (routed FLOPs)"
     forms = "; ".join(f"{e} experts, top-{k}, " + (loop.format(e / k) if f == "eager" else grouped)
                       for e, k, f in kinds)
     share = sum(x.params for x in experts.layers) / result.profile.total_params

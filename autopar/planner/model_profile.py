@@ -39,6 +39,8 @@ puts the two together.
 """
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +136,7 @@ class ModelProfile:
     has_sequence: bool
     notes: list[str] = field(default_factory=list)
     experts: ExpertProfile | None = None  # routed-experts layers (``autopar/planner/expert_cost.py``), None: none
+    attention_heads: int = 0  # the heads every attention's query, key and value divide into (their gcd); 0: none
 
     def sequence(self) -> list[Segment]:
         """Segments as they run: the head, every layer (repeats expanded), the tail."""
@@ -206,7 +209,16 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
     return ModelProfile(name=type(model).__name__, segments=analysis.segments, tp_sizes=tuple(sizes),
                         total_params=sum(p.numel() for p in params.values()),
                         dtype=next(iter(params.values())).dtype if params else torch.float32,
-                        has_sequence=sequence, notes=notes, experts=expert_profile(model))
+                        has_sequence=sequence, notes=notes, experts=expert_profile(model),
+                        attention_heads=attention_heads(analysis.gm))
+
+
+def attention_heads(gm: torch.fx.GraphModule) -> int:
+    """The gcd of the head counts (dim 1) of every ``scaled_dot_product_attention``'s query, key and value; 0
+    without one: an all-to-all over cp ranks splits the heads, so cp must divide it."""
+    heads = [x.meta["val"].shape[1] for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)
+             for x in n.args[:3]]
+    return math.gcd(*heads) if heads and all(isinstance(h, int) for h in heads) else 0
 
 
 class _Analysis:

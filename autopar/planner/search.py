@@ -92,7 +92,8 @@ class Candidate:
         return Parallelism(self.mesh, zero=c.zero, schedule=c.schedule, microbatches=c.microbatches,
                            stages_per_rank=c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
                            precision=self.precision if self.precision in ("bf16", "mixed") else "fp32",
-                           recompute=self.recompute, sequence_parallel=c.sequence_parallel)
+                           recompute=self.recompute, sequence_parallel=c.sequence_parallel,
+                           cp_attention=c.cp_attention)
 
     def parallelize_options(self) -> dict[str, Any]:
         """The keyword arguments of ``autopar.parallelize`` that run this configuration on its mesh."""
@@ -313,12 +314,15 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
     ranks stays inside a node (``Config.dp_shard``); for a model with routed experts, without hybrid sharding,
     also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count).
     With ``cp`` > 1: the configurations of ``devices / cp`` ranks per cp rank (``Config.cp``), without hybrid
-    sharding or ep, ZeRO sharding over dp x cp."""
+    sharding or ep, ZeRO sharding over dp x cp; at tp = 1 each with the ring and, where cp divides the
+    attentions' heads, with the all-to-all (``Config.cp_attention``)."""
     layers = sum(seg.count for seg in profile.layers)
     if devices % cp:
         return
     devices //= cp
     node = node if cp == 1 else 0
+    heads = profile.attention_heads
+    attentions = ("ring", "all_to_all") if cp > 1 and heads and heads % cp == 0 else ("ring",)
     for t in sorted(profile.tp_sizes):
         if devices % t or (tp is not None and t not in tp):
             continue
@@ -337,9 +341,10 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
                         for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
                             for rc in recompute:
                                 for e in eps if not shard else [1]:
-                                    yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
-                                                 microbatches=m, microbatch_size=b, recompute=rc, dp_shard=shard,
-                                                 ep=e, cp=cp)
+                                    for how in attentions if t == 1 else ("ring",):
+                                        yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
+                                                     microbatches=m, microbatch_size=b, recompute=rc,
+                                                     dp_shard=shard, ep=e, cp=cp, cp_attention=how)
 
 
 def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:
@@ -425,36 +430,23 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
 # ---------------------------------------------------------------------------
 
 def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why the runtime refuses ``config``'s expert parallelism ("" when it runs it): it composes with dp, pp, tp,
-    ZeRO 1-3, bf16/mixed precision and recomputation, not with hybrid sharding, on experts written as a loop
-    (``passes/expert_parallel.check_composes``)."""
+    """Why ``config``'s expert parallelism is not offered ("" when it is): the runtime runs it with dp, pp, tp,
+    ZeRO 1-3, hybrid sharding, bf16/mixed precision and recomputation, on experts written as a loop or as Hugging
+    Face's grouped matmul (``passes/expert_parallel.check_composes``); the search does not weigh it with hybrid
+    sharding."""
     if config.dp_shard:
-        return f"expert parallelism (ep={config.ep}) does not compose with hybrid sharding yet"
-    if profile.experts is not None and "grouped" in profile.experts.forms:
-        return (f"ep={config.ep} needs experts written as a loop; Hugging Face's grouped matmul is refused under ep "
-                "(set model.config._experts_implementation = 'eager')")
+        return (f"the planner does not model expert parallelism (ep={config.ep}) with hybrid sharding; the runtime "
+                f"runs it when given the mesh, Mesh(dp=({config.replicas}, {config.dp_shard}), ep={config.ep})")
     return ""
 
 
 def context_parallel_refused(config: Config, prec: Precision) -> str:
-    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=)`` composes
-    with dp and microbatches alone, in fp32, without ZeRO or recomputation (``program.check_context_parallel``),
-    and needs a runtime with the ``cp`` axis."""
+    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=, pp=, tp=)``
+    composes with ZeRO 1-3, bf16/mixed precision and recomputation (``program.check_context_parallel``; hybrid
+    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis."""
     if "cp" not in MESH_AXES:
         return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
-    others = _beyond_dp(config, prec)
-    if others:
-        return f"context parallelism (cp={config.cp}) does not compose with {', '.join(others)} yet"
     return ""
-
-
-def _beyond_dp(config: Config, prec: Precision) -> list[str]:
-    """What ``config`` runs beyond data parallelism in the model's precision without recomputation (what ep and
-    cp do not compose with yet), each as the error names it."""
-    others = [f"{axis}={n}" for axis, n in (("pp", config.pp), ("tp", config.tp)) if n > 1]
-    others += [f"zero={config.zero}"] * bool(config.zero)
-    others += [f"precision={prec.name!r}"] * (prec.name in ("bf16", "mixed"))
-    return others + [f"recompute={config.recompute_label()!r}"] * config.recomputes
 
 
 def _divisors(n: int) -> list[int]:

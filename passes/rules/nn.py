@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from autopar.core.ring_attention import ring_attention
 from autopar.passes.rules.base import (
     BATCH, BATCH_MEAN, COLUMN_PARALLEL, MEAN_OF_SHARDS, PARTIAL, VOCAB_PARALLEL, Call, Collectives, LocalOp, Op, P,
     R, Rule, Strategy, broadcast_placement, dims_except, divisible, first_tensor, mapped, norm_dim, summable,
@@ -22,6 +23,9 @@ aten = torch.ops.aten
 
 HEADS = "heads"  # attention sharded on the heads dim
 SPLIT_QUERIES = "split-queries"  # attention sharded on the query positions
+
+
+RING = ring_attention._opoverload  # autopar::ring_attention (context parallelism's rewrite of an attention)
 
 
 # ---------------------------------------------------------------------------
@@ -105,6 +109,20 @@ def _sdpa(call: Call) -> list[Strategy] | None:
     if not call["is_causal"] and divisible(q.shape[-2], call.n):
         m = broadcast_placement(mask, nd - 2, nd, q.shape[-2])
         found.append(call.strategy(Shard(nd - 2), SPLIT_QUERIES, query=Shard(nd - 2), attn_mask=m))
+    return found
+
+
+def _ring(call: Call) -> list[Strategy]:
+    """Ring attention over the cp axis (q, k, v of (B, H, S, E)): the batch or the heads sharded alike on all
+    three, and on both outputs (the attention and its (B, H, S) log-sum-exp); the sequence is the ring's. A
+    mask's rows are sharded there where they have the dim at full size, else replicated (broadcast)."""
+    q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
+    found = []
+    for d in range(q.ndim - 2):
+        if divisible(q.shape[d], call.n) and q.shape[d] == k.shape[d] == v.shape[d]:
+            note = HEADS if d == q.ndim - 3 else BATCH
+            found.append(call.strategy((Shard(d), Shard(d)), note, q=Shard(d), k=Shard(d), v=Shard(d),
+                                       mask=broadcast_placement(mask, d, q.ndim, q.shape[d])))
     return found
 
 
@@ -230,6 +248,8 @@ RULES: dict[Op, Rule] = {
     **dict.fromkeys([aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default], _norm),
     # attention: batch or heads of q, k, v alike (mask broadcast-aware), or the query positions
     aten.scaled_dot_product_attention.default: _sdpa,
+    # context parallelism's ring attention: batch or heads, its sequence passed around the cp ring
+    RING: _ring,
     # embedding: indices sharded, embedding dim sharded, or vocab-parallel (Partial)
     aten.embedding.default: _embedding,
     # losses: batch-sharded with the target; cross-entropy also vocab-parallel

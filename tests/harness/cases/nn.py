@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from hypothesis import strategies as st
 
+from autopar.core.collectives import Binding, bind
+from autopar.passes.rules.nn import RING
 from harness.rules import Case, Draw, aten, cases
 
 
 CASES: dict[Any, Case] = {}
 case = cases(CASES)
+
+
+@contextlib.contextmanager
+def one_rank_cp() -> Iterator[None]:
+    """A cp axis of one rank (a process group of this process alone), where ring attention is the attention of
+    the whole sequence: the ground truth of its sharding over another axis (the simulated ranks)."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with bind(Binding({"cp": dist.group.WORLD})):
+            yield
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+CONTEXTS: dict[Any, Callable[[], contextlib.AbstractContextManager]] = {RING: one_rank_cp}  # op -> where it runs
 
 
 @case(aten.cumsum.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
@@ -48,6 +70,13 @@ def _norm(d: Draw, op: Any) -> tuple[tuple, dict]:
         return (x, normalized, weight, 1e-6), {}
     bias = d.floats(normalized) if d(st.booleans()) or op is aten.native_layer_norm.default else None
     return (x, normalized, weight, bias, 1e-5), {}
+
+
+@case(RING)
+def _ring(d: Draw, op: Any) -> tuple[tuple, dict]:
+    shape = [d.size(), d.size(), 2 * d.size(), d.pick(2, 4)]  # (B, H, S, E): S even (two chunks per cp rank)
+    q, k, v = d.floats(shape), d.floats(shape), d.floats(shape)
+    return (q, k, v, d.pick(0.5, 1.0), d(st.booleans()), "cp"), {}
 
 
 @case(aten.scaled_dot_product_attention.default)

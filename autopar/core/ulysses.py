@@ -1,0 +1,151 @@
+"""Attention over the ``cp`` axis by exchanging heads for sequence (DeepSpeed-Ulysses' layout):
+``torch.ops.autopar.ulysses_attention``.
+
+``ulysses_attention(q, k, v, scale, causal, axis, cp)`` -> ``(out, lse, ...)``, the same contract as
+``autopar::ring_attention``: the rank's queries ``q`` (B, H, s, D), its ``s`` tokens in the balanced layout
+(``ring_attention.balanced_chunks``), attend to the keys and values of the whole sequence. One all-to-all
+sends head group ``j`` (``H / cp`` heads) of the rank's tokens to cp rank ``j`` and receives every rank's
+tokens of its own group; the gathered tokens are put in sequence order and the attention runs over the whole
+sequence for ``H / cp`` heads (SDPA's CPU flash kernel on the CPU, the same sums written out elsewhere); a
+second all-to-all returns each rank's tokens of every head. Backward is the mirror: the output's gradient
+exchanged, the attention's backward from the saved head group's Q, K, V, output and log-sum-exp (as many
+bytes as the rank's own Q, K, V and output), and ``dq``, ``dk``, ``dv`` exchanged back.
+
+Against the ring: two all-to-alls of Q, K, V and the output (``4 (cp - 1) / cp`` of the rank's bytes per
+tensor) instead of ``cp - 1`` K/V blocks around the ring, and not overlapped with compute; the head count must
+divide by cp.
+
+Invariant: ``out`` equals the ring's (and one device's) ``softmax(q k^T * scale + mask) v`` over the whole
+sequence, rows in the rank's order, up to the order of floating-point sums; the backward is its exact gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.core.collectives import _BINDING, bind, current
+from autopar.core.ring_attention import positions
+
+aten = torch.ops.aten
+
+
+def _order(local: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Global position of each gathered token (every rank's ``local`` tokens, rank by rank)."""
+    return torch.cat([positions(local, cp, r, device) for r in range(cp)])
+
+
+def _heads_to_sequence(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """(B, H, s, D) of the rank's tokens -> (B, H / cp, S, D) of its head group, tokens in sequence order."""
+    g = current().group(axis)
+    cp = dist.get_world_size(g)
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, s, D): group j to rank j
+    got = _exchange(send, axis, g)  # (cp, B, H/cp, s, D): rank r's tokens
+    gathered = got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    return gathered.index_select(2, torch.argsort(_order(s, cp, x.device)))
+
+
+def _sequence_to_heads(y: torch.Tensor, axis: str) -> torch.Tensor:
+    """The inverse: (B, H / cp, S, D) in sequence order -> (B, H, s, D) of the rank's tokens."""
+    g = current().group(axis)
+    cp = dist.get_world_size(g)
+    b, hg, n, d = y.shape
+    s = n // cp
+    ranked = y.index_select(2, _order(s, cp, y.device)).reshape(b, hg, cp, s, d)
+    got = _exchange(ranked.permute(2, 0, 1, 3, 4).contiguous(), axis, g)  # (cp, B, H/cp, s, D): group r
+    return got.transpose(0, 1).reshape(b, cp * hg, s, d)
+
+
+def _exchange(send: torch.Tensor, axis: str, g: Any) -> torch.Tensor:
+    into = torch.empty_like(send)
+    current().record("all_to_all", axis, send)
+    dist.all_to_all_single(into, send, group=g)
+    return into
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of whole-sequence attention."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                          scale=scale)
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, \
+        torch.matmul(p.transpose(-2, -1), dout)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+             axis: str) -> tuple[torch.Tensor, ...]:
+    """(out, lse) on the rank's tokens, and the gathered (q, k, v, out, lse) backward reads."""
+    qg, kg, vg = (_heads_to_sequence(x.contiguous(), axis) for x in (q, k, v))
+    out, lse = _attention(qg, kg, vg, scale, causal)
+    mine = _sequence_to_heads(torch.cat([out, lse.unsqueeze(-1).to(out.dtype)], dim=-1), axis)
+    return mine[..., :-1].contiguous(), mine[..., -1].to(lse.dtype).contiguous(), qg, kg, vg, out, lse
+
+
+@torch.library.custom_op("autopar::ulysses_attention", mutates_args=())
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
+                      cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor]:
+    """(out, lse) on the rank's tokens, then what backward reads: the rank's head group of Q, K, V, the output
+    and the log-sum-exp over the whole sequence (as many bytes as the rank's own Q, K, V and output)."""
+    return _forward(q, k, v, scale, causal, axis)
+
+
+@torch.library.custom_op("autopar::ulysses_attention_backward", mutates_args=())
+def ulysses_attention_backward(dout: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+                               axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dg = _heads_to_sequence(dout.contiguous(), axis)
+    grads = _attention_backward(dg, qg, kg, vg, out, lse, scale, causal)
+    dq, dk, dv = (_sequence_to_heads(x.contiguous(), axis) for x in grads)
+    return dq, dk, dv
+
+
+def fake_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
+          cp: int) -> tuple[torch.Tensor, ...]:
+    b, h, s, d = q.shape
+    group = [x.new_empty(b, h // cp, cp * s, x.shape[-1]) for x in (q, k, v, v)]
+    return (q.new_empty(b, h, s, v.shape[-1]), q.new_empty(b, h, s), *group, q.new_empty(b, h // cp, cp * s))
+
+
+ulysses_attention.register_fake(fake_outputs)
+ulysses_attention_backward.register_fake(lambda dout, qg, kg, vg, out, lse, scale, causal, axis: (
+    torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)))
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    *_, scale, causal, axis, cp = inputs
+    ctx.save_for_backward(*output[2:])
+    ctx.args = (scale, causal, axis)
+    ctx.binding = _BINDING.get()  # backward binds it again (it may run on another thread)
+
+
+def _backward(ctx: Any, dout: torch.Tensor, *_: torch.Tensor | None) -> tuple:
+    """The gradients of ``q``, ``k``, ``v`` (graphs read ``out`` only: the other outputs take no gradient)."""
+    with bind(ctx.binding):
+        dq, dk, dv = ulysses_attention_backward(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+ulysses_attention.register_autograd(_backward, setup_context=_setup)
