@@ -91,6 +91,7 @@ class MaskedAttention(torch.nn.Module):
 
     def __init__(self, build: object) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.embed, self.qkv, self.out = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 96)
         self.build = build
         self.to(torch.float64)
@@ -183,3 +184,22 @@ def test_padding_gathers_run_as_planned(launcher) -> None:
         assert planned == [(1, 2 * 4 * 8)]
         assert (calls["all_gather@cp"], sent["all_gather@cp"]) == planned[0]
 
+
+
+@pytest.mark.parametrize("name, mesh, options", [
+    ("llama_padded", Mesh(tp=2, cp=2), {}), ("alibi", Mesh(tp=2, cp=2), {}),
+    ("mistral", Mesh(cp=2), {"recompute": "full"}), ("llama_padded", Mesh(dp=2, cp=2), {"zero": 3}),
+    pytest.param("mistral", Mesh(pp=2, cp=2), {"microbatches": 2}, marks=pytest.mark.slow),
+    pytest.param("llama_padded", Mesh(tp=2, cp=2), {"sequence_parallel": True}, marks=pytest.mark.slow),
+])
+def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
+    """Masks under tp (a per-head bias sharded with its heads, the padding's rows with the batch or replicated),
+    full recomputation (the ring and its mask rows run again), ZeRO-3 over dp x cp, and pp (-m slow)."""
+    ids, target, extra = torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET.flip(0)]), {}
+    make = {"alibi": functools.partial(MaskedAttention, _alibi), "mistral": models.factory(models.mistral),
+            "llama_padded": models.factory(models.llama)}[name]
+    if name == "llama_padded":
+        mask = torch.cat([_padding(False), _padding(True)])
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
+                      launcher=launcher, kwargs=extra or None, **options)
