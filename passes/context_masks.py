@@ -141,7 +141,7 @@ class MaskCopies:
                                  f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) "
                                  f"inputs only")
         if mine not in self.gathered:
-            gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis))
+            gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis, self.whole_length))
             gathered.meta["val"] = whole.meta["val"]
             self.gathered[mine] = gathered
         return self.gathered[mine]

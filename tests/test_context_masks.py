@@ -193,8 +193,9 @@ def test_padding_gathers_run_as_planned(launcher) -> None:
     pytest.param("llama_padded", Mesh(tp=2, cp=2), {"sequence_parallel": True}, marks=pytest.mark.slow),
 ])
 def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
-    """Masks under tp (a per-head bias sharded with its heads, the padding's rows with the batch or replicated),
-    full recomputation (the ring and its mask rows run again), ZeRO-3 over dp x cp, and pp (-m slow)."""
+    """Masks under tp (LLaMA's heads sharded, the padding's rows broadcast over them; the per-head bias model's
+    attention is left whole on each tp rank by the solver), full recomputation (the ring and its mask rows run
+    again), ZeRO-3 over dp x cp, and pp and sequence parallelism (-m slow)."""
     ids, target, extra = torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET.flip(0)]), {}
     make = {"alibi": functools.partial(MaskedAttention, _alibi), "mistral": models.factory(models.mistral),
             "llama_padded": models.factory(models.llama)}[name]
