@@ -28,7 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.context_parallel import ATTENTIONS, RING, context_parallel, same_attention
+from autopar.passes.context_parallel import ATTENTIONS, RING, ULYSSES, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -150,10 +150,29 @@ def _tensor_parallel(c: Compilation) -> None:
     c.detail = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
 
 
+def ring_per_pp_rank(plan: Plan, stages: list[StageGraph], stage_to_rank: list[int]) -> None:
+    """Under a pipeline the plan's ring exchanges are those of the pp rank whose stages pass the most K/V
+    bytes around the cp ring, not those of every attention."""
+    total = sum(ring_kv_bytes(st.gm) for st in stages)
+    if not total:
+        return
+    calls, kv = {}, {}
+    for st in stages:
+        rank = stage_to_rank[st.index]
+        calls[rank] = calls.get(rank, 0) + sum(1 for nd in st.gm.graph.nodes if nd.target in (RING, ULYSSES))
+        kv[rank] = kv.get(rank, 0) + ring_kv_bytes(st.gm)
+    worst = max(kv, key=kv.__getitem__)
+    attentions = sum(calls.values())
+    plan.collectives = [dataclasses.replace(x, count=x.count * calls[worst] // attentions,
+                                            bytes=x.bytes * kv[worst] // total) if x.axis == "cp" else x
+                        for x in plan.collectives]
+
+
 def ring_kv_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring (0 without context parallelism)."""
+    """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring, or its all-to-all attentions
+    receive (0 without context parallelism)."""
     return sum(x.meta["val"].numel() * x.meta["val"].element_size()
-               for nd in gm.graph.nodes if nd.target is RING for x in nd.args[1:3])
+               for nd in gm.graph.nodes if nd.target in (RING, ULYSSES) for x in nd.args[1:3])
 
 
 def _pipeline_cuts(c: Compilation) -> None:
@@ -186,6 +205,7 @@ def _assemble(c: Compilation) -> None:
         by_tp = c.stage_sets
         add_pipeline_to_plan(c.plan, c.stage_sets[0], c.schedule, c.split_points)
         per_pp_rank(c.plan, c.stage_sets[0], c.schedule.stage_to_rank)  # (the expert exchanges of its layers)
+        ring_per_pp_rank(c.plan, c.stage_sets[0], c.schedule.stage_to_rank)
     else:  # tp indices may share one lowered graph: one stage for it
         whole = {id(x.gm): [whole_graph_stage(c.captured, x.gm)] for x in c.lowered}
         by_tp = [whole[id(x.gm)] for x in c.lowered]

@@ -206,23 +206,24 @@ def check_supported(mesh: Mesh, options: Options) -> None:
 
 
 def check_context_parallel(mesh: Mesh, options: Options) -> None:
-    """Context parallelism composes with dp, ZeRO 1-3 (sharded over dp x cp), mixed precision, recomputation,
-    tp and pp; what it does not compose with is refused by name."""
-    others = {"ep": mesh.ep > 1, "hybrid dp": mesh.hybrid, f"batch={options.batch!r}": options.batch != "global"}
+    """Context parallelism composes with dp, ZeRO 1-3 (sharded over dp x cp, or dp_shard x cp under hybrid
+    sharding), mixed precision, recomputation, tp and pp; what it does not compose with is refused by name."""
+    others = {"ep": mesh.ep > 1, f"batch={options.batch!r}": options.batch != "global"}
     refused = [name for name, on in others.items() if on]
     if refused:
         raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) does not "
-                               f"compose with expert parallelism, hybrid sharding or batch='local' in this "
-                               f"version; use {_without_them(mesh)} with batch='global', or drop cp")
+                               f"compose with expert parallelism or batch='local' in this version; use "
+                               f"{_without_ep(mesh)} with batch='global', or drop cp")
     if options.cp_attention == "all_to_all" and mesh.tp > 1:
         raise UnsupportedError(f"{mesh} with cp_attention='all_to_all': the all-to-all attention has no tp sharding "
                                f"rule in this version (the ring has: its heads are sharded over tp); use "
                                f"cp_attention='ring' with tp={mesh.tp}, or tp=1")
 
 
-def _without_them(mesh: Mesh) -> str:
-    """``mesh`` without ep and with plain dp."""
-    return repr(Mesh(**dict(mesh.axes)))
+def _without_ep(mesh: Mesh) -> str:
+    """``mesh`` without ep (and its dp split kept)."""
+    return repr(Mesh(**{n: ((mesh.dp_replicate, mesh.dp_shard) if n == "dp" and mesh.hybrid else s)
+                        for n, s in mesh.axes}))
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.core.mesh import AXES, DP_CP, DP_SUBAXES, EP_SUBAXES, Coords, Mesh
+from autopar.core.mesh import AXES, DP_CP, DP_SHARD_CP, DP_SUBAXES, EP_SUBAXES, Coords, Mesh
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
 DEVICE_ENV = "AUTOPAR_DEVICE"
@@ -167,10 +167,10 @@ def join(mesh: Mesh) -> Groups:
     ensure_initialized()
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES + EP_SUBAXES + (DP_CP,))
+    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES + EP_SUBAXES + (DP_CP, DP_SHARD_CP))
     experts = tuple(a for a in EP_SUBAXES if a != "ep_shard" or mesh.hybrid) if mesh.ep > 1 else ()
     for axis in (mesh.names + (DP_SUBAXES if mesh.hybrid else ()) + experts
-                 + ((DP_CP,) if mesh.cp > 1 else ())):
+                 + ((DP_CP,) if mesh.cp > 1 else ()) + ((DP_SHARD_CP,) if mesh.cp > 1 and mesh.hybrid else ())):
         if mesh[axis] == 1 and axis != "ep_replicate":  # (expert gradients are averaged over it even alone)
             continue
         for ranks in mesh.groups(axis):

@@ -108,3 +108,20 @@ def test_planner_weighs_the_all_to_all_against_the_ring() -> None:
     planned = sum(c.bytes for c in runtime.plan.collectives if c.axis == "cp")
     assert nbytes == pytest.approx(planned, rel=0.05)  # the output's log-sum-exp column: 1 / (D + 1) of a tensor
     assert result.cost.ring_exchanges(ring.config)[2] == nbytes  # cp = 2: as many bytes as the ring
+
+
+def test_pp_ranks_plan_the_all_to_alls_of_their_stages() -> None:
+    """Under a pipeline the plan counts the all-to-alls of the pp rank whose stages hold the most attentions."""
+    pm = autopar.parallelize(models.llama(), Mesh(pp=2, cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                             cp_attention="all_to_all", microbatches=2)
+    pm.compile((IDS,), {}, TARGET)
+    assert [c.count for c in pm.plan.collectives if c.axis == "cp"] == [4 * 2, 4 * 2]  # 1 attention, 2 microbatches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, kw", [(Mesh(pp=2, cp=2), dict(microbatches=2)), (Mesh(dp=2, cp=2), dict(zero=3)),
+                                      (Mesh(cp=2), dict(recompute="full"))], ids=["pp2-cp2", "zero3", "full"])
+def test_all_to_all_composes(launcher, mesh: Mesh, kw: dict) -> None:
+    ids, target = torch.cat([IDS, IDS.flip(0)]), torch.cat([TARGET, TARGET.flip(1)])
+    assert_equivalent(models.factory(models.llama), mesh, (ids,), target, models.lm_loss, models.adamw, steps=2,
+                      rtol=1e-9, atol=1e-10, launcher=launcher, cp_attention="all_to_all", **kw)

@@ -24,7 +24,8 @@ slices as it does the dense ones.
 Context parallelism is an axis of its own, multiplying the world size: ``Mesh(dp=2, cp=2)`` has 4 ranks, each
 cp rank holding a slice of every sequence (docs/decisions.md). Parameters are replicated over cp; their
 gradients are averaged over the ``dp_cp`` group (the ``dp * cp`` ranks that differ only on dp and cp), as
-torchtitan's ``dp_shard_cp`` mesh does.
+torchtitan's ``dp_shard_cp`` mesh does. ZeRO shards over that group too (``zero_axis``), or under hybrid sharding over each
+replica's ``dp_shard_cp`` ranks (its dp_shard ranks times cp).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ DP_SUBAXES = ("dp_replicate", "dp_shard")  # hybrid sharding: dp=(replicate, sha
 EP_SUBAXES = ("ep", "ep_replicate", "ep_shard")  # expert parallelism folded onto dp: dp = ep_replicate x ep;
 # ep_shard: the ep_replicate ranks inside one hybrid-sharding replica
 DP_CP = "dp_cp"  # the ranks that differ only on dp and cp: where gradients are averaged under context parallelism
+DP_SHARD_CP = "dp_shard_cp"  # hybrid sharding with cp: the ranks of one replica that differ only on dp and cp
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class Mesh:
             return self.ep if axis == "ep" else (self.dp if axis == "ep_replicate" else self.dp_shard) // self.ep
         if axis == DP_CP:
             return self.dp * self.cp
+        if axis == DP_SHARD_CP:
+            return self.dp_shard * self.cp
         if axis not in AXES:
             raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
         return dict(self.axes).get(axis, 1)
@@ -200,10 +204,12 @@ class Mesh:
 
     @property
     def zero_axis(self) -> str:
-        """The axis ZeRO shards over: ``dp_shard`` under hybrid sharding, ``dp_cp`` under context parallelism
-        (parameters are replicated over cp, so their state is sharded over dp x cp; docs/decisions.md), else
-        ``dp``."""
-        return DP_SUBAXES[1] if self.hybrid else DP_CP if self.cp > 1 else "dp"
+        """The axis ZeRO shards over: ``dp`` or, under hybrid sharding, ``dp_shard``; under context parallelism
+        that times cp (``dp_cp``, ``dp_shard_cp``: parameters are replicated over cp, so their state is sharded
+        over the cp ranks too; docs/decisions.md)."""
+        if self.cp > 1:
+            return DP_SHARD_CP if self.hybrid else DP_CP
+        return DP_SUBAXES[1] if self.hybrid else "dp"
 
     def coord(self, rank: int, axis: str) -> int:
         """``rank``'s index on ``axis`` or on a dp sub-axis."""
@@ -216,6 +222,8 @@ class Mesh:
             return i if axis == "ep" else g
         if axis == DP_CP:  # (the order of ``group_of``: dp-major)
             return d.dp * self.cp + d.cp
+        if axis == DP_SHARD_CP:
+            return d.dp % self.dp_shard * self.cp + d.cp
         return d.on(axis)
 
     def coords(self, rank: int) -> Coords:
@@ -243,7 +251,7 @@ class Mesh:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
-        if axis in DP_SUBAXES + EP_SUBAXES + (DP_CP,):
+        if axis in DP_SUBAXES + EP_SUBAXES + (DP_CP, DP_SHARD_CP):
             return [list(g) for g in dict.fromkeys(tuple(self.group_of(r, axis)) for r in range(self.size))]
         size = self[axis]
         others = [(n, s) for n, s in self.axes if n != axis]
@@ -274,6 +282,9 @@ class Mesh:
             return [self.rank_at(c.replace(dp=d)) for d in dps]
         if axis == DP_CP:
             return [self.rank_at(c.replace(dp=d, cp=i)) for d in range(self.dp) for i in range(self.cp)]
+        if axis == DP_SHARD_CP:
+            first = c.dp - c.dp % self.dp_shard  # (its replica's first dp index)
+            return [self.rank_at(c.replace(dp=first + s, cp=i)) for s in range(self.dp_shard) for i in range(self.cp)]
         return [self.rank_at(c.replace(**{axis: i})) for i in range(self[axis])]
 
     def check_world_size(self, world_size: int) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from autopar.core.collectives import _BINDING, axis_index, bind, current
 
 CHUNKS_PER_RANK = 2
+aten = torch.ops.aten
 
 
 def balanced_chunks(cp: int, index: int) -> tuple[int, int]:
@@ -104,6 +105,41 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
 
 
+def _fused(q: torch.Tensor, how: str, mask: torch.Tensor | None) -> bool:
+    """Whether a block runs SDPA's CPU flash kernel: float32 CPU tensors, no mask tensor (the kernel's causal
+    mask is the diagonal pair's, both chunks of one length). bfloat16 blocks write the scores out (the kernel's
+    log-sum-exp is float32 there; the ring keeps it in the inputs' dtype), and so do float64 ones, which check
+    a parallel run against one device within 1e-12: the kernel's blocked sums round differently from the
+    whole sequence's kernel by about 1e-16, which AdamW's division by the root of small second moments turns
+    into update differences above 1e-12 (1.6e-12 on GPT-2's attention weights at cp=2)."""
+    return q.device.type == "cpu" and mask is None and q.dtype == torch.float32
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, how: str,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the rank's query chunk ``q`` against one key chunk: the flash kernel on the CPU, else the
+    scores written out (both keep O(chunk) per row: nothing of the block is saved)."""
+    if _fused(q, how, mask):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, how == "diagonal", scale=scale)
+    s = _scores(q, k, scale, how, mask)  # (B, H, c, c)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), v), lse
+
+
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, scale: float, how: str,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv, from the whole output ``out`` and its merged (finite) ``lse``: the
+    flash kernel's backward given those recomputes exactly this block's probabilities."""
+    if _fused(q, how, mask):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, how == "diagonal", scale=scale)
+    p = torch.exp(_scores(q, k, scale, how, mask) - lse.unsqueeze(-1))  # (B, H, c, c)
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, \
+        torch.matmul(p.transpose(-2, -1), dout)
+
+
 # -- the ring -------------------------------------------------------------------------------------------------
 def _exchange(tensors: list[torch.Tensor], axis: str, tag: int = 0) -> tuple[list[Any], torch.Tensor, list[torch.Tensor]]:
     """Starts sending ``tensors`` (packed flat) to the next rank of ``axis`` and receiving the previous one's
@@ -142,9 +178,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
         pending = _exchange(block, axis) if step < n - 1 else None
         ks, vs = _halves(block[0]), _halves(block[1])
         for a, b, how, block_mask in _pairs(n, me, (me - step) % n, causal, mask, qs[0].shape[-2]):
-            s = _scores(qs[a], ks[b], scale, how, block_mask)  # (B, H, c, c)
-            lse_b = torch.logsumexp(s, dim=-1)
-            out_b = torch.matmul(torch.exp(s - _finite(lse_b).unsqueeze(-1)), vs[b])
+            out_b, lse_b = _block(qs[a], ks[b], vs[b], scale, how, block_mask)
             merged = torch.logaddexp(lses[a], lse_b)  # the online-softmax merge
             m = _finite(merged)
             outs[a] = outs[a] * torch.exp(lses[a] - m).unsqueeze(-1) + out_b * torch.exp(lse_b - m).unsqueeze(-1)
@@ -160,6 +194,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     n, me = dist.get_world_size(current().group(axis)), axis_index(axis)
     qs, dos, lses = _halves(q), _halves(dout), list(_finite(lse).chunk(CHUNKS_PER_RANK, dim=-1))
     deltas = _halves((dout * out).sum(-1, keepdim=True))  # (B, H, c, 1) each
+    outs = _halves(out)
     dqs = [torch.zeros_like(x) for x in qs]
     block, sums = [k.contiguous(), v.contiguous()], None  # sums: the block's dk, dv from the ranks before
     for step in range(n):
@@ -168,11 +203,11 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         before = _received(sums) if sums is not None else [torch.zeros_like(k), torch.zeros_like(v)]
         dks, dvs = _halves(before[0]), _halves(before[1])  # this block's sums from the ranks before, added to
         for a, b, how, block_mask in _pairs(n, me, (me - step) % n, causal, mask, qs[0].shape[-2]):
-            p = torch.exp(_scores(qs[a], ks[b], scale, how, block_mask) - lses[a].unsqueeze(-1))  # (B, H, c, c)
-            dvs[b] = dvs[b] + torch.matmul(p.transpose(-2, -1), dos[a])
-            ds = p * (torch.matmul(dos[a], vs[b].transpose(-2, -1)) - deltas[a])
-            dqs[a] = dqs[a] + torch.matmul(ds, ks[b]) * scale
-            dks[b] = dks[b] + torch.matmul(ds.transpose(-2, -1), qs[a]) * scale
+            dq, dk, dv = _block_backward(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], deltas[a], scale, how,
+                                         block_mask)
+            dvs[b] = dvs[b] + dv
+            dqs[a] = dqs[a] + dq
+            dks[b] = dks[b] + dk
         sums = _exchange([torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)], axis, tag=1)  # on to the block's next
         if pending is not None:
             block = _received(pending)
