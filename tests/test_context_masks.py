@@ -15,6 +15,7 @@ import models
 from autopar import Mesh
 from autopar.core.errors import UnsupportedError
 from autopar.testing import assert_equivalent
+from harness.mixed import assert_mixed
 
 IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -204,3 +205,11 @@ def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
         target, extra = _ignored(target, mask), {"attention_mask": mask}
     assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
                       launcher=launcher, kwargs=extra or None, **options)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_window_under_mixed_precision(launcher, precision: str) -> None:
+    """Mistral's window with bf16 compute (the rings and their mask rows in bf16's graph): within the
+    mixed-precision bounds of one device running the same policy (SGD: per parameter too)."""
+    assert_mixed(models.factory(models.mistral, dtype=torch.float32), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
+                 models.sgd, 3, launcher, precision)
