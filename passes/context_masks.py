@@ -14,9 +14,10 @@ captured on whole sequences, and ``mask_rows`` copies its computation into the r
   computed on whole sequences as captured: each user input there gathered from the cp ranks' chunks
   (``autopar::cp_sequence``), ``arange``s of the whole length kept (they are whole-sequence positions).
 
-The roles come from the mask's dims backwards (``RULES``: one entry per op); a mask computed by an op with
-no rule on its query or key dims, an input laid out over (query, key), or an ``arange`` that is not of the
-whole length is refused with ``UnsupportedError`` naming the node: never replaced.
+The roles come from the mask's dims backwards (``RULES``: one entry per op); a value read in two roles (one
+``arange`` as queries and as keys) is copied once per role. A mask computed by an op with no rule on its
+query or key dims, an input laid out over (query, key), or a query ``arange`` that is not of the whole
+length is refused with ``UnsupportedError`` naming the node: never replaced.
 
 Invariant: the copy's value equals the rows of the whole graph's mask at the rank's global query positions.
 """
@@ -45,7 +46,8 @@ class Role(enum.Enum):
 
 
 Roles = tuple[Role | None, ...]  # per dim of a value (None: batch, heads or broadcast)
-ELEMENTWISE = {  # broadcasting ops a mask is built with: each tensor input's dims align with the output's from the right
+Use = tuple[fx.Node, Roles]  # a value read with its dims in those roles
+ELEMENTWISE = {  # broadcasting ops masks are built with: the inputs' dims align with the output's from the right
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default, aten.logical_not.default,
     aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
@@ -84,23 +86,30 @@ class MaskCopies:
         self.whole_length = shape[-1]
         if len(shape) < 2 or shape[-2] not in (1, shape[-1]):
             raise refused(mask, f"the attention's mask has shape {shape}; context parallelism needs "
-                                 f"(..., S or 1, S) over queries and keys")
+                                f"(..., S or 1, S) over queries and keys")
         out: Roles = (None,) * (len(shape) - 2) + (Role.QUERY if shape[-2] > 1 else None, Role.KEY)
-        roles, whole_side = _roles(mask, out)
+        uses, whole_side = _roles(mask, out)
         whole_env: dict[fx.Node, fx.Node] = {}  # values read on whole sequences, copied as they are
-        rows_env: dict[fx.Node, fx.Node] = {}  # values over query or key dims, over the rank's queries
-        places = dict(zip(_placeholders(self.whole), _placeholders(self.graph)))
+        rows_env: dict[Use, fx.Node] = {}  # values over query or key dims, over the rank's queries
+        places = {n.name: n for n in _placeholders(self.graph)}  # the same signature, captured twice
+        by_node: dict[fx.Node, list[Use]] = {}
+        for use in uses:
+            by_node.setdefault(use[0], []).append(use)
         for node in self.whole.nodes:  # in order: every input is copied before its users
             if node in whole_side:
                 whole_env[node] = self._node(node, None, whole_env.__getitem__, places)
-            if node in roles:
-                rows_env[node] = self._node(node, roles[node], lambda x: rows_env.get(x) or whole_env[x], places)
-        return rows_env[mask]
+            for use in by_node.get(node, []):
+                inputs = dict(uses[use])
+                rows_env[use] = whole_env[node] if node in whole_side and not any(use[1]) else self._node(
+                    node, use[1], lambda x: rows_env[(x, inputs[x])] if x in inputs else whole_env[x], places)
+        return rows_env[(mask, out)]
 
     def _node(self, node: fx.Node, roles: Roles | None, env: Callable[[fx.Node], fx.Node],
-              places: dict[fx.Node, fx.Node]) -> fx.Node:
+              places: dict[str, fx.Node]) -> fx.Node:
         if node.op == "placeholder":
-            return self._input(node, places[node])
+            if node.name not in places:
+                raise refused(node, "the mask reads an input the graph of one cp rank does not have")
+            return self._input(node, places[node.name])
         if roles and Role.QUERY in roles and node.target in ARANGES:
             return self._positions(node)
         val = node.meta.get("val")
@@ -126,11 +135,13 @@ class MaskCopies:
         want, have = tuple(whole.meta["val"].shape), tuple(mine.meta["val"].shape)
         if want == have:
             return mine
-        if len(want) < 2 or want[1] != self.whole_length or have[1] != self.local or want[:1] + want[2:] != have[:1] + have[2:]:
+        cut = len(want) > 1 and (want[1], have[1]) == (self.whole_length, self.local)
+        if not cut or want[:1] + want[2:] != have[:1] + have[2:]:
             raise refused(whole, f"the mask reads the input {whole.name} of shape {want} on whole sequences and "
-                                  f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) inputs only")
+                                 f"{have} on one cp rank; context parallelism gathers (batch, sequence, ...) "
+                                 f"inputs only")
         if mine not in self.gathered:
-            gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis))
+            gathered = self.graph.call_function(SEQUENCE, (mine, 1, self.axis, self.whole_length))
             gathered.meta["val"] = whole.meta["val"]
             self.gathered[mine] = gathered
         return self.gathered[mine]
@@ -139,7 +150,7 @@ class MaskCopies:
         """The rank's global positions for a query ``arange`` of the whole length."""
         if _length(node) != self.whole_length:
             raise refused(node, f"the mask's query positions come from {node.target} with arguments {node.args}, "
-                                 f"not an arange(0, {self.whole_length}) context parallelism can move")
+                                f"not an arange(0, {self.whole_length}) context parallelism can move")
         val = node.meta["val"]
         pos = self.graph.call_function(POSITIONS, (self.local, self.axis, val.device))
         pos.meta["val"] = val.new_empty(self.local, dtype=torch.int64)
@@ -150,48 +161,36 @@ class MaskCopies:
 
 
 # -- the roles of the mask's dims, backwards -----------------------------------------------------------------
-def _roles(mask: fx.Node, out: Roles) -> tuple[dict[fx.Node, Roles], set[fx.Node]]:
-    """The roles of every value the mask computes over its query or key dims, and the values it reads on whole
-    sequences (through an ``index``, or without a query or key dim): those and their inputs are copied as is."""
-    roles: dict[fx.Node, Roles] = {mask: out}
+def _roles(mask: fx.Node, out: Roles) -> tuple[dict[Use, list[Use]], set[fx.Node]]:
+    """Every (value, roles of its dims) the mask computes over its query or key dims, with the (input, roles)
+    each reads (one value may be read over queries and over keys: ``pos[None, :] - pos[:, None]``), and the
+    values read on whole sequences (through an ``index``, or without a query or key dim), copied as they are."""
+    uses: dict[Use, list[Use]] = {}
     whole_side: set[fx.Node] = set()
-    order = {n: i for i, n in enumerate(mask.graph.nodes)}
-    todo = [mask]
+    todo = [(mask, out)]
     while todo:
-        todo.sort(key=order.__getitem__)
-        node = todo.pop()  # the latest first: every user's roles are known before a node's are read
-        r = roles[node]
-        if node.target in LIKE:  # a constant of the given size (``MaskCopies._node``)
+        node, r = todo.pop()
+        if (node, r) in uses:
             continue
-        if not any(r):
+        uses[(node, r)] = []
+        if node.target in LIKE or node.target in ARANGES:  # a constant of the given size (``MaskCopies._node``)
+            continue
+        if not any(r) or (node.op == "placeholder" and Role.QUERY not in r):  # (keys only: read whole)
             _whole(node, whole_side)
             continue
-        rule = RULES.get(node.target) if node.op == "call_function" else None
-        if node.op == "placeholder" and Role.QUERY in r:
+        if node.op == "placeholder":
             raise refused(node, f"the mask reads the input {node.name} already laid out over (query, key) "
-                                 f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
-        if node.op == "placeholder":  # over keys only: read whole (gathered where the runtime cut it)
-            _whole(node, whole_side)
-            continue
-        if node.target in ARANGES:
-            continue
+                                f"positions {tuple(node.meta['val'].shape)}; pass a (batch, sequence) padding mask")
+        rule = RULES.get(node.target) if node.op == "call_function" else None
         if rule is None:
             raise refused(node, "the attention's mask is computed over its query or key positions by an op "
-                                 "context parallelism has no rule for; build the mask from aranges, comparisons "
-                                 "and a (batch, sequence) padding mask, or run without cp")
-        for x, rx in rule(node, r):
-            if x in roles and roles[x] != rx:
-                raise refused(x, f"the mask reads this value with its dims as {_names(roles[x])} and as "
-                                  f"{_names(rx)}")
-            if x not in roles:
-                roles[x] = rx
-                todo.append(x)
+                                "context parallelism has no rule for; build the mask from aranges, comparisons "
+                                "and a (batch, sequence) padding mask, or run without cp")
+        uses[(node, r)] = rule(node, r)
+        todo.extend(uses[(node, r)])
         for x in _read_whole(node):
             _whole(x, whole_side)
-    both = [n for n in whole_side if Role.QUERY in roles.get(n, ())]
-    if both:
-        raise refused(both[0], "the mask reads this value both over its query positions and on whole sequences")
-    return roles, whole_side
+    return uses, whole_side
 
 
 def _whole(node: fx.Node, into: set[fx.Node]) -> None:
@@ -229,7 +228,7 @@ def _sliced(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
     if start not in (0, None) or step != 1 or (end is not None and end < x.meta["val"].shape[dim]):
         raise refused(node, f"the mask slices [{start}:{end}:{step}] along dim {dim}; context parallelism "
-                             f"follows whole dims only")
+                            f"follows whole dims only")
     return [(x, out)]
 
 
@@ -239,7 +238,7 @@ def _indexed(node: fx.Node, out: Roles) -> list[tuple[fx.Node, Roles]]:
     x, indices = node.args[0], list(node.args[1])
     if any(i is None for i in indices) or len(indices) != x.meta["val"].dim():
         raise refused(node, "the mask indexes a value with slices or fewer indices than dims; context parallelism "
-                             "follows x[i0, i1, ...] with one index tensor per dim")
+                            "follows x[i0, i1, ...] with one index tensor per dim")
     return _align(indices, out)
 
 

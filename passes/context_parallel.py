@@ -5,7 +5,9 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 
 - each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
   becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
-  around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions);
+  around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions); where
+  the attention has a mask tensor on whole sequences (``whole``: the model captured on them), the ring reads
+  the rank's rows of that mask, computed in the rank's graph (``passes/context_masks.py``).
   With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
   ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
@@ -17,10 +19,11 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   shifts it on the whole sequence before cutting it (``runtime/batch.py``), so every rank's last token of a
   chunk is scored against the next chunk's first.
 
-Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention with a
-mask tensor, with dropout, or whose query and key lengths are not the local length; an attention in another
-form (a softmax over the local length, a batched matmul giving (..., local, local): Hugging Face's eager
-matmul-softmax-matmul); any other slice or pad along a dim of the local length (a shift inside the sequence).
+Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention whose
+mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
+local length; an attention in another form (a softmax over the local length, a batched matmul giving
+(..., local, local): Hugging Face's eager matmul-softmax-matmul); any other slice or pad along a dim of the
+local length (a shift inside the sequence).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
@@ -195,7 +198,7 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, hea
     shapes = [tuple(x.meta["val"].shape) for x in (q, k, v)]
     if any(s[-2] != local for s in shapes):
         raise refused(node, f"query/key/value lengths {[s[-2] for s in shapes]} are not the local sequence length "
-                             f"{local}")
+                            f"{local}")
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
     call = (q, k, v, scale, causal, AXIS)
@@ -210,7 +213,7 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, hea
     if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
         if any(u.args[1] != 0 and u.users for u in node.users):
             raise refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
-                                 "only")
+                                "only")
         _replace(graph, node, ring)
     else:
         with graph.inserting_after(ring):
@@ -257,16 +260,16 @@ def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
     for node in graph.nodes:
         if node in live and node.target in FUSED:
             raise refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
-                                 "on the CPU (autopar does by default) or with scaled_dot_product_attention")
+                                "on the CPU (autopar does by default) or with scaled_dot_product_attention")
         val = node.meta.get("val")
         if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
             continue
         if (node.target in SOFTMAXES and val.shape[-1] == local) or (
                 node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
             raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
-                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
-                                 f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
-                                 f"without cp")
+                                f"itself: an attention in a form context parallelism does not rewrite (eager "
+                                f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
+                                f"without cp")
 
 
 def _drop_dead_checks(graph: fx.Graph) -> None:
@@ -306,7 +309,7 @@ def _label_shifts(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -
             continue
         if set(x.users) != {node}:
             raise refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
-                                 f"labels before the model (and pass the shifted ones)")
+                                f"labels before the model (and pass the shifted ones)")
         for cut in cuts:
             cut.replace_all_uses_with(x)
             graph.erase_node(cut)
@@ -340,7 +343,7 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
             start, end = (list(node.args[2:4]) + [None, None])[:2]
             if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
                 raise refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
-                                     f"a shift inside the sequence, which crosses the cp ranks' chunks")
+                                    f"a shift inside the sequence, which crosses the cp ranks' chunks")
         elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
             raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
 

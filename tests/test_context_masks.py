@@ -5,6 +5,8 @@ global positions against every key, the padding gathered from the cp ranks) and 
 leaves empty (``passes/context_masks.py``)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ import models
 from autopar import Mesh
 from autopar.core.errors import UnsupportedError
 from autopar.testing import assert_equivalent
+from harness.mixed import assert_mixed
 
 IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -89,6 +92,7 @@ class MaskedAttention(torch.nn.Module):
 
     def __init__(self, build: object) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.embed, self.qkv, self.out = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 96)
         self.build = build
         self.to(torch.float64)
@@ -101,6 +105,19 @@ class MaskedAttention(torch.nn.Module):
 
 def _one_future_token(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril(1)
+
+
+def _alibi(n: int, device: torch.device) -> torch.Tensor:
+    """A float (1, H, S, S) bias: minus each head's slope times the distance, -inf above the diagonal (ALiBi)."""
+    pos = torch.arange(n, device=device)
+    distance = (pos[None, :] - pos[:, None]).to(torch.float64)  # (S, S): key - query
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, device=device)[:, None, None]  # (H, 1, 1)
+    return (distance.abs() * -slopes).masked_fill(distance > 0, float("-inf"))[None]
+
+
+def test_float_bias_per_head_cp2(launcher) -> None:
+    """A float mask added to the scores, different per head, built from aranges of query and key positions."""
+    _equivalent(launcher, functools.partial(MaskedAttention, _alibi), Mesh(cp=2), IDS, TARGET)
 
 
 def test_mask_from_an_op_without_a_rule_is_refused() -> None:
@@ -167,3 +184,32 @@ def test_padding_gathers_run_as_planned(launcher) -> None:
     for calls, sent, planned in launcher(_gathers, 2):
         assert planned == [(1, 2 * 4 * 8)]
         assert (calls["all_gather@cp"], sent["all_gather@cp"]) == planned[0]
+
+
+
+@pytest.mark.parametrize("name, mesh, options", [
+    ("llama_padded", Mesh(tp=2, cp=2), {}), ("alibi", Mesh(tp=2, cp=2), {}),
+    ("mistral", Mesh(cp=2), {"recompute": "full"}), ("llama_padded", Mesh(dp=2, cp=2), {"zero": 3}),
+    pytest.param("mistral", Mesh(pp=2, cp=2), {"microbatches": 2}, marks=pytest.mark.slow),
+    pytest.param("llama_padded", Mesh(tp=2, cp=2), {"sequence_parallel": True}, marks=pytest.mark.slow),
+])
+def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
+    """Masks under tp (LLaMA's heads sharded, the padding's rows broadcast over them; the per-head bias model's
+    attention is left whole on each tp rank by the solver), full recomputation (the ring and its mask rows run
+    again), ZeRO-3 over dp x cp, and pp and sequence parallelism (-m slow)."""
+    ids, target, extra = torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET.flip(0)]), {}
+    make = {"alibi": functools.partial(MaskedAttention, _alibi), "mistral": models.factory(models.mistral),
+            "llama_padded": models.factory(models.llama)}[name]
+    if name == "llama_padded":
+        mask = torch.cat([_padding(False), _padding(True)])
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    assert_equivalent(make, mesh, (ids,), target, models.lm_loss, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
+                      launcher=launcher, kwargs=extra or None, **options)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+def test_window_under_mixed_precision(launcher, precision: str) -> None:
+    """Mistral's window with bf16 compute (the rings and their mask rows in bf16's graph): within the
+    mixed-precision bounds of one device running the same policy (SGD: per parameter too)."""
+    assert_mixed(models.factory(models.mistral, dtype=torch.float32), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
+                 models.sgd, 3, launcher, precision)

@@ -116,9 +116,20 @@ def test_mesh_layout_and_gradient_group() -> None:
     assert mesh.groups("dp_cp") == [[0, 1, 2, 3]] and Mesh(cp=2, tp=2).group_of(1, "dp_cp") == [1, 3]
 
 
-def _ring_against_sdpa(causal: bool) -> float:
+def _random_mask(shape: tuple[int, ...], kind: str) -> torch.Tensor:
+    """A boolean or float (additive) mask with a row no key may attend and the block (query chunk 0, key
+    chunk 1) of chunks of 4 entirely masked."""
+    mask = torch.rand(shape) < 0.6
+    mask[:, :, 5] = False
+    mask[:, :, :4, 4:8] = False
+    if kind == "float":
+        return torch.zeros(shape, dtype=torch.float64).masked_fill(~mask, float("-inf")) + torch.rand(shape)
+    return mask
+
+
+def _ring_against_sdpa(causal: bool, mask_kind: str | None = None) -> float:
     """On each rank: the worst relative error of ring attention's output and q/k/v gradients on the rank's
-    chunks against SDPA on the whole sequence (float64)."""
+    chunks against SDPA on the whole sequence (float64), with a random mask of ``mask_kind`` if given."""
     import torch.distributed as dist
 
     from autopar.core.collectives import Binding, bind
@@ -127,15 +138,16 @@ def _ring_against_sdpa(causal: bool) -> float:
     cp, me = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 8 * cp, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
+    mask = _random_mask((2, 3, 8 * cp, 8 * cp), mask_kind) if mask_kind else None
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3)
     grad = torch.randn_like(whole)
     want = [whole, *torch.autograd.grad(whole, (q, k, v), grad)]
     pos = positions(8, cp, me)
     mine = [x.detach()[:, :, pos].requires_grad_() for x in (q, k, v)]
     with bind(Binding({"cp": dist.group.WORLD})):
-        out, _ = torch.ops.autopar.ring_attention(*mine, 0.3, causal, "cp")
+        out, _ = torch.ops.autopar.ring_attention(*mine, 0.3, causal, "cp", None if mask is None else mask[:, :, pos])
         got = [out, *torch.autograd.grad(out, mine, grad[:, :, pos])]
-    return max(float((a - b[:, :, pos]).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    return float(torch.stack([(a - b[:, :, pos]).abs().max() / b.abs().max() for a, b in zip(got, want)]).max())
 
 
 def _ring_exchanges() -> tuple[dict[str, int], dict[str, int], list[tuple[int, int]]]:
@@ -151,10 +163,12 @@ def test_ring_exchanges_run_as_planned(launcher) -> None:
         assert (calls["ring_send_recv@cp"], sent["ring_send_recv@cp"]) == tuple(map(sum, zip(*planned)))
 
 
-@pytest.mark.parametrize("cp, causal", [(2, True), (2, False), (4, True)])
-def test_ring_attention_op_equals_sdpa(launcher, cp: int, causal: bool) -> None:
-    """The op alone: output and gradients of q, k, v on each rank's chunks equal SDPA's on the sequence."""
-    assert max(launcher(_ring_against_sdpa, cp, causal)) < 1e-13
+@pytest.mark.parametrize("cp, causal, mask_kind", [(2, True, None), (2, False, None), (4, True, None),
+                                                   (2, False, "bool"), (2, False, "float"), (4, False, "bool")])
+def test_ring_attention_op_equals_sdpa(launcher, cp: int, causal: bool, mask_kind: str | None) -> None:
+    """The op alone: output and gradients of q, k, v on each rank's chunks equal SDPA's on the sequence; with a
+    boolean or float mask per head, rows no key may attend give 0 as SDPA's do (a NaN fails the bound)."""
+    assert all(error < 1e-13 for error in launcher(_ring_against_sdpa, cp, causal, mask_kind))  # (NaN fails)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])

@@ -14,8 +14,8 @@ computed); each block's partial result is merged into ``out`` by its log-sum-exp
 evaluated per pair of chunks from their global positions: a pair whose keys all lie after its queries is
 skipped, one whose keys all lie before is computed without a mask, the diagonal pair with ``k_pos <= q_pos``.
 
-``cp_sequence(x, dim, axis)``: the whole sequence from every cp rank's chunks of ``x`` along ``dim``, in global
-order (the inputs a mask reads on whole sequences, e.g. a (batch, sequence) padding mask).
+``cp_sequence(x, dim, axis, length)``: the whole sequence (``length`` long) from every cp rank's chunks of ``x``
+along ``dim``, in global order (the inputs a mask reads on whole sequences: a (batch, sequence) padding mask).
 
 Backward (``ring_attention_backward``) recomputes each block's probabilities from the saved ``lse``
 (flash-attention's recurrence): ``dq`` accumulates on the rank; the K/V blocks travel again (the next one
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.core.collectives import _BINDING, _fake, axis_index, bind, current
+from autopar.core.collectives import _BINDING, axis_index, bind, current
 
 CHUNKS_PER_RANK = 2
 aten = torch.ops.aten
@@ -238,8 +238,9 @@ def cp_positions(local: int, axis: str, device: torch.device) -> torch.Tensor:
 
 
 @torch.library.custom_op("autopar::cp_sequence", mutates_args=())
-def cp_sequence(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    """The whole sequence along ``dim`` from every cp rank's pair of chunks of ``x``, in global order."""
+def cp_sequence(x: torch.Tensor, dim: int, axis: str, length: int) -> torch.Tensor:
+    """The whole sequence (``length`` long) along ``dim`` from every cp rank's pair of chunks of ``x``, in
+    global order."""
     g = current().group(axis)
     n = dist.get_world_size(g)
     pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
@@ -259,7 +260,7 @@ ring_attention_backward.register_fake(lambda dout, q, k, v, out, lse, scale, cau
 cp_positions.register_fake(lambda local, axis, device: torch.empty(local, dtype=torch.int64, device=device))
 
 
-cp_sequence.register_fake(lambda x, dim, axis: _fake(x, axis, gathered=dim))
+cp_sequence.register_fake(lambda x, dim, axis, length: x.new_empty(x.shape[:dim] + (length,) + x.shape[dim + 1:]))
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -114,13 +114,15 @@ def _sdpa(call: Call) -> list[Strategy] | None:
 
 def _ring(call: Call) -> list[Strategy]:
     """Ring attention over the cp axis (q, k, v of (B, H, S, E)): the batch or the heads sharded alike on all
-    three, and on both outputs (the attention and its (B, H, S) log-sum-exp); the sequence is the ring's."""
-    q, k, v = call["q"], call["k"], call["v"]
+    three, and on both outputs (the attention and its (B, H, S) log-sum-exp); the sequence is the ring's. A
+    mask's rows are sharded there where they have the dim at full size, else replicated (broadcast)."""
+    q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
     found = []
     for d in range(q.ndim - 2):
         if divisible(q.shape[d], call.n) and q.shape[d] == k.shape[d] == v.shape[d]:
             note = HEADS if d == q.ndim - 3 else BATCH
-            found.append(call.strategy((Shard(d), Shard(d)), note, q=Shard(d), k=Shard(d), v=Shard(d)))
+            found.append(call.strategy((Shard(d), Shard(d)), note, q=Shard(d), k=Shard(d), v=Shard(d),
+                                       mask=broadcast_placement(mask, d, q.ndim, q.shape[d])))
     return found
 
 
