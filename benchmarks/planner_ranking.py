@@ -131,7 +131,7 @@ def main() -> None:
     print(f"cluster: {cluster.peak_flops / 1e9:.0f} GFLOP/s, memory {cluster.memory_bandwidth / 1e9:.1f} GB/s, "
           f"operator {cluster.op_overhead * 1e6:.1f} us; gloo {link.bandwidth / 1e9:.2f} GB/s, latency "
           f"{link.latency * 1e3:.2f} ms per collective step, {(link.p2p_latency or link.latency) * 1e3:.3f} ms a hop, "
-          f"gather {link.gather:.2f}x, scatter {link.scatter:.2f}x")
+          f"gather {link.gather:.2f}x, scatter {link.scatter:.2f}x; contention {cluster.contention:.2f}")
     print(f"{'configuration':<44} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for c, t in zip(chosen, measured):
         print(f"{c.config.describe():<44} {c.step_time * 1e3:>8.1f}ms {t * 1e3:>8.1f}ms {t / c.step_time:>6.2f}")
