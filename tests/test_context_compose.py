@@ -70,7 +70,9 @@ def test_recomputation_replays_the_ring(launcher, mode: str) -> None:
     _exact(LLAMA, Mesh(cp=2), launcher, recompute=mode)
 
 
-@pytest.mark.parametrize("mesh, options", [(Mesh(tp=2, cp=2), {}), (Mesh(tp=2, cp=2), {"sequence_parallel": True}),
+@pytest.mark.parametrize("mesh, options", [(Mesh(tp=2, cp=2), {}),
+                                           pytest.param(Mesh(tp=2, cp=2), {"sequence_parallel": True},
+                                                        marks=pytest.mark.slow),
                                            (Mesh(pp=2, cp=2), {"microbatches": 2})],
                          ids=["tp2-cp2", "tp2-cp2-sp", "pp2-cp2"])
 def test_tp_and_pp_with_cp(launcher, mesh: Mesh, options: dict) -> None:
@@ -79,7 +81,7 @@ def test_tp_and_pp_with_cp(launcher, mesh: Mesh, options: dict) -> None:
     _exact(LLAMA, mesh, launcher, **options)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "mixed"])
 def test_precision_with_cp(launcher, precision: str) -> None:
     """bf16 compute (the rings in bf16) with fp32 masters, ZeRO-3 over dp x cp: within the mixed-precision
     bounds of one device running the same policy (SGD, so a gradient off by a factor shows per parameter)."""

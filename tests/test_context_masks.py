@@ -132,7 +132,8 @@ def _compile(model: torch.nn.Module, mesh: Mesh, ids: torch.Tensor, target: torc
 
 
 @pytest.mark.parametrize("name, mesh, kwargs", [
-    ("mistral", Mesh(dp=2, cp=2), {}), ("llama", Mesh(dp=2, cp=2), {"padded": True}),
+    ("llama", Mesh(dp=2, cp=2), {"padded": True}),
+    pytest.param("mistral", Mesh(dp=2, cp=2), {}, marks=pytest.mark.slow),
     pytest.param("mistral", Mesh(cp=4), {}, marks=pytest.mark.slow),
     pytest.param("bert", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
     pytest.param("llama", Mesh(cp=4), {"padded": True}, marks=pytest.mark.slow),
@@ -188,7 +189,7 @@ def test_padding_gathers_run_as_planned(launcher) -> None:
 
 
 @pytest.mark.parametrize("name, mesh, options", [
-    ("llama_padded", Mesh(tp=2, cp=2), {}), ("alibi", Mesh(tp=2, cp=2), {}),
+    pytest.param("llama_padded", Mesh(tp=2, cp=2), {}, marks=pytest.mark.slow), ("alibi", Mesh(tp=2, cp=2), {}),
     ("mistral", Mesh(cp=2), {"recompute": "full"}), ("llama_padded", Mesh(dp=2, cp=2), {"zero": 3}),
     pytest.param("mistral", Mesh(pp=2, cp=2), {"microbatches": 2}, marks=pytest.mark.slow),
     pytest.param("llama_padded", Mesh(tp=2, cp=2), {"sequence_parallel": True}, marks=pytest.mark.slow),
@@ -207,7 +208,7 @@ def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
                       launcher=launcher, kwargs=extra or None, **options)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "mixed"])
 def test_window_under_mixed_precision(launcher, precision: str) -> None:
     """Mistral's window with bf16 compute (the rings and their mask rows in bf16's graph): within the
     mixed-precision bounds of one device running the same policy (SGD: per parameter too)."""

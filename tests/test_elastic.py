@@ -68,6 +68,7 @@ def _attempts(out: Path) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in line.split()) for line in (out / "attempts.txt").read_text().splitlines()]
 
 
+@pytest.mark.slow  # two torchrun nodes through a kill and a restart: 100-230 s, a sixth of the default run's time
 @pytest.mark.parametrize("failure,per_node,mesh", [
     ({"AUTOPAR_TEST_KILL_AT_STEP": "4", "AUTOPAR_TEST_KILL_RANK": "0", "AUTOPAR_TEST_KILL_IN_SAVE": "1"}, 1, "dp=2"),
     pytest.param({"AUTOPAR_TEST_KILL_AT_STEP": "4", "AUTOPAR_TEST_KILL_RANK": "0", "AUTOPAR_TEST_KILL_IN_SAVE": "1"},
@@ -79,8 +80,8 @@ def test_a_killed_rank_resumes_from_the_last_committed_checkpoint(tmp_path: Path
                                                                  mesh: str) -> None:
     """Rank 0 dies inside the save after step 4 (every rank's shards written, the save not committed), or
     rank 3 after step 3: both nodes start again, the job resumes from step 2's checkpoint (not the half-written
-    one) on the same mesh, and its losses are one device's. The default run has one rank per node (dp=2); the
-    same with two per node (dp=2 x tp=2) is under ``-m slow``."""
+    one) on the same mesh, and its losses are one device's: one rank per node (dp=2), and two per node
+    (dp=2 x tp=2). All under ``-m slow``."""
     steps, out = 6, tmp_path / "run"
     job = [*SMALL, "--steps", str(steps), "--ckpt-every", "2", "--mesh", mesh, "--resume", "--out", str(out)]
     codes, logs = _run_nodes(tmp_path, "2", job, failure, timeout_s=480, per_node=per_node)
