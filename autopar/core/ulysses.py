@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.core.collectives import _BINDING, bind, current
-from autopar.core.ring_attention import positions
+from autopar.core.ring_attention import _block, _block_backward, positions
 
 aten = torch.ops.aten
 
@@ -67,12 +67,10 @@ def _exchange(send: torch.Tensor, axis: str, g: Any) -> torch.Tensor:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of whole-sequence attention."""
+    """(out, lse) of whole-sequence attention: SDPA's CPU kernel, elsewhere the ring's written-out block."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    return _block(q, k, v, scale, "diagonal" if causal else "all", None)
 
 
 def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -80,18 +78,8 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                           scale=scale)
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, \
-        torch.matmul(p.transpose(-2, -1), dout)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return _block_backward(dout, q, k, v, out, lse, (dout * out).sum(-1, keepdim=True), scale,
+                           "diagonal" if causal else "all", None)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
