@@ -48,7 +48,7 @@ def _die_after_writing_data() -> None:
     FileSystemWriter.write_data = write_then_die
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_resuming_gives_the_losses_of_an_uninterrupted_run(launcher, tmp_path, zero: int) -> None:
     path = str(tmp_path / "ckpt")
     straight = launcher(_job(load=False, save=False), 2, zero, path, 4)[0]
