@@ -28,6 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import ATTENTIONS, RING, ULYSSES, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
@@ -126,15 +127,16 @@ def _context_parallel(c: Compilation) -> None:
     if local is None:
         raise UnsupportedError(f"{c.mesh} has cp={c.mesh.cp}, but no input has a sequence dim (dim 1 of a "
                                f"(batch, sequence, ...) tensor) to shard; use a mesh without cp")
-    whole = _export(c, c.whole).gm  # the model on whole sequences: its attentions' forms and masks
-    same_attention(whole, c.captured.gm)
-    found = context_parallel(c.captured, c.mesh.cp, local, whole, c.options.cp_attention)
+    whole, _ = sdpa_from_eager(_export(c, c.whole).gm)  # the model on whole sequences: attentions' forms, masks
+    mine, eager = sdpa_from_eager(c.captured.gm)  # eager matmul-softmax-matmul chains as SDPA, on both captures
+    same_attention(whole, mine)
+    found = context_parallel(with_graph(c.captured, mine), c.mesh.cp, local, whole, c.options.cp_attention)
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
-    c.detail = (f"{len(found.attentions)} attentions as {c.options.cp_attention} over cp={c.mesh.cp}, "
-                f"{found.positions} positions "
-                f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
+    c.detail = (f"{len(found.attentions)} attentions ({eager} eager) as {c.options.cp_attention} over "
+                f"cp={c.mesh.cp}, {found.positions} positions made global, {len(found.shifted)} label inputs "
+                f"shifted; {local} tokens per rank")
 
 
 def _tensor_parallel(c: Compilation) -> None:
