@@ -3,11 +3,12 @@
 Precondition: the graph captured on one cp rank's inputs, i.e. every sequence-dim input cut to its ``local``
 tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_attention.py``). The rewrite:
 
-- each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``)
-  becomes ``autopar::ring_attention`` over ``cp`` (K/V blocks
-  around the group, merged by log-sum-exp, the causal mask evaluated per block from global positions); where
-  the attention has a mask tensor on whole sequences (``whole``: the model captured on them), the ring reads
-  the rank's rows of that mask, computed in the rank's graph (``passes/context_masks.py``).
+- each ``aten.scaled_dot_product_attention`` (or its CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``;
+  Hugging Face's eager matmul-softmax-matmul arrives here as SDPA, ``passes/context_eager.py``) becomes
+  ``autopar::ring_attention`` over ``cp`` (K/V blocks around the group, merged by log-sum-exp, the causal
+  mask evaluated per block from global positions); where the attention has a mask tensor on whole sequences
+  (``whole``: the model captured on them), the ring reads the rank's rows of that mask, computed in the
+  rank's graph (``passes/context_masks.py``).
   With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
   ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
@@ -22,8 +23,9 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention whose
 mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
 local length; an attention in another form (a softmax over the local length, a batched matmul giving
-(..., local, local): Hugging Face's eager matmul-softmax-matmul); any other slice or pad along a dim of the
-local length (a shift inside the sequence).
+(..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
+Gemma-2's soft-capped one); any other slice or pad along a dim of the local length (a shift inside the
+sequence).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial

@@ -70,8 +70,7 @@ def test_llama_eager_cp2(launcher) -> None:
     _against_float64_attention(launcher, "llama", Mesh(cp=2))
 
 
-@pytest.mark.slow  # about 25 s
-@pytest.mark.parametrize("window", [3, 4])
+@pytest.mark.parametrize("window", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_mistral_eager_sliding_window_cp2(launcher, window: int) -> None:
     """Mistral's eager attention with a window of 3 or 4 of 8 tokens (binding across the ranks' chunks)."""
     _against_float64_attention(launcher, "mistral", Mesh(cp=2), window=window)
