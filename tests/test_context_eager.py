@@ -50,15 +50,18 @@ def test_bert_eager_padding_cp2(launcher) -> None:
                       kwargs={"attention_mask": mask})
 
 
-def _against_float64_attention(launcher, name: str, mesh: Mesh, **kw: object) -> None:
+def _against_float64_attention(launcher, name: str, mesh: Mesh, options: dict | None = None,
+                               **kw: object) -> None:
     """A model whose eager softmax is float32: the cp run equals one device on SDPA (float64) within 1e-12, and
     differs from one device on eager attention by no more than SDPA on one device does (the control)."""
-    args = (IDS,), TARGET, models.lm_loss, models.adamw, 2
+    ids, target = (IDS, TARGET) if mesh.dp == 1 else (torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET]))
+    args = (ids,), target, models.lm_loss, models.adamw, 2
     one_eager = reference_run(functools.partial(eager, name, **kw), *args)
     one_sdpa = reference_run(functools.partial(getattr(models, name), **kw), *args)
     control, _ = relative_errors(one_eager, one_sdpa)
     assert 1e-12 < control < 1e-5, control  # float32's rounding of the probabilities, no more
-    for run in parallel_run(functools.partial(eager, name, **kw), mesh, *args, launcher=launcher):
+    for run in parallel_run(functools.partial(eager, name, **kw), mesh, *args, launcher=launcher,
+                            **(options or {})):
         exact, what = relative_errors(one_sdpa, run)
         assert exact < 1e-12, (exact, what)
         off, what = relative_errors(one_eager, run)
@@ -74,6 +77,14 @@ def test_llama_eager_cp2(launcher) -> None:
 def test_mistral_eager_sliding_window_cp2(launcher, window: int) -> None:
     """Mistral's eager attention with a window of 3 or 4 of 8 tokens (binding across the ranks' chunks)."""
     _against_float64_attention(launcher, "mistral", Mesh(cp=2), window=window)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", [(Mesh(tp=2, cp=2), {}), (Mesh(dp=2, cp=2), {"zero": 3}),
+                                           (Mesh(pp=2, cp=2), {"microbatches": 2}), (Mesh(cp=4), {})])
+def test_llama_eager_composes(launcher, mesh: Mesh, options: dict) -> None:
+    """LLaMA's eager attention under tp (heads sharded), ZeRO-3 over dp x cp, pp, and cp=4 (chunks of one token)."""
+    _against_float64_attention(launcher, "llama", mesh, options)
 
 
 class WhereAttention(torch.nn.Module):
