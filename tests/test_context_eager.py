@@ -135,3 +135,30 @@ def test_eager_dropout_in_training_is_refused() -> None:
     pm = autopar.parallelize(eager("gpt2", dropout=0.1), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
     with pytest.raises(UnsupportedError, match=r"dropout_p=0.1; set the attention dropout to 0"):
         pm.compile((IDS,), {}, TARGET)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_rewritten_capture_computes_the_model(name: str) -> None:
+    """The pass alone, on one device: the captured eager graph with each layer's chain as SDPA computes the
+    model's logits on SDPA (float64) within 1e-13, and holds no softmax."""
+    from autopar.capture import capture
+    from passes.context_eager import sdpa_from_eager
+
+    model = eager(name)
+    cap = capture(model, (IDS,), {}, with_loss=False)
+    gm, replaced = sdpa_from_eager(cap.gm)
+    assert replaced == 2 and not any(n.target is torch.ops.aten.softmax.int for n in gm.graph.nodes)
+    with torch.no_grad():
+        got = cap.run({**dict(model.named_parameters()), **dict(model.named_buffers())}, [IDS], gm).logits
+        want = getattr(models, name)()(IDS).logits  # the same weights (seeded), on SDPA
+    assert float((got - want).norm() / want.norm()) < 1e-13
+
+
+def test_returned_attention_weights_are_left_alone() -> None:
+    """With ``output_attentions=True`` the probabilities are read outside the chain: nothing is replaced (under
+    cp the existing check then refuses the softmax over the local sequence)."""
+    from autopar.capture import capture
+    from passes.context_eager import sdpa_from_eager
+
+    cap = capture(eager("llama"), (IDS,), {"output_attentions": True}, with_loss=False)
+    assert sdpa_from_eager(cap.gm)[1] == 0
