@@ -142,7 +142,7 @@ def test_rewritten_capture_computes_the_model(name: str) -> None:
     """The pass alone, on one device: the captured eager graph with each layer's chain as SDPA computes the
     model's logits on SDPA (float64) within 1e-13, and holds no softmax."""
     from autopar.capture import capture
-    from passes.context_eager import sdpa_from_eager
+    from autopar.passes.context_eager import sdpa_from_eager
 
     model = eager(name)
     cap = capture(model, (IDS,), {}, with_loss=False)
@@ -158,7 +158,7 @@ def test_returned_attention_weights_are_left_alone() -> None:
     """With ``output_attentions=True`` the probabilities are read outside the chain: nothing is replaced (under
     cp the existing check then refuses the softmax over the local sequence)."""
     from autopar.capture import capture
-    from passes.context_eager import sdpa_from_eager
+    from autopar.passes.context_eager import sdpa_from_eager
 
     cap = capture(eager("llama"), (IDS,), {"output_attentions": True}, with_loss=False)
     assert sdpa_from_eager(cap.gm)[1] == 0
