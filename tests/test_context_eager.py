@@ -17,6 +17,7 @@ import models
 from autopar import Mesh
 from autopar.core.errors import UnsupportedError
 from autopar.testing import assert_equivalent, parallel_run, reference_run, relative_errors
+from harness.mixed import assert_mixed
 
 IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
 TARGET = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
@@ -85,6 +86,14 @@ def test_mistral_eager_sliding_window_cp2(launcher, window: int) -> None:
 def test_llama_eager_composes(launcher, mesh: Mesh, options: dict) -> None:
     """LLaMA's eager attention under tp (heads sharded), ZeRO-3 over dp x cp, pp, and cp=4 (chunks of one token)."""
     _against_float64_attention(launcher, "llama", mesh, options)
+
+
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "mixed"])
+def test_llama_eager_under_mixed_precision(launcher, precision: str) -> None:
+    """bf16 compute: the eager chain (its float32 softmax cast back to bf16) becomes the SDPA path's bf16 ring,
+    within the mixed-precision bounds of one device running the eager model under the same policy (SGD)."""
+    assert_mixed(functools.partial(eager, "llama", dtype=torch.float32), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
+                 models.sgd, 3, launcher, precision)
 
 
 class WhereAttention(torch.nn.Module):
