@@ -196,7 +196,7 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if mesh.hybrid and not options.zero:
         raise ValueError(f"{mesh} asks for hybrid sharding (ZeRO over dp_shard={mesh.dp_shard} inside each of "
                          f"dp_replicate={mesh.dp_replicate} replicas), but zero=0; pass zero=1, 2 or 3, or use "
-                         f"{Mesh(**dict(mesh.axes))} for plain data parallelism")
+                         f"{Mesh(**(mesh.sizes | {'dp': mesh.dp}))} for plain data parallelism")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
@@ -222,8 +222,7 @@ def check_context_parallel(mesh: Mesh, options: Options) -> None:
 
 def _without_ep(mesh: Mesh) -> str:
     """``mesh`` without ep (and its dp split kept)."""
-    return repr(Mesh(**{n: ((mesh.dp_replicate, mesh.dp_shard) if n == "dp" and mesh.hybrid else s)
-                        for n, s in mesh.axes}))
+    return repr(Mesh(**mesh.sizes))
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:
