@@ -214,10 +214,26 @@ def check_context_parallel(mesh: Mesh, options: Options) -> None:
         raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) does not "
                                f"compose with expert parallelism or batch='local' in this version; use "
                                f"{_without_ep(mesh)} with batch='global', or drop cp")
-    if options.cp_attention == "all_to_all" and mesh.tp > 1:
-        raise UnsupportedError(f"{mesh} with cp_attention='all_to_all': the all-to-all attention has no tp sharding "
+    how = options.cp_attention
+    if how in ("all_to_all", "usp") and mesh.tp > 1:
+        raise UnsupportedError(f"{mesh} with cp_attention={how!r}: the all-to-all attention has no tp sharding "
                                f"rule in this version (the ring has: its heads are sharded over tp); use "
                                f"cp_attention='ring' with tp={mesh.tp}, or tp=1")
+    check_usp(mesh, how)
+
+
+def check_usp(mesh: Mesh, how: str) -> None:
+    """``cp_attention="usp"`` runs on ``Mesh(cp=(ring, a2a))`` with both sizes above 1, and only it reads that
+    split (docs/decisions.md)."""
+    if how == "usp" and (mesh.cp_split is None or 1 in mesh.cp_split):
+        raise UnsupportedError(f"{mesh} with cp_attention='usp': unified sequence parallelism needs cp split into a "
+                               f"ring of all-to-all groups, Mesh(cp=(ring, a2a)) with ring x a2a = cp = {mesh.cp} and "
+                               f"both above 1 (e.g. Mesh(cp=(2, {mesh.cp // 2})) for cp={mesh.cp}); for one of them "
+                               f"alone use cp_attention='ring' or 'all_to_all' with Mesh(cp={mesh.cp})")
+    if how != "usp" and mesh.cp_split is not None:
+        raise UnsupportedError(f"{mesh} with cp_attention={how!r}: the split cp={mesh.cp_split} (ring, a2a) is read "
+                               f"by cp_attention='usp' only; pass cp_attention='usp', or Mesh(cp={mesh.cp}) for "
+                               f"{how!r} over all {mesh.cp} cp ranks")
 
 
 def _without_ep(mesh: Mesh) -> str:
