@@ -10,8 +10,10 @@ import autopar
 import models
 from autopar import Mesh
 from autopar.core.collectives import Binding, bind
+from autopar.core.errors import UnsupportedError
 from autopar.core.ring_attention import positions
 from autopar.core.usp import usp_attention
+from autopar.planner.config import Config
 from autopar.testing import assert_equivalent
 
 B, H, S, D = 2, 4, 16, 8
@@ -82,3 +84,56 @@ def test_usp_exchanges_run_as_planned(launcher) -> None:
         assert (calls["all_to_all@cp_a2a"], sent["all_to_all@cp_a2a"]) == tuple(map(sum, zip(*a2a)))
         assert (calls["ring_send_recv@cp_ring"], sent["ring_send_recv@cp_ring"]) == tuple(map(sum, zip(*ring)))
         assert code.count("torch.ops.autopar.usp_attention.default(") == 2
+
+
+def test_planner_searches_and_prices_usp_where_heads_are_fewer_than_cp() -> None:
+    """LLaMA with 2 heads on cp = 4: the all-to-all alone cannot split them, usp on cp=(2, 2) can; the planner
+    offers it, prices its all-to-alls and ring blocks as the runtime's plan counts them, names it in its
+    explanation, and the choice travels to ``parallelize`` with its split."""
+    from autopar.planner import plan
+
+    model = models.llama(heads=2, kv_heads=2)
+    result = plan(model, 4, cluster="cpu", global_batch=2, seq_len=16, precision="fp64", optimizer="adam",
+                  tp=(1,), pp=(1,), zero=(0,), recompute=("none",), cp=(4,), top=None, example_inputs=(IDS,))
+    forms = {(c.cp_attention, c.cp_a2a) for c in result.every if c.cp == 4}
+    assert forms == {("ring", 0), ("usp", 2)}  # no all-to-all over 4 ranks for 2 heads
+    usp = result.candidate(Config(dp=1, cp=4, microbatch_size=2, cp_attention="usp", cp_a2a=2))
+    assert usp.parallelism.mesh == Mesh(cp=(2, 2)) and usp.parallelism.cp_attention == "usp"
+    attentions, calls, nbytes = result.cost.ring_exchanges(usp.config)
+    assert (attentions, calls) == (2, 2 * (8 + 1 + 3))  # per attention: 8 all-to-alls, 1 + 3 ring exchanges
+    runtime = autopar.parallelize(models.llama(heads=2, kv_heads=2), usp.parallelism, loss_fn=models.lm_loss,
+                                  optimizer=models.adamw)
+    runtime.compile((IDS,), {}, TARGET)
+    planned = [c for c in runtime.plan.collectives if c.axis in ("cp_ring", "cp_a2a")]
+    assert sum(c.count for c in planned) == calls
+    assert nbytes == pytest.approx(sum(c.bytes for c in planned), rel=0.05)  # (the output's log-sum-exp column)
+    text = " ".join(result.explanation)
+    assert "usp on cp=(2, 2)" in text and float(usp.estimate.time["context_parallel"]) > 0
+
+
+def test_usp_refusals() -> None:
+    """Heads the a2a size does not divide, usp without a split cp (or a split cp without usp), a cp split that is
+    not ring x a2a, mask tensors, tp: each a clear error naming the numbers and the fix."""
+    with pytest.raises(UnsupportedError, match=r"Mesh\(cp=\(ring, a2a\)\) with ring x a2a = cp = 4 and both above"):
+        autopar.parallelize(models.llama(), Mesh(cp=4), cp_attention="usp")
+    with pytest.raises(UnsupportedError, match=r"both above 1"):
+        autopar.parallelize(models.llama(), Mesh(cp=(1, 4)), cp_attention="usp")
+    with pytest.raises(UnsupportedError, match=r"the split cp=\(2, 2\) \(ring, a2a\) is read by cp_attention='usp'"):
+        autopar.parallelize(models.llama(), Mesh(cp=(2, 2)))
+    with pytest.raises(UnsupportedError, match=r"cp_attention='usp'.*use cp_attention='ring' with tp=2"):
+        autopar.parallelize(models.llama(), Mesh(cp=(2, 2), tp=2), cp_attention="usp")
+    with pytest.raises(ValueError, match=r"ring x cp_a2a = cp with both above 1 \(cp_a2a in \[2\]\)"):
+        Config(dp=1, cp=4, cp_attention="usp", cp_a2a=3)
+    with pytest.raises(ValueError, match=r"cp=\(2, 2, 1\).*a pair \(ring, a2a\)"):
+        Mesh(cp=(2, 2, 1))
+    pm = autopar.parallelize(models.llama(d=24, heads=3, kv_heads=3), Mesh(cp=(2, 2)), loss_fn=models.lm_loss,
+                             optimizer=models.adamw, cp_attention="usp")
+    with pytest.raises(UnsupportedError, match=r"heads \[3, 3, 3\] do not divide by the a2a size 2 of cp=\(2, 2\).*"
+                                               r"cp_attention='ring' with Mesh\(cp=4\)"):
+        pm.compile((IDS,), {}, TARGET)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[:, 12:] = 0
+    pm = autopar.parallelize(models.bert(), Mesh(cp=(2, 2)), loss_fn=models.lm_loss, optimizer=models.adamw,
+                             cp_attention="usp")
+    with pytest.raises(UnsupportedError, match=r"is a tensor; cp_attention='usp' evaluates causal masks or none"):
+        pm.compile((IDS,), {"attention_mask": mask}, TARGET)
