@@ -58,7 +58,6 @@ IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
 TARGET = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
 
 
-@pytest.mark.slow
 def test_usp_llama_equals_one_device(launcher) -> None:
     """LLaMA, cp = 4 as (ring 2, a2a 2): every attention a usp exchange; AdamW, float64 (updates within 1e-12)."""
     assert_equivalent(models.factory(models.llama), Mesh(cp=(2, 2)), (IDS,), TARGET, models.lm_loss, models.adamw,
