@@ -226,10 +226,12 @@ def check_usp(mesh: Mesh, how: str) -> None:
     """``cp_attention="usp"`` runs on ``Mesh(cp=(ring, a2a))`` with both sizes above 1, and only it reads that
     split (docs/decisions.md)."""
     if how == "usp" and (mesh.cp_split is None or 1 in mesh.cp_split):
+        splits = [(mesh.cp // a, a) for a in range(2, mesh.cp) if mesh.cp % a == 0]
         raise UnsupportedError(f"{mesh} with cp_attention='usp': unified sequence parallelism needs cp split into a "
                                f"ring of all-to-all groups, Mesh(cp=(ring, a2a)) with ring x a2a = cp = {mesh.cp} and "
-                               f"both above 1 (e.g. Mesh(cp=(2, {mesh.cp // 2})) for cp={mesh.cp}); for one of them "
-                               f"alone use cp_attention='ring' or 'all_to_all' with Mesh(cp={mesh.cp})")
+                               f"both above 1 ({f'cp=(ring, a2a) in {splits}' if splits else 'none for this cp'}); "
+                               f"for one of them alone use cp_attention='ring' or 'all_to_all' with "
+                               f"Mesh(cp={mesh.cp})")
     if how != "usp" and mesh.cp_split is not None:
         raise UnsupportedError(f"{mesh} with cp_attention={how!r}: the split cp={mesh.cp_split} (ring, a2a) is read "
                                f"by cp_attention='usp' only; pass cp_attention='usp', or Mesh(cp={mesh.cp}) for "

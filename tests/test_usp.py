@@ -136,3 +136,14 @@ def test_usp_refusals() -> None:
                              cp_attention="usp")
     with pytest.raises(UnsupportedError, match=r"is a tensor; cp_attention='usp' evaluates causal masks or none"):
         pm.compile((IDS,), {"attention_mask": mask}, TARGET)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, kw", [(Mesh(dp=2, cp=(2, 2)), dict(zero=3)),
+                                      (Mesh(pp=2, cp=(2, 2)), dict(microbatches=2)),
+                                      (Mesh(cp=(2, 2)), dict(recompute="full"))], ids=["zero3", "pp2", "full"])
+def test_usp_composes(launcher, mesh: Mesh, kw: dict) -> None:
+    """usp with ZeRO-3 over dp x cp, a pipeline and full recomputation (which runs each usp attention again)."""
+    ids, target = torch.cat([IDS, IDS.flip(0)]), torch.cat([TARGET, TARGET.flip(1)])
+    assert_equivalent(models.factory(models.llama), mesh, (ids,), target, models.lm_loss, models.adamw, steps=2,
+                      rtol=1e-9, atol=1e-10, launcher=launcher, cp_attention="usp", **kw)
