@@ -2,6 +2,8 @@
 sequence inside each ``cp_a2a`` group, a ring over ``cp_ring``, equals attention over the whole sequence."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,6 +54,26 @@ def _rank(split: tuple[int, int], causal: bool) -> float:
 def test_usp_equals_whole_sequence_attention(launcher, causal: bool) -> None:
     """cp = 4 as a ring of 2 groups of 2: forward and the gradients of Q, K, V within 1e-13, float64."""
     assert max(launcher(_rank, 4, (2, 2), causal)) < 1e-13
+
+
+
+def test_split_cp_sub_axes() -> None:
+    """``Mesh(cp=(ring, a2a))``: cp index ``r * a2a + a``; the a2a groups are consecutive cp ranks, the ring
+    groups one per a2a index; the split survives ``split_dp``, ``repr`` and a DeviceMesh's named dims."""
+    mesh = Mesh(dp=2, cp=(2, 2))  # rank = dp * 4 + cp
+    assert mesh.size == 8 and mesh.cp == 4 and (mesh["cp_ring"], mesh["cp_a2a"]) == (2, 2)
+    assert mesh.groups("cp_a2a") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("cp_ring") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [mesh.coord(r, "cp_ring") for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [mesh.coord(r, "cp_a2a") for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert repr(mesh) == "Mesh(dp=2, cp=(2, 2))" and mesh != Mesh(dp=2, cp=4)
+    assert Mesh(dp=4, cp=(2, 2)).split_dp(2) == Mesh(dp=(2, 2), cp=(2, 2))
+    named = SimpleNamespace(mesh_dim_names=("dp", "cp_ring", "cp_a2a"), mesh=torch.empty(2, 2, 2))
+    assert Mesh.from_device_mesh(named) == mesh
+    for rank in range(mesh.size):
+        ring, group = mesh.group_of(rank, "cp_ring"), mesh.group_of(rank, "cp_a2a")
+        assert set(ring) & set(group) == {rank} and set(ring) | set(group) <= set(mesh.group_of(rank, "cp"))
+        assert mesh.coords(rank).cp == mesh.coord(rank, "cp_ring") * 2 + mesh.coord(rank, "cp_a2a")
 
 
 IDS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))

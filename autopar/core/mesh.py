@@ -108,7 +108,8 @@ class Mesh:
                                      "exchange heads")
                 cp_split = (size[0], size[1])
             elif not _is_size(size):
-                hint = " (only dp and cp take a pair)" if isinstance(size, tuple) else ""
+                hint = (" (only dp takes a pair, for hybrid sharding, and cp, for unified sequence parallelism)"
+                        if isinstance(size, tuple) else "")
                 raise ValueError(f"mesh axis {name}={size!r} must be an integer >= 1{hint}")
         object.__setattr__(self, "axes", tuple((n, math.prod(s) if isinstance(s, tuple) else s)
                                                for n, s in sizes.items()))
