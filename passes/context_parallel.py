@@ -87,7 +87,6 @@ class ContextParallelGraph:
     exchanged: tuple[int, int] | None = None
     split: tuple[int, int] | None = None  # usp: (ring, a2a) sizes of cp
 
-
     def add_to(self, plan: Plan, cp: int) -> None:
         """The exchanges per step. The ring: forward ``cp - 1`` K/V blocks per attention and microbatch;
         backward ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one
