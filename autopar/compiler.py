@@ -132,7 +132,7 @@ def _context_parallel(c: Compilation) -> None:
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
-    c.detail = (f"{len(found.attentions)} attentions as {c.options.cp_attention} over cp={c.mesh.sizes['cp']}, "
+    c.detail = (f"{len(found.attentions)} attentions as {c.options.cp_attention} over cp={c.mesh.cp}, "
                 f"{found.positions} positions "
                 f"made global, {len(found.shifted)} label inputs shifted; {local} tokens per rank")
 
