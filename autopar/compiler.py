@@ -29,7 +29,7 @@ from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
 from autopar.passes.context_eager import sdpa_from_eager
-from autopar.passes.context_parallel import ATTENTIONS, RING, ULYSSES, context_parallel, same_attention
+from autopar.passes.context_parallel import ATTENTIONS, CP_AXES, REWRITTEN, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.stage_cuts import choose_split_points, split_stages
@@ -130,7 +130,8 @@ def _context_parallel(c: Compilation) -> None:
     whole, _ = sdpa_from_eager(_export(c, c.whole).gm)  # the model on whole sequences: attentions' forms, masks
     mine, eager = sdpa_from_eager(c.captured.gm)  # eager matmul-softmax-matmul chains as SDPA, on both captures
     same_attention(whole, mine)
-    found = context_parallel(with_graph(c.captured, mine), c.mesh.cp, local, whole, c.options.cp_attention)
+    found = context_parallel(with_graph(c.captured, mine), c.mesh.cp, local, whole, c.options.cp_attention,
+                             c.mesh.cp_split)
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
@@ -161,12 +162,12 @@ def ring_per_pp_rank(plan: Plan, stages: list[StageGraph], stage_to_rank: list[i
     calls, kv = {}, {}
     for st in stages:
         rank = stage_to_rank[st.index]
-        calls[rank] = calls.get(rank, 0) + sum(1 for nd in st.gm.graph.nodes if nd.target in (RING, ULYSSES))
+        calls[rank] = calls.get(rank, 0) + sum(1 for nd in st.gm.graph.nodes if nd.target in REWRITTEN)
         kv[rank] = kv.get(rank, 0) + ring_kv_bytes(st.gm)
     worst = max(kv, key=kv.__getitem__)
     attentions = sum(calls.values())
     plan.collectives = [dataclasses.replace(x, count=x.count * calls[worst] // attentions,
-                                            bytes=x.bytes * kv[worst] // total) if x.axis == "cp" else x
+                                            bytes=x.bytes * kv[worst] // total) if x.axis in CP_AXES else x
                         for x in plan.collectives]
 
 
@@ -174,7 +175,7 @@ def ring_kv_bytes(gm: fx.GraphModule) -> int:
     """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring, or its all-to-all attentions
     receive (0 without context parallelism)."""
     return sum(x.meta["val"].numel() * x.meta["val"].element_size()
-               for nd in gm.graph.nodes if nd.target in (RING, ULYSSES) for x in nd.args[1:3])
+               for nd in gm.graph.nodes if nd.target in REWRITTEN for x in nd.args[1:3])
 
 
 def _pipeline_cuts(c: Compilation) -> None:

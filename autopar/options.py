@@ -12,7 +12,7 @@ from autopar.precision import Policy, policy
 
 SCHEDULES = tuple(GENERATORS)  # the schedule names (autopar.core.schedules)
 FIXED_STAGES_PER_RANK = STAGES_PER_RANK  # (the V holds two stages on every rank)
-CP_ATTENTIONS = ("ring", "all_to_all")  # how context parallelism computes attention (passes/context_parallel.py)
+CP_ATTENTIONS = ("ring", "all_to_all", "usp")  # how context parallelism computes attention (passes/context_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Options:
     recompute: Choice = "none"  # "none" | "selective" | "full", {layer or pattern: mode}, or layer -> mode
     sequence_parallel: bool = False  # tp: shard the values between tensor-parallel regions (least activations)
     batch: str = "global"  # "global": every rank passes the global batch; "local": each its dp shard
-    cp_attention: str = "ring"  # cp > 1: "ring" (K/V blocks around the ranks) or "all_to_all" (heads for sequence)
+    cp_attention: str = "ring"  # cp > 1: "ring" (K/V blocks around the ranks), "all_to_all" (heads for sequence)
+    # or "usp" (both, on the sub-axes of Mesh(cp=(ring, a2a)))
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):

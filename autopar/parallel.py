@@ -294,6 +294,9 @@ def parallelize(
     ``"all_to_all"`` exchanges heads for sequence (DeepSpeed-Ulysses): each rank
     computes the whole sequence's attention for ``heads / cp`` heads, fewer bytes
     than the ring from cp = 4 on, not overlapped; the head count must divide by cp.
+    ``"usp"`` (unified sequence parallelism, ``Mesh(cp=(ring, a2a))``): heads exchanged
+    inside each group of ``a2a`` consecutive cp ranks, a ring over the ``ring`` groups;
+    the head count must divide by ``a2a`` only.
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice

@@ -196,7 +196,7 @@ def check_supported(mesh: Mesh, options: Options) -> None:
     if mesh.hybrid and not options.zero:
         raise ValueError(f"{mesh} asks for hybrid sharding (ZeRO over dp_shard={mesh.dp_shard} inside each of "
                          f"dp_replicate={mesh.dp_replicate} replicas), but zero=0; pass zero=1, 2 or 3, or use "
-                         f"{Mesh(**dict(mesh.axes))} for plain data parallelism")
+                         f"{Mesh(**(mesh.sizes | {'dp': mesh.dp}))} for plain data parallelism")
     if options.zero:
         check_optimizer(options.optimizer, [torch.nn.Parameter(torch.zeros(1))], options.zero)
     if mesh.ep > 1:
@@ -214,16 +214,33 @@ def check_context_parallel(mesh: Mesh, options: Options) -> None:
         raise UnsupportedError(f"{mesh} with {', '.join(refused)}: context parallelism (cp={mesh.cp}) does not "
                                f"compose with expert parallelism or batch='local' in this version; use "
                                f"{_without_ep(mesh)} with batch='global', or drop cp")
-    if options.cp_attention == "all_to_all" and mesh.tp > 1:
-        raise UnsupportedError(f"{mesh} with cp_attention='all_to_all': the all-to-all attention has no tp sharding "
+    how = options.cp_attention
+    if how in ("all_to_all", "usp") and mesh.tp > 1:
+        raise UnsupportedError(f"{mesh} with cp_attention={how!r}: the all-to-all attention has no tp sharding "
                                f"rule in this version (the ring has: its heads are sharded over tp); use "
                                f"cp_attention='ring' with tp={mesh.tp}, or tp=1")
+    check_usp(mesh, how)
+
+
+def check_usp(mesh: Mesh, how: str) -> None:
+    """``cp_attention="usp"`` runs on ``Mesh(cp=(ring, a2a))`` with both sizes above 1, and only it reads that
+    split (docs/decisions.md)."""
+    if how == "usp" and (mesh.cp_split is None or 1 in mesh.cp_split):
+        splits = [(mesh.cp // a, a) for a in range(2, mesh.cp) if mesh.cp % a == 0]
+        raise UnsupportedError(f"{mesh} with cp_attention='usp': unified sequence parallelism needs cp split into a "
+                               f"ring of all-to-all groups, Mesh(cp=(ring, a2a)) with ring x a2a = cp = {mesh.cp} and "
+                               f"both above 1 ({f'cp=(ring, a2a) in {splits}' if splits else 'none for this cp'}); "
+                               f"for one of them alone use cp_attention='ring' or 'all_to_all' with "
+                               f"Mesh(cp={mesh.cp})")
+    if how != "usp" and mesh.cp_split is not None:
+        raise UnsupportedError(f"{mesh} with cp_attention={how!r}: the split cp={mesh.cp_split} (ring, a2a) is read "
+                               f"by cp_attention='usp' only; pass cp_attention='usp', or Mesh(cp={mesh.cp}) for "
+                               f"{how!r} over all {mesh.cp} cp ranks")
 
 
 def _without_ep(mesh: Mesh) -> str:
     """``mesh`` without ep (and its dp split kept)."""
-    return repr(Mesh(**{n: ((mesh.dp_replicate, mesh.dp_shard) if n == "dp" and mesh.hybrid else s)
-                        for n, s in mesh.axes}))
+    return repr(Mesh(**mesh.sizes))
 
 
 def split_backward(stage_sets: list[list[StageGraph]], trainable: set[str]) -> tuple[list[list[StageGraph]], int]:

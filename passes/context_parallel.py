@@ -10,7 +10,9 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   (``whole``: the model captured on them), the ring reads the rank's rows of that mask, computed in the
   rank's graph (``passes/context_masks.py``).
   With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
-  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``);
+  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``); with
+  ``attention="usp"`` (``Mesh(cp=(ring, a2a))``) ``autopar::usp_attention``: heads exchanged over ``cp_a2a``, a
+  ring over ``cp_ring`` (``autopar/core/usp.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
 - each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
@@ -46,6 +48,7 @@ from autopar.core.plan import Collective, Plan
 from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
+from autopar.core.usp import usp_attention
 from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
@@ -65,6 +68,10 @@ SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
 ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
+USP = usp_attention._opoverload  # autopar::usp_attention
+EXCHANGES = {ULYSSES: (AXIS,), USP: ("cp_ring", "cp_a2a")}  # the head-exchanging attentions -> their axes
+REWRITTEN = (RING, ULYSSES, USP)  # every op an attention becomes
+CP_AXES = (AXIS, "cp_ring", "cp_a2a")  # the axes those communicate over
 GRAPH_SIDE_EFFECTS = {aten._assert_tensor_metadata.default}  # checks only: a value they alone read is dead
 
 
@@ -80,47 +87,54 @@ class ContextParallelGraph:
     # all_to_all: bytes of the rank's Q, K, V and output (with its log-sum-exp) exchanged per forward, and of
     # the output's gradient, dQ, dK and dV per backward, per microbatch (None for the ring)
     exchanged: tuple[int, int] | None = None
+    split: tuple[int, int] | None = None  # usp: (ring, a2a) sizes of cp
 
     def add_to(self, plan: Plan, cp: int) -> None:
         """The exchanges per step. The ring: forward ``cp - 1`` K/V blocks per attention and microbatch;
         backward ``cp - 1`` K/V blocks again and ``cp`` exchanges of their gradients' partial sums (the last one
         home). All-to-all: forward Q, K, V and the output (4 calls), backward the output's gradient and dQ, dK,
-        dV (4 calls), each the rank's whole tensor (``(cp - 1) / cp`` of it leaves the rank)."""
-        m = plan.microbatches
-        kv = sum(b for _, _, b in self.attentions)
-        n = len(self.attentions) * m
-        if self.exchanged:
-            forward, backward = self.exchanged
-            plan.collectives += [
-                Collective(AXIS, "all_to_all", 4 * n, forward * m, "forward, heads for sequence: Q, K, V, output",
-                           "forward"),
-                Collective(AXIS, "all_to_all", 4 * n, backward * m,
-                           "backward, the output's gradient and dQ, dK, dV", "backward")]
-            return
-        plan.collectives += [Collective(AXIS, "all_gather", len(self.gathered) * m, sum(self.gathered) * m,
+        dV (4 calls), each the rank's whole tensor (``(cp - 1) / cp`` of it leaves the rank). USP: the
+        all-to-alls over ``cp_a2a`` and the ring of its size over ``cp_ring`` (its blocks as many bytes as the
+        rank's own K and V)."""
+        ring, a2a = self.split or ((1, cp) if self.exchanged else (cp, 1))
+        axes = ("cp_ring", "cp_a2a") if self.split else (AXIS, AXIS)
+        plan.collectives += [Collective(AXIS, "all_gather", len(self.gathered) * plan.microbatches,
+                                        sum(self.gathered) * plan.microbatches,
                                         "forward, inputs attention masks read on whole sequences", "forward")
                              ] if self.gathered else []
-        plan.collectives += [
-            Collective(AXIS, "send_recv", n * (cp - 1), kv * m * (cp - 1), "forward, ring attention's K/V blocks",
-                       "forward"),
-            Collective(AXIS, "send_recv", n * (2 * cp - 1), kv * m * (2 * cp - 1),
-                       "backward, K/V blocks again and their gradients' partial sums", "backward"),
-        ]
+        plan.collectives += self._all_to_alls(axes[1], plan.microbatches) if a2a > 1 else []
+        plan.collectives += self._ring(axes[0], ring, plan.microbatches) if ring > 1 else []
+
+    def _all_to_alls(self, axis: str, m: int) -> list[Collective]:
+        forward, backward = self.exchanged or (0, 0)
+        n = len(self.attentions) * m
+        return [Collective(axis, "all_to_all", 4 * n, forward * m, "forward, heads for sequence: Q, K, V, output",
+                           "forward"),
+                Collective(axis, "all_to_all", 4 * n, backward * m, "backward, the output's gradient and dQ, dK, dV",
+                           "backward")]
+
+    def _ring(self, axis: str, ring: int, m: int) -> list[Collective]:
+        kv, n = sum(b for _, _, b in self.attentions) * m, len(self.attentions) * m
+        return [Collective(axis, "send_recv", n * (ring - 1), kv * (ring - 1), "forward, ring attention's K/V blocks",
+                           "forward"),
+                Collective(axis, "send_recv", n * (2 * ring - 1), kv * (2 * ring - 1),
+                           "backward, K/V blocks again and their gradients' partial sums", "backward")]
 
 
 def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule | None = None,
-                     attention: str = "ring") -> ContextParallelGraph:
+                     attention: str = "ring", split: tuple[int, int] | None = None) -> ContextParallelGraph:
     """``cap``'s graph for one cp rank of ``cp`` holding ``local`` tokens of each sequence (module doc);
     ``whole``: the model captured on whole sequences, whose attention masks the rank evaluates on its rows;
-    each attention a ring or (``attention="all_to_all"``) an exchange of heads for sequence."""
+    each attention a ring, (``attention="all_to_all"``) an exchange of heads for sequence, or (``"usp"``) both
+    on the (ring, a2a) sub-axes ``split`` of cp."""
     gm = copy_module(cap.gm)
     graph = gm.graph
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
     nodes = [n for n in graph.nodes if n.target in ATTENTIONS]
     wholes = _whole_attentions(whole, len(nodes))
     exchanged = [0, 0]
-    rings = [_ring(graph, n, local, w, cp if attention == "all_to_all" else 0, exchanged)
-             for n, w in zip(nodes, wholes)]
+    exchange = {"all_to_all": (cp, None), "usp": (split[1] if split else 0, split)}.get(attention, (0, None))
+    rings = [_ring(graph, n, local, w, *exchange, exchanged) for n, w in zip(nodes, wholes)]
     shifted = _label_shifts(graph, kinds, local)
     moved = 0
     for node in list(graph.nodes):
@@ -141,7 +155,7 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
-                                tuple(exchanged) if exchanged[0] else None)
+                                tuple(exchanged) if exchanged[0] else None, split if attention == "usp" else None)
 
 
 def same_attention(whole: fx.GraphModule, local: fx.GraphModule) -> None:
@@ -183,10 +197,10 @@ def _whole_attentions(whole: fx.GraphModule | None, n: int) -> list[fx.Node | No
 
 
 def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, heads_over: int,
-          exchanged: list[int]) -> tuple[fx.Node, tuple[str, tuple[int, ...], int]]:
+          split: tuple[int, int] | None, exchanged: list[int]) -> tuple[fx.Node, tuple[str, tuple[int, ...], int]]:
     """``node`` rewritten to the ring (``whole``: the same attention on whole sequences, whose form it takes),
-    or with ``heads_over`` (the cp size) to an exchange of heads for sequence, its forward and backward bytes
-    added to ``exchanged``."""
+    or with ``heads_over`` (the cp size, or the a2a size of the usp ``split``) to an exchange of heads for
+    sequence, its forward and backward bytes added to ``exchanged``."""
     args = _arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
     causal = bool((_arguments(whole) if whole is not None else args).get("is_causal", False))
@@ -203,15 +217,16 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, hea
                             f"{local}")
     scale = args.get("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(shapes[0][-1])
-    call = (q, k, v, scale, causal, AXIS)
+    op = (USP if split else ULYSSES) if heads_over else RING
+    call = (q, k, v, scale, causal, *EXCHANGES.get(op, (AXIS,)))
     if heads_over:
         call += (heads_over,)
-        _all_to_all_bytes(node, [x.meta["val"] for x in (q, k, v)], heads_over, exchanged)
+        _all_to_all_bytes(node, [x.meta["val"] for x in (q, k, v)], heads_over, exchanged, split)
     with graph.inserting_after(node):
-        ring = graph.call_function(ULYSSES if heads_over else RING, call)
+        ring = graph.call_function(op, call)
     val = node.meta["val"][0] if node.target is CPU_SDPA else node.meta["val"]
-    ring.meta["val"] = ulysses_shapes(*(x.meta["val"] for x in (q, k, v)), *call[3:]) if heads_over else \
-        (val, val.new_empty(val.shape[:-1]))
+    ring.meta["val"] = ulysses_shapes(*(x.meta["val"] for x in (q, k, v)), *call[3:5], AXIS, heads_over) \
+        if heads_over else (val, val.new_empty(val.shape[:-1]))
     if node.target is CPU_SDPA:  # (out, logsumexp) as the ring's, whose log-sum-exp takes no gradient
         if any(u.args[1] != 0 and u.users for u in node.users):
             raise refused(node, "its log-sum-exp output is used; context parallelism keeps the attention output "
@@ -225,10 +240,18 @@ def _ring(graph: fx.Graph, node: fx.Node, local: int, whole: fx.Node | None, hea
     return ring, (node.name, shapes[1], kv)
 
 
-def _all_to_all_bytes(node: fx.Node, qkv: list[torch.Tensor], cp: int, exchanged: list[int]) -> None:
+def _all_to_all_bytes(node: fx.Node, qkv: list[torch.Tensor], cp: int, exchanged: list[int],
+                      split: tuple[int, int] | None = None) -> None:
     """Adds what the all-to-alls of one attention send to ``exchanged`` (forward: Q, K, V and the output with its
-    log-sum-exp; backward: the output's gradient, dQ, dK, dV); refuses heads that do not divide by ``cp``."""
+    log-sum-exp; backward: the output's gradient, dQ, dK, dV); refuses heads that do not divide by ``cp`` (the
+    a2a size of the usp ``split``)."""
     heads = [x.shape[1] for x in qkv]
+    if any(h % cp for h in heads) and split:
+        total = split[0] * cp
+        fits = [a for a in range(2, total) if total % a == 0 and not any(h % a for h in heads)]
+        raise refused(node, f"query/key/value heads {heads} do not divide by the a2a size {cp} of cp={split} for the "
+                            f"all-to-all; use Mesh(cp=(ring, a2a)) with ring x a2a = {total} and a2a dividing the "
+                            f"heads{f' (a2a in {fits})' if fits else ''}, or cp_attention='ring' with Mesh(cp={total})")
     if any(h % cp for h in heads):
         raise refused(node, f"query/key/value heads {heads} do not divide by cp={cp} for the all-to-all; use "
                             f"cp_attention='ring' or a cp dividing the heads")
@@ -247,8 +270,9 @@ def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.
     copies = MaskCopies(graph, whole.graph, kinds, local, AXIS)
     for (ring, _), attention in zip(rings, wholes):
         mask = _arguments(attention).get("attn_mask")
-        if mask is not None and ring.target is ULYSSES:
-            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='all_to_all' evaluates causal "
+        if mask is not None and ring.target in EXCHANGES:
+            how = "usp" if ring.target is USP else "all_to_all"
+            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='{how}' evaluates causal "
                                      f"masks or none; use cp_attention='ring'")
         if mask is not None:
             ring.args = (*ring.args, copies.rows_of(mask, ring))

@@ -4,7 +4,8 @@
 process group, checks the world size against the mesh, and creates one group
 per axis group (under hybrid sharding also per ``dp_replicate`` and ``dp_shard``
 group, under expert parallelism per ``ep`` and ``ep_replicate`` group, under context parallelism per
-``dp_cp`` group). ``torch.distributed.new_group`` must be called by every rank
+``dp_cp`` group, and per ``cp_ring`` and ``cp_a2a`` group under ``Mesh(cp=(ring, a2a))``).
+``torch.distributed.new_group`` must be called by every rank
 for every group in the same order, so all groups are created on all ranks and
 each rank keeps its own.
 
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.core.mesh import AXES, DP_CP, DP_SHARD_CP, DP_SUBAXES, EP_SUBAXES, Coords, Mesh
+from autopar.core.mesh import AXES, CP_SUBAXES, DP_CP, DP_SHARD_CP, DP_SUBAXES, EP_SUBAXES, Coords, Mesh
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("AUTOPAR_TIMEOUT_S", "300")))
 DEVICE_ENV = "AUTOPAR_DEVICE"
@@ -167,10 +168,12 @@ def join(mesh: Mesh) -> Groups:
     ensure_initialized()
     mesh.check_world_size(dist.get_world_size())
     rank = dist.get_rank()
-    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES + EP_SUBAXES + (DP_CP, DP_SHARD_CP))
+    by_axis: dict[str, dist.ProcessGroup | None] = dict.fromkeys(AXES + DP_SUBAXES + EP_SUBAXES + CP_SUBAXES
+                                                                 + (DP_CP, DP_SHARD_CP))
     experts = tuple(a for a in EP_SUBAXES if a != "ep_shard" or mesh.hybrid) if mesh.ep > 1 else ()
     for axis in (mesh.names + (DP_SUBAXES if mesh.hybrid else ()) + experts
-                 + ((DP_CP,) if mesh.cp > 1 else ()) + ((DP_SHARD_CP,) if mesh.cp > 1 and mesh.hybrid else ())):
+                 + ((DP_CP,) if mesh.cp > 1 else ()) + ((DP_SHARD_CP,) if mesh.cp > 1 and mesh.hybrid else ())
+                 + (CP_SUBAXES if mesh.cp_split else ())):
         if mesh[axis] == 1 and axis != "ep_replicate":  # (expert gradients are averaged over it even alone)
             continue
         for ranks in mesh.groups(axis):

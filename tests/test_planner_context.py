@@ -153,7 +153,8 @@ def test_runnable_cp_candidates_are_exactly_those_the_runtime_accepts(profile, p
     for c in cps:
         opts = c.parallelize_options()
         options = Options(zero=opts["zero"], precision=opts["precision"], recompute=opts["recompute"],
-                          sequence_parallel=opts["sequence_parallel"])
+                          sequence_parallel=opts["sequence_parallel"],
+                          cp_attention=opts["cp_attention"])
         try:
             check_context_parallel(c.mesh, options)
             accepted = True

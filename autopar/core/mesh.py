@@ -26,6 +26,11 @@ cp rank holding a slice of every sequence (docs/decisions.md). Parameters are re
 gradients are averaged over the ``dp_cp`` group (the ``dp * cp`` ranks that differ only on dp and cp), as
 torchtitan's ``dp_shard_cp`` mesh does. ZeRO shards over that group too (``zero_axis``), or under hybrid sharding over each
 replica's ``dp_shard_cp`` ranks (its dp_shard ranks times cp).
+
+Unified sequence parallelism splits cp into two sub-axes, outer -> inner as dp's: ``Mesh(cp=(R, A))`` is a cp axis
+of ``R * A`` ranks whose index is ``c = r * A + a`` (``r`` on ``cp_ring``, ``a`` on ``cp_a2a``). The ``A``
+consecutive cp ranks of one ``cp_a2a`` group exchange heads for sequence; the ``R`` groups pass K/V blocks around
+``cp_ring`` (``parallelize(cp_attention="usp")``, autopar/core/usp.py).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ EP_SUBAXES = ("ep", "ep_replicate", "ep_shard")  # expert parallelism folded ont
 # ep_shard: the ep_replicate ranks inside one hybrid-sharding replica
 DP_CP = "dp_cp"  # the ranks that differ only on dp and cp: where gradients are averaged under context parallelism
 DP_SHARD_CP = "dp_shard_cp"  # hybrid sharding with cp: the ranks of one replica that differ only on dp and cp
+CP_SUBAXES = ("cp_ring", "cp_a2a")  # unified sequence parallelism: cp=(ring, a2a)
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,14 @@ class Mesh:
     ``Mesh(dp=2, tp=4)`` has 8 ranks; an axis left out has size 1. ``Mesh(dp=(2, 4), tp=2)``: hybrid
     sharding, dp of 8 ranks as 2 replicas of 4 ZeRO shards (sub-axes ``dp_replicate`` and ``dp_shard``).
     ``Mesh(dp=4, ep=2)``: 4 ranks, the routed experts split over groups of 2 consecutive dp ranks.
+    ``Mesh(cp=(2, 2))``: cp of 4 ranks as a ring of 2 groups of 2 that exchange heads (sub-axes ``cp_ring`` and
+    ``cp_a2a``).
     """
 
     axes: tuple[tuple[str, int], ...]
     dp_split: tuple[int, int] | None  # hybrid sharding: (replicate, shard) sizes of dp; None: plain dp
     ep: int  # expert parallelism: dp ranks that split the routed experts (1: every rank holds all)
+    cp_split: tuple[int, int] | None  # unified sequence parallelism: (ring, a2a) sizes of cp; None: plain cp
 
     def __init__(self, **sizes: int | tuple[int, int]) -> None:
         ep = sizes.pop("ep", 1)
@@ -81,7 +90,7 @@ class Mesh:
             raise ValueError(f"mesh axis ep={ep!r} must be an integer >= 1")
         if not sizes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh(dp=2)")
-        split = None
+        split, cp_split = None, None
         for name, size in sizes.items():
             if name not in AXES:
                 raise ValueError(
@@ -92,13 +101,21 @@ class Mesh:
                     raise ValueError(f"mesh axis dp={size!r}: hybrid sharding takes a pair (replicate, shard) of "
                                      "integers >= 1, e.g. Mesh(dp=(2, 4)) for 2 replicas of 4 ZeRO shards")
                 split = (size[0], size[1])
+            elif name == "cp" and isinstance(size, tuple):
+                if len(size) != 2 or not all(_is_size(s) for s in size):
+                    raise ValueError(f"mesh axis cp={size!r}: unified sequence parallelism takes a pair (ring, a2a) "
+                                     "of integers >= 1, e.g. Mesh(cp=(2, 4)) for a ring of 2 groups of 4 ranks that "
+                                     "exchange heads")
+                cp_split = (size[0], size[1])
             elif not _is_size(size):
-                hint = " (only dp takes a pair, for hybrid sharding)" if isinstance(size, tuple) else ""
+                hint = (" (only dp takes a pair, for hybrid sharding, and cp, for unified sequence parallelism)"
+                        if isinstance(size, tuple) else "")
                 raise ValueError(f"mesh axis {name}={size!r} must be an integer >= 1{hint}")
         object.__setattr__(self, "axes", tuple((n, math.prod(s) if isinstance(s, tuple) else s)
                                                for n, s in sizes.items()))
         object.__setattr__(self, "dp_split", split)
         object.__setattr__(self, "ep", ep)
+        object.__setattr__(self, "cp_split", cp_split)
         dp = self["dp"]
         if dp % ep:
             fits = [k for k in range(1, dp + 1) if dp % k == 0]
@@ -118,14 +135,17 @@ class Mesh:
             raise ValueError(
                 "the DeviceMesh has no dim names; build it with mesh_dim_names=('dp', 'tp') or similar"
             )
-        sizes = dict(zip(names, device_mesh.mesh.shape))
-        if set(DP_SUBAXES) & set(sizes):
-            i = names.index(DP_SUBAXES[0]) if DP_SUBAXES[0] in names else -1
-            if names[i : i + 2] != DP_SUBAXES:
-                raise ValueError(f"the DeviceMesh has dims {names}: hybrid sharding needs 'dp_replicate' "
-                                 "immediately followed by 'dp_shard' (outer -> inner), as torchtitan names them")
-            sizes = {("dp" if n == DP_SUBAXES[0] else n): ((s, sizes[DP_SUBAXES[1]]) if n == DP_SUBAXES[0] else s)
-                     for n, s in sizes.items() if n != DP_SUBAXES[1]}
+        sizes: dict[str, Any] = dict(zip(names, device_mesh.mesh.shape))
+        for axis, (outer, inner), what in (("dp", DP_SUBAXES, "hybrid sharding"),
+                                           ("cp", CP_SUBAXES, "unified sequence parallelism")):
+            if not {outer, inner} & set(sizes):
+                continue
+            i = names.index(outer) if outer in names else -1
+            if tuple(names[i: i + 2]) != (outer, inner):
+                raise ValueError(f"the DeviceMesh has dims {names}: {what} needs {outer!r} immediately followed by "
+                                 f"{inner!r} (outer -> inner)")
+            sizes = {(axis if n == outer else n): ((s, sizes[inner]) if n == outer else s)
+                     for n, s in sizes.items() if n != inner}
         return cls(**sizes)
 
     def split_dp(self, shard: int) -> "Mesh":
@@ -136,7 +156,13 @@ class Mesh:
             fits = [k for k in range(1, dp + 1) if dp % k == 0]
             raise ValueError(f"hybrid sharding with shard={shard!r} on dp={dp}: the shard size must divide dp "
                              f"(dp = replicate x shard); use one of {fits}")
-        return Mesh(**{n: ((dp // shard, shard) if n == "dp" else s) for n, s in self.axes}, ep=self.ep)
+        return Mesh(**{n: ((dp // shard, shard) if n == "dp" else self.sizes[n]) for n in self.names}, ep=self.ep)
+
+    @property
+    def sizes(self) -> dict[str, int | tuple[int, int]]:
+        """The keyword arguments that build this mesh (without ``ep``): ``Mesh(**mesh.sizes, ep=mesh.ep)``."""
+        splits = {"dp": self.dp_split, "cp": self.cp_split}
+        return {n: splits.get(n) or s for n, s in self.axes}
 
     # sizes and coordinates -------------------------------------------------
     @property
@@ -157,6 +183,8 @@ class Mesh:
             return self.dp_replicate if axis == DP_SUBAXES[0] else self.dp_shard
         if axis in EP_SUBAXES:
             return self.ep if axis == "ep" else (self.dp if axis == "ep_replicate" else self.dp_shard) // self.ep
+        if axis in CP_SUBAXES:
+            return (self.cp_split or (self.cp, 1))[CP_SUBAXES.index(axis)]
         if axis == DP_CP:
             return self.dp * self.cp
         if axis == DP_SHARD_CP:
@@ -220,6 +248,8 @@ class Mesh:
         if axis in EP_SUBAXES:
             g, i = divmod(d.dp if axis != "ep_shard" else d.dp % self.dp_shard, self.ep)
             return i if axis == "ep" else g
+        if axis in CP_SUBAXES:
+            return divmod(d.cp, self["cp_a2a"])[CP_SUBAXES.index(axis)]
         if axis == DP_CP:  # (the order of ``group_of``: dp-major)
             return d.dp * self.cp + d.cp
         if axis == DP_SHARD_CP:
@@ -251,7 +281,7 @@ class Mesh:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only along ``axis`` (or dp sub-axis), each ordered by index on it."""
-        if axis in DP_SUBAXES + EP_SUBAXES + (DP_CP, DP_SHARD_CP):
+        if axis in DP_SUBAXES + EP_SUBAXES + CP_SUBAXES + (DP_CP, DP_SHARD_CP):
             return [list(g) for g in dict.fromkeys(tuple(self.group_of(r, axis)) for r in range(self.size))]
         size = self[axis]
         others = [(n, s) for n, s in self.axes if n != axis]
@@ -280,6 +310,11 @@ class Mesh:
             g, i = divmod(c.dp, self.ep)
             dps = range(g * self.ep, (g + 1) * self.ep) if axis == "ep" else range(i, self.dp, self.ep)
             return [self.rank_at(c.replace(dp=d)) for d in dps]
+        if axis in CP_SUBAXES:
+            a = self["cp_a2a"]
+            r, i = divmod(c.cp, a)
+            cps = range(r * a, (r + 1) * a) if axis == "cp_a2a" else range(i, self.cp, a)
+            return [self.rank_at(c.replace(cp=k)) for k in cps]
         if axis == DP_CP:
             return [self.rank_at(c.replace(dp=d, cp=i)) for d in range(self.dp) for i in range(self.cp)]
         if axis == DP_SHARD_CP:
@@ -300,7 +335,7 @@ class Mesh:
             raise ValueError(f"rank {rank} is outside the mesh of {self.size} ranks (0..{self.size - 1})")
 
     def _sizes(self) -> list[str]:
-        sizes = [f"{n}={self.dp_split if n == 'dp' and self.dp_split else s}" for n, s in self.axes]
+        sizes = [f"{n}={s}" for n, s in self.sizes.items()]
         return sizes + [f"ep={self.ep}"] if self.ep > 1 else sizes
 
     def __repr__(self) -> str:

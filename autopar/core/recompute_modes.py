@@ -45,6 +45,7 @@ from autopar.core.collectives import Binding, bind, bound
 from autopar.core.comm import OPS
 from autopar.core.ring_attention import ring_attention
 from autopar.core.ulysses import ulysses_attention
+from autopar.core.usp import usp_attention
 
 MODES = ("none", "selective", "full")
 FIX = ("pass recompute='none', 'selective' or 'full', a dict {layer or pattern: mode} "
@@ -112,8 +113,8 @@ MATMULS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_addmm_activat
 ATTENTION = _ops(torch.ops.aten, ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                                   "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-                                  "_efficient_attention_forward")) | {ring_attention._opoverload,
-                                                                  ulysses_attention._opoverload}  # (cp's)
+                                  "_efficient_attention_forward")) | {
+    ring_attention._opoverload, ulysses_attention._opoverload, usp_attention._opoverload}  # (cp's)
 KEPT_SELECTIVE = MATMULS | ATTENTION
 _CANDIDATES = {"full": COMMUNICATING, "selective": COMMUNICATING | KEPT_SELECTIVE}  # what each mode may keep
 

@@ -20,7 +20,7 @@ sequence, rows in the rank's order, up to the order of floating-point sums; the 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -82,13 +82,26 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                            "diagonal" if causal else "all", None)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-             axis: str) -> tuple[torch.Tensor, ...]:
-    """(out, lse) on the rank's tokens, and the gathered (q, k, v, out, lse) backward reads."""
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def exchanged_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend,
+                      axis: str) -> tuple[torch.Tensor, ...]:
+    """(out, lse) on the rank's tokens of ``attend(q, k, v) -> (out, lse)`` run on the rank's head group of every
+    ``axis`` rank's tokens, and the gathered (q, k, v, out, lse) its backward reads."""
     qg, kg, vg = (_heads_to_sequence(x.contiguous(), axis) for x in (q, k, v))
-    out, lse = _attention(qg, kg, vg, scale, causal)
+    out, lse = attend(qg, kg, vg)
     mine = _sequence_to_heads(torch.cat([out, lse.unsqueeze(-1).to(out.dtype)], dim=-1), axis)
     return mine[..., :-1].contiguous(), mine[..., -1].to(lse.dtype).contiguous(), qg, kg, vg, out, lse
+
+
+def exchanged_backward(dout: torch.Tensor, saved: tuple[torch.Tensor, ...], attend_backward: Callable[..., tuple],
+                       axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mirror: ``dout`` exchanged, ``attend_backward(dout, qg, kg, vg, out, lse) -> (dq, dk, dv)`` on the
+    head group (``saved``: what ``exchanged_forward`` returned after the rank's output), the gradients back."""
+    grads = attend_backward(_heads_to_sequence(dout.contiguous(), axis), *saved)
+    dq, dk, dv = (_sequence_to_heads(x.contiguous(), axis) for x in grads)
+    return dq, dk, dv
 
 
 @torch.library.custom_op("autopar::ulysses_attention", mutates_args=())
@@ -97,17 +110,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                                         torch.Tensor, torch.Tensor]:
     """(out, lse) on the rank's tokens, then what backward reads: the rank's head group of Q, K, V, the output
     and the log-sum-exp over the whole sequence (as many bytes as the rank's own Q, K, V and output)."""
-    return _forward(q, k, v, scale, causal, axis)
+    return exchanged_forward(q, k, v, lambda *qkv: _attention(*qkv, scale, causal), axis)
 
 
 @torch.library.custom_op("autopar::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward(dout: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
                                axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dg = _heads_to_sequence(dout.contiguous(), axis)
-    grads = _attention_backward(dg, qg, kg, vg, out, lse, scale, causal)
-    dq, dk, dv = (_sequence_to_heads(x.contiguous(), axis) for x in grads)
-    return dq, dk, dv
+    return exchanged_backward(dout, (qg, kg, vg, out, lse),
+                              lambda *saved: _attention_backward(*saved, scale, causal), axis)
 
 
 def fake_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, axis: str,
@@ -122,18 +133,21 @@ ulysses_attention_backward.register_fake(lambda dout, qg, kg, vg, out, lse, scal
     torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)))
 
 
-def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    *_, scale, causal, axis, cp = inputs
-    ctx.save_for_backward(*output[2:])
-    ctx.args = (scale, causal, axis)
-    ctx.binding = _BINDING.get()  # backward binds it again (it may run on another thread)
+def register_exchange_autograd(op: Any, backward_op: Any) -> None:
+    """``op(q, k, v, *args, degree)`` returns the rank's (out, lse) and then what ``backward_op(dout, *saved,
+    *args)`` reads; its gradients are those of ``q``, ``k``, ``v`` (graphs read ``out`` only: the other outputs
+    take no gradient)."""
+    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.save_for_backward(*output[2:])
+        ctx.args, ctx.others = inputs[3:-1], (None,) * (len(inputs) - 3)
+        ctx.binding = _BINDING.get()  # backward binds it again (it may run on another thread)
+
+    def backward(ctx: Any, dout: torch.Tensor, *_: torch.Tensor | None) -> tuple:
+        with bind(ctx.binding):
+            dq, dk, dv = backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, *ctx.others
+
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _backward(ctx: Any, dout: torch.Tensor, *_: torch.Tensor | None) -> tuple:
-    """The gradients of ``q``, ``k``, ``v`` (graphs read ``out`` only: the other outputs take no gradient)."""
-    with bind(ctx.binding):
-        dq, dk, dv = ulysses_attention_backward(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None
-
-
-ulysses_attention.register_autograd(_backward, setup_context=_setup)
+register_exchange_autograd(ulysses_attention, ulysses_attention_backward)

@@ -45,7 +45,8 @@ class Config:
     dp_shard: int = 0  # hybrid sharding: ZeRO over this many dp ranks, dp // dp_shard replicas; 0: over all of dp
     ep: int = 1  # expert parallelism folded onto dp: routed experts spread over groups of ep consecutive dp ranks
     cp: int = 1  # context parallelism: its own axis (Mesh(dp=, cp=)); each cp rank holds 1/cp of every sequence
-    cp_attention: str = "ring"  # cp > 1: "ring" or "all_to_all" (heads for sequence; tp = 1)
+    cp_attention: str = "ring"  # cp > 1: "ring", "all_to_all" (heads for sequence; tp = 1) or "usp" (both; tp = 1)
+    cp_a2a: int = 0  # cp_attention="usp": the all-to-all groups' size, a divisor of cp (ring = cp // cp_a2a)
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "stages_per_rank", "microbatches", "microbatch_size"):
@@ -76,10 +77,16 @@ class Config:
         if self.cp < 1 or (self.cp > 1 and (self.dp_shard or self.ep > 1)):
             raise ValueError(f"cp={self.cp} must be >= 1; with cp > 1 the planner models neither hybrid sharding "
                              f"(dp_shard={self.dp_shard}) nor expert parallelism (ep={self.ep})")
-        if self.cp_attention not in ("ring", "all_to_all") or (self.cp_attention == "all_to_all" and (
+        if self.cp_attention not in ("ring", "all_to_all", "usp") or (self.cp_attention != "ring" and (
                 self.cp == 1 or self.tp > 1)):
-            raise ValueError(f"cp_attention={self.cp_attention!r} must be 'ring' or 'all_to_all' (with cp > 1 and "
-                             f"tp = 1; got cp={self.cp}, tp={self.tp})")
+            raise ValueError(f"cp_attention={self.cp_attention!r} must be 'ring', 'all_to_all' or 'usp' (the last "
+                             f"two with cp > 1 and tp = 1; got cp={self.cp}, tp={self.tp})")
+        usp = self.cp_attention == "usp"
+        if usp != bool(self.cp_a2a) or (usp and not (1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0)):
+            fits = [a for a in range(2, self.cp) if self.cp % a == 0]
+            raise ValueError(f"cp_a2a={self.cp_a2a} with cp_attention={self.cp_attention!r} and cp={self.cp}: usp "
+                             f"splits cp into a ring of all-to-all groups, ring x cp_a2a = cp with both above 1 "
+                             f"(cp_a2a in {fits}); other forms take cp_a2a=0")
         if self.full_layers and self.recompute not in MIXED_WITH:
             raise ValueError(f"full_layers={self.full_layers} mixes full recomputation with recompute='none' or "
                              f"'selective' for the other layers, not {self.recompute!r}; use full_layers=0")
@@ -87,6 +94,11 @@ class Config:
     @property
     def devices(self) -> int:
         return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def cp_split(self) -> tuple[int, int] | None:
+        """``cp_attention="usp"``: (ring, a2a) sizes of cp, as ``Mesh(cp=(ring, a2a))`` spells them; else None."""
+        return (self.cp // self.cp_a2a, self.cp_a2a) if self.cp_a2a else None
 
     @property
     def dp_cp(self) -> int:
@@ -141,7 +153,8 @@ class Config:
     def describe(self) -> str:
         sp = " sequence-parallel" if self.sequence_parallel else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        cp = f" cp={self.cp}" + ("/a2a" if self.cp_attention == "all_to_all" else "") if self.cp > 1 else ""
+        form = {"all_to_all": "/a2a", "usp": "/usp"}.get(self.cp_attention, "")
+        cp = f" cp={self.cp_split or self.cp}{form}" if self.cp > 1 else ""
         mesh = f"dp={self.dp_label()}{ep}{cp} pp={self.pp} tp={self.tp}{sp}"
         v = f"/v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         sched = "" if self.pp == 1 else f" {self.schedule}{v}"

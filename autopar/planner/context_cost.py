@@ -16,6 +16,11 @@ of ``2 cp``, as ``Mesh(dp=, cp=)`` runs it), so per rank and microbatch:
   a forward step's block is ``1 / cp`` of the rank's attention FLOPs, a backward step's twice that and it
   sends twice the bytes (K, V and dK, dV); the last gradient exchange home has nothing left to overlap.
 
+With ``cp_attention="usp"`` (``Mesh(cp=(ring, a2a))``) each attention runs the all-to-alls of the heads exchange
+on its ``a2a`` group (``heads_exchange_*`` at the a2a size, on the link that group spans) and then the ring of
+``ring`` ranks on the exchanged tokens: the same K/V bytes per rank, blocks ``1 / ring`` of the rank's attention
+(``ring_*`` at the ring size, on the link the whole cp group spans).
+
 Invariant: at ``cp == 1`` ``sharded`` returns its values unchanged and the ring costs nothing.
 """
 from __future__ import annotations
@@ -102,6 +107,23 @@ def heads_exchange_seconds(units: list[SegmentValues], cp: int, link: Link) -> A
     if cp == 1:
         return 0
     return sum(8 * collective("all_to_all", cp * u.ring_kv / 2, cp, link) for u in units if _has_ring(u))
+
+
+def usp_step(units: list[SegmentValues], split: tuple[int, int], microbatches: int) -> tuple[int, int, Any]:
+    """(attentions, exchanges, bytes) of ``cp_attention="usp"`` on ``split`` = (ring, a2a): the all-to-alls at the
+    a2a size plus the ring at the ring size (``Mesh(cp=(ring, a2a))``; ``passes/context_parallel.py``)."""
+    ring, a2a = split
+    attentions, exchanges, nbytes = heads_exchange_step(units, a2a, microbatches)
+    _, blocks, ring_bytes = ring_step(units, ring, microbatches)
+    return attentions, exchanges + blocks, nbytes + ring_bytes
+
+
+def usp_seconds(units: list[SegmentValues], split: tuple[int, int], links: tuple[Link, Link],
+                flops_per_s: float) -> Any:
+    """Seconds of one microbatch's usp exchanges: the all-to-alls on ``links[1]`` (the a2a group's), none
+    overlapped, and the ring's exposed part on ``links[0]`` (the cp group's), its blocks overlapping the sends."""
+    ring, a2a = split
+    return heads_exchange_seconds(units, a2a, links[1]) + ring_seconds(units, ring, links[0].p2p(), flops_per_s)
 
 
 def _has_ring(u: SegmentValues) -> bool:

@@ -4,15 +4,19 @@ Where cp was searched (``search.plan``: a long sequence, or nothing fits without
 with cp and the best without it are compared: the one that does not fit loses on memory (activations per
 device, divided by cp on a cp rank); when both fit, on step time, with the ring's bytes per step, its seconds
 on the link and what of them the block computations leave exposed (``autopar/planner/context_cost.py``).
+The sentence names the form of attention of the configuration with cp (the ring, the all-to-all or usp on its
+split) and the exposed seconds of each other form searched for the same configuration.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
 from autopar.planner.context_cost import LONG_SEQUENCE
 
 if TYPE_CHECKING:
+    from autopar.planner.config import Config
     from autopar.planner.search import Candidate, PlanResult
 
 
@@ -64,13 +68,35 @@ def _ring(result: PlanResult, c: Candidate) -> str:
     span = cfg.cp * cfg.pp * cfg.tp
     where = "inside a node" if span <= result.cluster.devices_per_node else "between nodes"
     exposed = float(c.estimate.time["context_parallel"])
+    others = _forms(result, c)
+    if cfg.cp_split:
+        ring, a2a = cfg.cp_split
+        return (f"its attentions run usp on cp={cfg.cp_split}: heads exchanged for sequence inside groups of {a2a} "
+                f"ranks, then a ring of {ring} groups; {exchanges} all-to-alls and ring exchanges over {attentions} "
+                f"attentions send {gb(float(nbytes))} per rank and step ({where}), {_seconds(exposed)} exposed "
+                f"({exposed / c.step_time:.1%} of the step){others}")
     if cfg.cp_attention == "all_to_all":
         return (f"its attentions exchange heads for sequence: {exchanges} all-to-alls over {attentions} attentions "
                 f"send {gb(float(nbytes))} per rank and step ({where}), {_seconds(exposed)} "
-                f"({exposed / c.step_time:.1%} of the step), none of it overlapped")
+                f"({exposed / c.step_time:.1%} of the step), none of it overlapped{others}")
     return (f"its ring sends {gb(float(nbytes))} of K/V blocks and their gradients per rank and step "
             f"({exchanges} exchanges over {attentions} attentions, {where}), {_seconds(exposed)} of it exposed "
-            f"beyond the block computations ({exposed / c.step_time:.1%} of the step)")
+            f"beyond the block computations ({exposed / c.step_time:.1%} of the step){others}")
+
+
+def _forms(result: PlanResult, c: Candidate) -> str:
+    """The other forms of attention searched for ``c``'s configuration and their exposed seconds ("" if none)."""
+    same = [o for o in result.every.values() if o.config != c.config
+            and dataclasses.replace(o.config, cp_attention=c.config.cp_attention, cp_a2a=c.config.cp_a2a) == c.config]
+    if not same:
+        return ""
+    return "; chosen over " + ", ".join(f"{_form(o.config)} ({_seconds(float(o.estimate.time['context_parallel']))} "
+                                        f"exposed)" for o in same)
+
+
+def _form(cfg: Config) -> str:
+    return f"usp on cp={cfg.cp_split}" if cfg.cp_split else {"all_to_all": "the all-to-all"}.get(
+        cfg.cp_attention, "the ring")
 
 
 def _seconds(t: float) -> str:

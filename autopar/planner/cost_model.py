@@ -25,7 +25,8 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
-from autopar.planner.context_cost import heads_exchange_seconds, heads_exchange_step, ring_seconds, ring_step, sharded
+from autopar.planner.context_cost import (heads_exchange_seconds, heads_exchange_step, ring_seconds, ring_step,
+                                          sharded, usp_seconds, usp_step)
 from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
@@ -170,8 +171,10 @@ class CostModel(MemoryAccount):
 
     def ring_exchanges(self, config: Config, rank: int = 0) -> tuple[int, int, Any]:
         """(attentions, exchanges, bytes) of the cp ring (or all-to-alls) pp rank ``rank`` sends in one step
-        (``context_cost.ring_step``, ``heads_exchange_step``); zeros without cp."""
+        (``context_cost.ring_step``, ``heads_exchange_step``, ``usp_step``); zeros without cp."""
         units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
+        if config.cp_split:
+            return usp_step(units, config.cp_split, config.microbatches)
         step = heads_exchange_step if config.cp_attention == "all_to_all" else ring_step
         return step(units, config.cp, config.microbatches)
 
@@ -184,6 +187,8 @@ class CostModel(MemoryAccount):
         if c.cp_attention == "all_to_all":
             return heads_exchange_seconds(units, c.cp, link)
         flops_per_s = self.cluster.peak(self.precision.name) * self.cluster.efficiency
+        if c.cp_split:  # the all-to-all groups: cp_a2a consecutive cp ranks, pp * tp apart
+            return usp_seconds(units, c.cp_split, (link, self.cluster.link(c.cp_a2a * c.pp * c.tp)), flops_per_s)
         return ring_seconds(units, c.cp, link.p2p(), flops_per_s)
 
     def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:

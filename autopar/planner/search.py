@@ -68,8 +68,8 @@ class Candidate:
             sizes["dp"] = (c.replicas, c.dp_shard)
         if c.ep > 1:  # expert parallelism folded onto dp: Mesh(dp=, ep=)
             sizes = {"dp": sizes["dp"], "ep": c.ep, **{k: v for k, v in sizes.items() if k != "dp"}}
-        if c.cp > 1:  # context parallelism: an axis of its own after dp, Mesh(dp=, cp=)
-            sizes = {**{k: v for k, v in sizes.items() if k == "dp"}, "cp": c.cp,
+        if c.cp > 1:  # context parallelism: an axis of its own after dp, Mesh(dp=, cp=) (usp: cp=(ring, a2a))
+            sizes = {**{k: v for k, v in sizes.items() if k == "dp"}, "cp": c.cp_split or c.cp,
                      **{k: v for k, v in sizes.items() if k != "dp"}}
         return Mesh(**(sizes or {"dp": 1}))
 
@@ -93,7 +93,7 @@ class Candidate:
                            stages_per_rank=c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
                            precision=self.precision if self.precision in ("bf16", "mixed") else "fp32",
                            recompute=self.recompute, sequence_parallel=c.sequence_parallel,
-                           cp_attention=c.cp_attention)
+                           cp_attention=c.cp_attention)  # (usp's split travels in the mesh)
 
     def parallelize_options(self) -> dict[str, Any]:
         """The keyword arguments of ``autopar.parallelize`` that run this configuration on its mesh."""
@@ -103,7 +103,8 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         c, e = self.config, self.estimate
         return {
-            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep, "cp": c.cp}, "dp_shard": c.dp_shard, "zero": c.zero,
+            "mesh": {"dp": c.dp, "pp": c.pp, "tp": c.tp, "ep": c.ep, "cp": c.cp}, "cp_attention": c.cp_attention,
+            "cp_a2a": c.cp_a2a, "dp_shard": c.dp_shard, "zero": c.zero,
             "schedule": c.schedule,
             "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
             "microbatch_size": c.microbatch_size, "recompute": c.recompute, "full_layers": c.full_layers,
@@ -314,15 +315,16 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
     ranks stays inside a node (``Config.dp_shard``); for a model with routed experts, without hybrid sharding,
     also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count).
     With ``cp`` > 1: the configurations of ``devices / cp`` ranks per cp rank (``Config.cp``), without hybrid
-    sharding or ep, ZeRO sharding over dp x cp; at tp = 1 each with the ring and, where cp divides the
-    attentions' heads, with the all-to-all (``Config.cp_attention``)."""
+    sharding or ep, ZeRO sharding over dp x cp; at tp = 1 each with the ring, where cp divides the attentions'
+    heads with the all-to-all, and with usp for each split of cp into a ring of all-to-all groups whose size
+    divides the heads (``Config.cp_attention``, ``Config.cp_a2a``)."""
     layers = sum(seg.count for seg in profile.layers)
     if devices % cp:
         return
     devices //= cp
     node = node if cp == 1 else 0
     heads = profile.attention_heads
-    attentions = ("ring", "all_to_all") if cp > 1 and heads and heads % cp == 0 else ("ring",)
+    attentions = cp_attentions(cp, heads)
     for t in sorted(profile.tp_sizes):
         if devices % t or (tp is not None and t not in tp):
             continue
@@ -341,10 +343,20 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
                         for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
                             for rc in recompute:
                                 for e in eps if not shard else [1]:
-                                    for how in attentions if t == 1 else ("ring",):
+                                    for how, a2a in attentions if t == 1 else [("ring", 0)]:
                                         yield Config(dp=dp, pp=p, tp=t, zero=z, schedule=sched, stages_per_rank=v,
                                                      microbatches=m, microbatch_size=b, recompute=rc,
-                                                     dp_shard=shard, ep=e, cp=cp, cp_attention=how)
+                                                     dp_shard=shard, ep=e, cp=cp, cp_attention=how, cp_a2a=a2a)
+
+
+def cp_attentions(cp: int, heads: int) -> list[tuple[str, int]]:
+    """(cp_attention, cp_a2a) forms of attention over ``cp`` ranks for attentions of ``heads`` heads (0: unknown):
+    the ring; the all-to-all where cp divides the heads; usp for each all-to-all size between 1 and cp that
+    divides both (heads < cp included, where the all-to-all alone cannot split them)."""
+    if cp == 1:
+        return [("ring", 0)]
+    usp = [("usp", a) for a in range(2, cp) if cp % a == 0 and heads and heads % a == 0]
+    return [("ring", 0)] + [("all_to_all", 0)] * bool(heads and heads % cp == 0) + usp
 
 
 def _schedules(names: tuple[str, ...], pp: int, m: int, layers: int) -> list[tuple[str, int]]:
