@@ -179,6 +179,26 @@ def gemma2(layers: int = 2, d: int = 32, heads: int = 4, kv_heads: int = 2, voca
     return Gemma2ForCausalLM(cfg).to(dtype).train()
 
 
+def gemma2_exact(**kw: object) -> nn.Module:
+    """``gemma2`` with its RMS norms computing in the model's dtype. Hugging Face's norm casts its input to
+    float32, so in a float64 model the sum of a norm weight's gradient over the tokens is a float32 sum, whose
+    order (one device against a cp rank's chunks) moves updates by float32's rounding: this one computes the
+    same ``x / rms(x) * (1 + w)`` without the cast, so float64 runs compare within 1e-12."""
+    model = gemma2(**kw)
+    for m in model.modules():
+        if type(m).__name__ == "Gemma2RMSNorm":
+            m.__class__ = type("Gemma2Norm", (Gemma2Norm, type(m)), {})
+    return model
+
+
+class Gemma2Norm:
+    """Gemma-2's RMS norm, ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, in the dtype of its input; mixed into
+    Hugging Face's class, whose weight and eps it reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
 def t5(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 96, dtype: torch.dtype = torch.float64,
        seed: int = 0) -> nn.Module:
     """An encoder-decoder with relative position buckets; call with ``decoder_input_ids=``."""

@@ -5,6 +5,8 @@ global positions against every key, the padding gathered from the cp ranks) and 
 leaves empty (``passes/context_masks.py``)."""
 from __future__ import annotations
 
+import copy
+
 import functools
 
 import pytest
@@ -35,11 +37,12 @@ def test_mistral_sliding_window_cp2(launcher, window: int) -> None:
     _equivalent(launcher, models.factory(models.mistral, window=window), Mesh(cp=2), IDS, TARGET)
 
 
-def gemma2_sdpa() -> torch.nn.Module:
+def gemma2_sdpa(exact: bool = False) -> torch.nn.Module:
     """Gemma-2 (alternating sliding-window and global layers) without attention soft-capping, on its SDPA
     attention: Hugging Face declines SDPA for Gemma-2 at construction because of soft-capping, so the model is
-    built eager and switched (with soft-capping on, eager attention is refused: test_context_parallel.py)."""
-    model = models.gemma2()
+    built eager and switched (with soft-capping on, eager attention is refused: test_context_parallel.py).
+    ``exact``: its norms in the model's dtype (``models.gemma2_exact``)."""
+    model = models.gemma2_exact() if exact else models.gemma2()
     model.config.attn_logit_softcapping = None
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
@@ -55,6 +58,29 @@ FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-7, "update_rtol": 1e-5}
 def test_gemma2_alternating_windows_cp2(launcher) -> None:
     """Layer 0 with a window of 4 tokens on 8, layer 1 global (causal): two masks, each from the graph."""
     _equivalent(launcher, gemma2_sdpa, Mesh(cp=2), IDS, TARGET, FLOAT32_NORMS)
+
+
+def gemma2_exact_sdpa() -> torch.nn.Module:
+    return gemma2_sdpa(exact=True)
+
+
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gemma2_with_norms_in_float64_is_exact(launcher, cp: int) -> None:
+    """The same two masks, with Gemma-2's norms in the model's dtype: within 1e-12 of one device."""
+    _equivalent(launcher, gemma2_exact_sdpa, Mesh(cp=cp), IDS, TARGET)
+
+
+def test_gemma2_norm_in_the_models_dtype_is_hugging_faces_norm() -> None:
+    """The exact variant's norm computes Hugging Face's formula: equal on float32 inputs, and on float64 ones
+    within float32's rounding of Hugging Face's (which casts to float32)."""
+    hf = models.gemma2().model.norm
+    torch.nn.init.normal_(hf.weight, std=0.5)
+    ours = copy.deepcopy(hf)
+    ours.__class__ = type("Gemma2Norm", (models.Gemma2Norm, type(hf)), {})
+    x = torch.randn(3, 5, hf.weight.shape[0], dtype=torch.float64)
+    assert torch.equal(ours.float()(x.float()), hf.float()(x.float()))
+    torch.testing.assert_close(ours.double()(x), hf.double()(x), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours.double()(x), hf.double()(x))  # the variant does not round to float32
 
 
 def _padding(left: bool) -> torch.Tensor:
