@@ -112,6 +112,20 @@ def test_two_microbatches_repeated_equal_the_whole_program(small, zero: int) -> 
     assert charged.exposed > 0  # (gloo's latency: something shows)
 
 
+def test_a_runtime_that_gathers_recomputed_layers_twice_moves_twice_the_backward_bytes(small) -> None:
+    """``recompute_gathers`` (DeepSpeed's ZeRO-3 under full recomputation: the recomputed forward's gather, then
+    backward's) doubles each re-gather's seconds, and only under full recomputation."""
+    profile, cost = small
+    twice = CostModel(profile, cost.cluster, cost.precision, seq_len=IDS.shape[1], recompute_gathers=True)
+    for recompute, times in (("full", 2), ("selective", 1), ("none", 1)):
+        config = Config(dp=2, zero=3, microbatches=1, microbatch_size=2, recompute=recompute)
+        once, again = cost.step_program(config), twice.step_program(config)
+        for kind in (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER):
+            a = sum(e.seconds for e in once if e.kind is kind)
+            b = sum(e.seconds for e in again if e.kind is kind)
+            assert b == pytest.approx(a * (times if kind is Kind.REGATHER else 1), rel=1e-12), (recompute, kind)
+
+
 @pytest.fixture(scope="module")
 def gpt_profile():
     return profile_model(gpt(8, 256, 8, vocab=1024), tp_sizes=(1, 2))

@@ -95,6 +95,7 @@ class DataParallel:
     bucket_bytes: int
     overlap: bool  # buckets issued as backward produces them (DDP, autopar), or after backward (Megatron-LM 2021)
     contention: float
+    recompute_gathers: bool = False  # full recomputation gathers ZeRO-3 groups for its forward and again for backward
     # per rank layout (its stage lists are the cost model's, kept as long as it lives): groups, simulations
     cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -129,7 +130,8 @@ class DataParallel:
         reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
         compares both with the whole program)."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
-        key = ("sim", id(stages), same, c.dp_cp, c.dp_shard, c.zero, split, c.zero_prefetch, *map(id, links), streams)
+        key = ("sim", id(stages), same, c.dp_cp, c.dp_shard, c.zero, split, c.zero_prefetch, c.recompute,
+               *map(id, links), streams)
         if key not in self.cache:
             self.cache[key] = ({}, self._units(c, stages, seconds(stages), links, streams, split))
         sims, (units, plan) = self.cache[key]
@@ -214,7 +216,8 @@ class DataParallel:
             plan = DataParallelPlan(
                 zero=3, link=stream, prefetch=c.zero_prefetch, names=names,
                 gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
-                reduce=tuple(t * ring_scatter(e * p.grad, n, link) for e, t in zip(padded, again)), **across)
+                reduce=tuple(t * ring_scatter(e * p.grad, n, link) for e, t in zip(padded, again)),
+                regathers=2 if self.recompute_gathers and c.recompute == "full" else 1, **across)
             return units, plan
         op = ring_all_reduce if c.zero == 0 else ring_scatter
         buckets = self._buckets(sum(grads), lambda nbytes, count: op(nbytes, n, link, count))

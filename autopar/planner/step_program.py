@@ -28,8 +28,10 @@ adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
   nothing computes beside it, so all of it shows.
 
 Invariant: every ZeRO-3 group is gathered once per forward and once per
-backward and reduce-scattered once per microbatch; every bucket is reduced
-once per reducing microbatch.
+backward (``regathers`` times: a runtime that gathers a recomputed layer for
+its recomputed forward and again for its backward, as DeepSpeed's ZeRO-3
+hooks do, has its two back to back in one event) and reduce-scattered once
+per microbatch; every bucket is reduced once per reducing microbatch.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ class DataParallelPlan:
     buckets: Buckets | None = None  # ZeRO 0-2
     overlap: bool = True  # buckets issued as backward produces them
     names: tuple[str, ...] = ()  # each group's name ("unit 3": a unit's own parameters; a module's name)
+    regathers: int = 1  # all-gathers of a ZeRO-3 group per backward (2: the recomputed forward's, then backward's)
     replicate: float = 0.0  # hybrid sharding: seconds of the shards' all-reduce across replicas, after backward
     replicate_link: str = ""
 
@@ -179,11 +182,13 @@ def _zero3_backward(b: _Builder, units: list[Unit], dp: DataParallelPlan, inflig
         mine = [g for g in u.groups if g not in done]
         for g in mine:
             if g not in issued:
-                issued[g] = b.collective(Kind.REGATHER, f"regather {b.group(g)}", dp.gather[g], dp.link)
+                issued[g] = b.collective(Kind.REGATHER, f"regather {b.group(g)}", dp.regathers * dp.gather[g],
+                                         dp.link)
         if mine:  # then the next ``prefetch`` groups, before waiting for its own
             for nxt in order[at[mine[-1]] + 1: at[mine[-1]] + 1 + dp.prefetch]:
                 if nxt not in issued:
-                    issued[nxt] = b.collective(Kind.REGATHER, f"regather {b.group(nxt)}", dp.gather[nxt], dp.link)
+                    issued[nxt] = b.collective(Kind.REGATHER, f"regather {b.group(nxt)}",
+                                               dp.regathers * dp.gather[nxt], dp.link)
         done.update(mine)
         b.compute(f"backward {len(units) - 1 - i}", u.backward, u.tp_backward, tuple(issued[g] for g in mine))
         for g in [g for g in u.groups if last[g] == i]:
