@@ -219,6 +219,8 @@ def test_padding_gathers_run_as_planned(launcher) -> None:
     ("mistral", Mesh(cp=2), {"recompute": "full"}), ("llama_padded", Mesh(dp=2, cp=2), {"zero": 3}),
     pytest.param("mistral", Mesh(pp=2, cp=2), {"microbatches": 2}, marks=pytest.mark.slow),
     pytest.param("llama_padded", Mesh(tp=2, cp=2), {"sequence_parallel": True}, marks=pytest.mark.slow),
+    *(pytest.param("gemma2_exact", mesh, options, marks=pytest.mark.slow) for mesh, options in (
+        (Mesh(dp=2, cp=2), {}), (Mesh(tp=2, cp=2), {}), (Mesh(pp=2, cp=2), {"microbatches": 2}))),
 ])
 def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
     """Masks under tp (LLaMA's heads sharded, the padding's rows broadcast over them; the per-head bias model's
@@ -226,7 +228,7 @@ def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
     again), ZeRO-3 over dp x cp, and pp and sequence parallelism (-m slow)."""
     ids, target, extra = torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET.flip(0)]), {}
     make = {"alibi": functools.partial(MaskedAttention, _alibi), "mistral": models.factory(models.mistral),
-            "llama_padded": models.factory(models.llama)}[name]
+            "llama_padded": models.factory(models.llama), "gemma2_exact": gemma2_exact_sdpa}[name]
     if name == "llama_padded":
         mask = torch.cat([_padding(False), _padding(True)])
         target, extra = _ignored(target, mask), {"attention_mask": mask}
