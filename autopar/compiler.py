@@ -28,6 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import ATTENTIONS, CP_AXES, REWRITTEN, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
@@ -132,12 +133,13 @@ def _context_parallel(c: Compilation) -> None:
     same_attention(whole, mine)
     found = context_parallel(with_graph(c.captured, mine), c.mesh.cp, local, whole, c.options.cp_attention,
                              c.mesh.cp_split)
+    dropped = whole_sequence_dropout(found.gm, local)  # dropout as the rows of the whole sequence's mask
     c.lowered = [with_graph(c.captured, found.gm)]
     c.cp_local, c.cp_shifted = local, found.shifted
     found.add_to(c.plan, c.mesh.cp)
     c.detail = (f"{len(found.attentions)} attentions ({eager} eager) as {c.options.cp_attention} over "
                 f"cp={c.mesh.cp}, {found.positions} positions made global, {len(found.shifted)} label inputs "
-                f"shifted; {local} tokens per rank")
+                f"shifted, {dropped} dropouts drawn on whole sequences; {local} tokens per rank")
 
 
 def _tensor_parallel(c: Compilation) -> None:

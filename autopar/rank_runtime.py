@@ -132,12 +132,17 @@ def pp_rank_fn(mesh: Mesh, groups: Groups) -> Callable[[int], int]:
 
 
 def seed_rng(rt: RankRuntime, mesh: Mesh) -> None:
-    """Tensor-parallel ranks draw the same random numbers (dropout masks agree in replicated regions)."""
-    if mesh.tp == 1:
+    """Tensor- and context-parallel ranks draw the same random numbers: dropout masks agree in replicated
+    regions, and each cp rank keeps its rows of the whole sequence's (``autopar/core/cp_dropout.py``). The
+    seed is the initial seed of the group's rank at tp=0, cp=0, plus the calls made so far."""
+    if mesh.tp == 1 and mesh.cp == 1:
         return
     if rt.rng_base is None:
         base = torch.tensor([torch.initial_seed() % 2**31], dtype=torch.int64, device=rt.groups.device)
-        dist.broadcast(base, src=mesh.rank_at(rt.groups.coords.replace(tp=0)), group=rt.groups["tp"])
+        for axis in ("tp", "cp"):  # tp=0's seed over each tp group, then cp=0's (now its tp=0's) over cp
+            if getattr(mesh, axis) > 1:
+                src = mesh.rank_at(rt.groups.coords.replace(**{axis: 0}))
+                dist.broadcast(base, src=src, group=rt.groups[axis])
         rt.rng_base = int(base)
     rt.rng_calls += 1
     torch.manual_seed(rt.rng_base + rt.rng_calls)
