@@ -17,7 +17,7 @@ from autopar.core.ring_attention import positions
 from autopar.core.ulysses import ulysses_attention
 from autopar.testing import assert_equivalent
 from test_context_eager import _against_float64_attention
-from test_context_masks import IDS, TARGET, MaskedAttention, _alibi, _ignored, _padding
+from test_context_masks import IDS, IDS16, TARGET, TARGET16, MaskedAttention, _alibi, _ignored, _padding
 
 B, H, S, D = 2, 4, 16, 8
 A2A = {"cp_attention": "all_to_all"}
@@ -79,6 +79,12 @@ def test_llama_padding(launcher) -> None:
     _equivalent(launcher, models.factory(models.llama), IDS, _ignored(TARGET, mask), attention_mask=mask)
 
 
+def test_bert_padding(launcher) -> None:
+    """BERT (bidirectional) padded at the end of one sequence and the start of the other."""
+    mask = _padding(False)
+    _equivalent(launcher, models.factory(models.bert), IDS, _ignored(TARGET, mask), attention_mask=mask)
+
+
 def test_per_head_float_bias(launcher) -> None:
     """An ALiBi-like (1, H, S, S) float bias: each rank adds its head group's."""
     _equivalent(launcher, functools.partial(MaskedAttention, _alibi), IDS, TARGET)
@@ -87,6 +93,20 @@ def test_per_head_float_bias(launcher) -> None:
 def test_llama_eager(launcher) -> None:
     """LLaMA's eager attention (its float mask rewritten into SDPA's): equal to one device on SDPA."""
     _against_float64_attention(launcher, "llama", Mesh(cp=2), A2A)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mesh", [("mistral", Mesh(cp=4)), ("llama", Mesh(cp=4)), ("llama", Mesh(dp=2, cp=2))])
+def test_wider_meshes(launcher, name: str, mesh: Mesh) -> None:
+    """16 tokens: Mistral's window of 4 across chunks of 2 at cp=4; LLaMA padded (4 and 3 pads, labels ignored)."""
+    ids, target = torch.cat([IDS16, IDS16.flip(1)]), torch.cat([TARGET16, TARGET16.flip(0)])
+    extra = {}
+    if name == "llama":
+        mask = torch.ones_like(ids)
+        mask[0, 12:], mask[1, :3], mask[2, :5], mask[3, 9:] = 0, 0, 0, 0
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    assert_equivalent(models.factory(getattr(models, name)), mesh, (ids,), target, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, kwargs=extra or None, **A2A)
 
 
 def _collectives() -> tuple[dict[str, int], dict[str, int], list[tuple[str, int, int]], str]:
