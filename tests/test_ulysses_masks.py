@@ -109,6 +109,21 @@ def test_wider_meshes(launcher, name: str, mesh: Mesh) -> None:
                       steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, kwargs=extra or None, **A2A)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mesh, options", [
+    ("llama", Mesh(dp=2, cp=2), {"zero": 3}), ("mistral", Mesh(cp=2), {"recompute": "full"}),
+    ("mistral", Mesh(pp=2, cp=2), {"microbatches": 2}), ("llama", Mesh(pp=2, cp=2), {"microbatches": 2})])
+def test_masks_compose(launcher, name: str, mesh: Mesh, options: dict) -> None:
+    """Masks under ZeRO-3 over dp x cp, full recomputation (each all-to-all attention and its mask run again)
+    and pp (the mask computed on the stage of its attentions)."""
+    ids, target, extra = torch.cat([IDS, IDS.flip(1)]), torch.cat([TARGET, TARGET.flip(0)]), {}
+    if name == "llama":
+        mask = torch.cat([_padding(False), _padding(True)])
+        target, extra = _ignored(target, mask), {"attention_mask": mask}
+    assert_equivalent(models.factory(getattr(models, name)), mesh, (ids,), target, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, kwargs=extra or None, **A2A, **options)
+
+
 def _collectives() -> tuple[dict[str, int], dict[str, int], list[tuple[str, int, int]], str]:
     mask = _padding(False)
     pm = autopar.parallelize(models.llama(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw, **A2A)
