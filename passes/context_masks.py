@@ -14,6 +14,10 @@ captured on whole sequences, and ``mask_rows`` copies its computation into the r
   computed on whole sequences as captured: each user input there gathered from the cp ranks' chunks
   (``autopar::cp_sequence``), ``arange``s of the whole length kept (they are whole-sequence positions).
 
+Under ``cp_attention="all_to_all"`` a rank attends for every query of its head group: ``all_rows_of``
+copies the mask's computation as it stands (every row, query ``arange``s of the whole length kept), its
+inputs gathered the same way, after checking the mask by the same rules.
+
 The roles come from the mask's dims backwards (``RULES``: one entry per op); a value read in two roles (one
 ``arange`` as queries and as keys) is copied once per role. A mask computed by an op with no rule on its
 query or key dims, an input laid out over (query, key), or a query ``arange`` that is not of the whole
