@@ -14,6 +14,10 @@ captured on whole sequences, and ``mask_rows`` copies its computation into the r
   computed on whole sequences as captured: each user input there gathered from the cp ranks' chunks
   (``autopar::cp_sequence``), ``arange``s of the whole length kept (they are whole-sequence positions).
 
+Under ``cp_attention="all_to_all"`` a rank attends for every query of its head group: ``all_rows_of``
+copies the mask's computation as it stands (every row, query ``arange``s of the whole length kept), its
+inputs gathered the same way, after checking the mask by the same rules.
+
 The roles come from the mask's dims backwards (``RULES``: one entry per op); a value read in two roles (one
 ``arange`` as queries and as keys) is copied once per role. A mask computed by an op with no rule on its
 query or key dims, an input laid out over (query, key), or a query ``arange`` that is not of the whole
@@ -72,6 +76,7 @@ class MaskCopies:
     axis: str
     whole_length: int = 0
     rows: dict[fx.Node, fx.Node] = field(default_factory=dict)  # whole graph's mask -> the rank's rows
+    every_row: dict[fx.Node, fx.Node] = field(default_factory=dict)  # whole graph's mask -> all its rows
     gathered: dict[fx.Node, fx.Node] = field(default_factory=dict)  # rank's input -> its whole sequence
 
     def rows_of(self, mask: fx.Node, before: fx.Node) -> fx.Node:
@@ -81,14 +86,34 @@ class MaskCopies:
                 self.rows[mask] = self._copy(mask)
         return self.rows[mask]
 
-    def _copy(self, mask: fx.Node) -> fx.Node:
+    def all_rows_of(self, mask: fx.Node, before: fx.Node) -> fx.Node:
+        """The whole graph's ``mask`` itself (every query's row, in sequence order), computed in the rank's
+        graph before ``before`` as the whole graph computes it, its inputs gathered from the cp ranks: what an
+        attention over the whole sequence for some heads reads. The same masks as ``rows_of`` are followed."""
+        if mask not in self.every_row:
+            self._roles(mask)  # refuses what the rows could not follow
+            todo: set[fx.Node] = set()
+            _whole(mask, todo)
+            env: dict[fx.Node, fx.Node] = {}
+            places = {n.name: n for n in _placeholders(self.graph)}
+            with self.graph.inserting_before(before):
+                for node in (n for n in self.whole.nodes if n in todo):
+                    env[node] = self._node(node, None, env.__getitem__, places)
+            self.every_row[mask] = env[mask]
+        return self.every_row[mask]
+
+    def _roles(self, mask: fx.Node) -> tuple[Roles, dict[Use, list[Use]], set[fx.Node]]:
+        """The roles of ``mask``'s dims, what each value over them reads, the values read on whole sequences."""
         shape = tuple(mask.meta["val"].shape)
         self.whole_length = shape[-1]
         if len(shape) < 2 or shape[-2] not in (1, shape[-1]):
             raise refused(mask, f"the attention's mask has shape {shape}; context parallelism needs "
                                 f"(..., S or 1, S) over queries and keys")
         out: Roles = (None,) * (len(shape) - 2) + (Role.QUERY if shape[-2] > 1 else None, Role.KEY)
-        uses, whole_side = _roles(mask, out)
+        return (out, *_roles(mask, out))
+
+    def _copy(self, mask: fx.Node) -> fx.Node:
+        out, uses, whole_side = self._roles(mask)
         whole_env: dict[fx.Node, fx.Node] = {}  # values read on whole sequences, copied as they are
         rows_env: dict[Use, fx.Node] = {}  # values over query or key dims, over the rank's queries
         places = {n.name: n for n in _placeholders(self.graph)}  # the same signature, captured twice

@@ -10,7 +10,8 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   (``whole``: the model captured on them), the ring reads the rank's rows of that mask, computed in the
   rank's graph (``passes/context_masks.py``).
   With ``attention="all_to_all"`` (``parallelize(cp_attention=...)``) each becomes
-  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``); with
+  ``autopar::ulysses_attention`` instead: heads exchanged for sequence (``autopar/core/ulysses.py``), a mask
+  tensor computed whole on the rank (every query's row: the rank attends for all of them); with
   ``attention="usp"`` (``Mesh(cp=(ring, a2a))``) ``autopar::usp_attention``: heads exchanged over ``cp_a2a``, a
   ring over ``cp_ring`` (``autopar/core/usp.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
@@ -264,18 +265,19 @@ def _all_to_all_bytes(node: fx.Node, qkv: list[torch.Tensor], cp: int, exchanged
 def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.Node, SlotKind], local: int,
                   rings: list[tuple[fx.Node, tuple]], wholes: list[fx.Node | None]) -> tuple[int, ...]:
     """Each ring whose attention has a mask tensor on whole sequences reads the rank's rows of that mask
-    (``passes/context_masks.py``); the bytes per rank of the inputs gathered for them."""
+    (``passes/context_masks.py``), each all-to-all attention (which attends for every query) the whole mask,
+    computed on the rank from the gathered inputs; the bytes per rank of the inputs gathered for them."""
     if whole is None:
         return ()
     copies = MaskCopies(graph, whole.graph, kinds, local, AXIS)
     for (ring, _), attention in zip(rings, wholes):
         mask = _arguments(attention).get("attn_mask")
-        if mask is not None and ring.target in EXCHANGES:
-            how = "usp" if ring.target is USP else "all_to_all"
-            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='{how}' evaluates causal "
-                                     f"masks or none; use cp_attention='ring'")
+        if mask is not None and ring.target is USP:
+            raise refused(attention, f"its mask {mask.name} is a tensor; cp_attention='usp' evaluates causal "
+                                     f"masks or none; use cp_attention='ring' or 'all_to_all'")
         if mask is not None:
-            ring.args = (*ring.args, copies.rows_of(mask, ring))
+            rows = copies.all_rows_of(mask, ring) if ring.target is ULYSSES else copies.rows_of(mask, ring)
+            ring.args = (*ring.args, rows)
     return tuple(x.meta["val"].numel() * x.meta["val"].element_size() for x in copies.gathered)
 
 

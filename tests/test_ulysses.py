@@ -75,14 +75,8 @@ def test_heads_not_dividing_by_cp_are_refused() -> None:
         pm.compile((IDS,), {}, TARGET)
 
 
-def test_mask_tensors_and_tp_are_refused() -> None:
-    """A padding mask (BERT) is evaluated by the ring only; tp shards the ring's heads, not the all-to-all's."""
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[:, 12:] = 0
-    pm = autopar.parallelize(models.bert(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
-                             cp_attention="all_to_all")
-    with pytest.raises(UnsupportedError, match=r"is a tensor; cp_attention='all_to_all' evaluates causal masks"):
-        pm.compile((IDS,), {"attention_mask": mask}, TARGET)
+def test_tp_is_refused() -> None:
+    """tp shards the ring's heads, not the all-to-all's (mask tensors run: tests/test_ulysses_masks.py)."""
     with pytest.raises(UnsupportedError, match=r"cp_attention='all_to_all'.*use cp_attention='ring' with tp=2"):
         autopar.parallelize(models.llama(), Mesh(cp=2, tp=2), cp_attention="all_to_all")
 
