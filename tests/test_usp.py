@@ -169,3 +169,22 @@ def test_usp_composes(launcher, mesh: Mesh, kw: dict) -> None:
     ids, target = torch.cat([IDS, IDS.flip(0)]), torch.cat([TARGET, TARGET.flip(1)])
     assert_equivalent(models.factory(models.llama), mesh, (ids,), target, models.lm_loss, models.adamw, steps=2,
                       rtol=1e-9, atol=1e-10, launcher=launcher, cp_attention="usp", **kw)
+
+
+def test_the_planner_offers_usp_only_where_the_runtime_runs_it() -> None:
+    """A sliding window is a mask tensor, which usp refuses: the planner's usp candidates for Mistral are not
+    runnable (with the reason), the ring's are, and the runtime refuses the usp mesh as the planner says."""
+    from autopar.planner import plan
+
+    result = plan(models.mistral(heads=2, kv_heads=2, window=3), 4, cluster="cpu", global_batch=2, seq_len=16,
+                  precision="fp64", optimizer="adam", tp=(1,), pp=(1,), zero=(0,), recompute=("none",), cp=(4,),
+                  top=None, example_inputs=(IDS,))
+    assert result.profile.masked_attention
+    usp = [c for c in result.every.values() if c.config.cp_attention == "usp"]
+    ring = [c for c in result.every.values() if c.config.cp == 4 and c.config.cp_attention == "ring"]
+    assert usp and ring and all(c.runnable for c in ring)
+    assert all(not c.runnable and "mask tensor" in c.not_runnable for c in usp)
+    pm = autopar.parallelize(models.mistral(heads=2, kv_heads=2, window=3), usp[0].parallelism,
+                             loss_fn=models.lm_loss, optimizer=models.adamw)
+    with pytest.raises(UnsupportedError, match="mask"):
+        pm.compile((IDS,), {}, TARGET)

@@ -137,6 +137,7 @@ class ModelProfile:
     notes: list[str] = field(default_factory=list)
     experts: ExpertProfile | None = None  # routed-experts layers (``autopar/planner/expert_cost.py``), None: none
     attention_heads: int = 0  # the heads every attention's query, key and value divide into (their gcd); 0: none
+    masked_attention: bool = False  # some attention takes a mask tensor (padding, windows, biases)
 
     def sequence(self) -> list[Segment]:
         """Segments as they run: the head, every layer (repeats expanded), the tail."""
@@ -210,7 +211,7 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
                         total_params=sum(p.numel() for p in params.values()),
                         dtype=next(iter(params.values())).dtype if params else torch.float32,
                         has_sequence=sequence, notes=notes, experts=expert_profile(model),
-                        attention_heads=attention_heads(analysis.gm))
+                        attention_heads=attention_heads(analysis.gm), masked_attention=masked_attention(analysis.gm))
 
 
 def attention_heads(gm: torch.fx.GraphModule) -> int:
@@ -219,6 +220,13 @@ def attention_heads(gm: torch.fx.GraphModule) -> int:
     heads = [x.meta["val"].shape[1] for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)
              for x in n.args[:3]]
     return math.gcd(*heads) if heads and all(isinstance(h, int) for h in heads) else 0
+
+
+def masked_attention(gm: torch.fx.GraphModule) -> bool:
+    """Whether a ``scaled_dot_product_attention`` of ``gm`` takes a mask tensor (its fourth argument or
+    ``attn_mask``)."""
+    return any(isinstance(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), torch.fx.Node)
+               for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
 
 
 class _Analysis:

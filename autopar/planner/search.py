@@ -427,7 +427,7 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
     if config.ep > 1 and (why := expert_parallel_refused(config, prec, profile)):
         return why
-    if config.cp > 1 and (why := context_parallel_refused(config, prec)):
+    if config.cp > 1 and (why := context_parallel_refused(config, prec, profile)):
         return why
     if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
         return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
@@ -452,12 +452,16 @@ def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfi
     return ""
 
 
-def context_parallel_refused(config: Config, prec: Precision) -> str:
+def context_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=, pp=, tp=)``
     composes with ZeRO 1-3, bf16/mixed precision and recomputation (``program.check_context_parallel``; hybrid
-    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis."""
+    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis; usp runs
+    attentions without a mask tensor only."""
     if "cp" not in MESH_AXES:
         return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
+    if config.cp_attention == "usp" and profile.masked_attention:
+        return ("cp_attention='usp' runs attentions without a mask tensor only, and this model's attention takes "
+                "one; the ring and the all-to-all run it")
     return ""
 
 
