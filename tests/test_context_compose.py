@@ -183,3 +183,13 @@ def test_zero_groups_under_cp() -> None:
     assert hybrid.groups("dp_shard_cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [hybrid.coord(r, "dp_shard_cp") for r in range(8)] == [0, 1, 2, 3] * 2
     assert hybrid.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "bert", "mistral"])
+@pytest.mark.parametrize("mesh, options", [(Mesh(tp=2, cp=2), {}), (Mesh(pp=2, cp=2), {"microbatches": 2})],
+                         ids=["tp2-cp2", "pp2-cp2"])
+def test_the_other_models_with_tp_and_pp(launcher, name: str, mesh: Mesh, options: dict) -> None:
+    """GPT-2 (tied embeddings across the stages), BERT (bidirectional) and Mistral (a window of 4 of 8 tokens)
+    on tp=2 x cp=2 and pp=2 x cp=2, as LLaMA above (Gemma-2: tests/test_context_masks.py)."""
+    _exact(models.factory(getattr(models, name)), mesh, launcher, **options)
