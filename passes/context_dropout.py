@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from autopar.core.cp_dropout import cp_dropout
 from autopar.passes.context_masks import refused
+from autopar.passes.context_parallel import sequence_dims
 
 aten = torch.ops.aten
 DROPOUT = aten.dropout.default
@@ -33,7 +34,7 @@ def whole_sequence_dropout(gm: fx.GraphModule, local: int, axis: str = "cp") -> 
         if not train or not p:
             continue
         shape = tuple(x.meta["val"].shape)
-        dims = [d for d in ((1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()) if shape[d] == local]
+        dims = [d for d in sequence_dims(shape) if shape[d] == local]
         if not dims:
             raise refused(node, f"it drops (p={p}) a value of shape {list(shape)} with no sequence dim of the "
                                 f"local length {local}: no rows of the whole sequence's mask fit it; set it to 0")

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.graph import copy_module
+from autopar.passes.expert_graph import ancestors
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -198,17 +199,8 @@ def _only_user(x: fx.Node, reader: fx.Node) -> bool:
 
 
 def _reaches_matmul(x: fx.Node) -> bool:
-    """Whether ``x`` depends on a matmul of 4-dim values (a second scores chain, not a mask)."""
-    seen, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.target is MATMUL and _is_4d(n):
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+    """Whether ``x`` is or depends on a matmul of 4-dim values (a second scores chain, not a mask)."""
+    return any(n.target is MATMUL and _is_4d(n) for n in {x} | ancestors(x))
 
 
 def _mask_shape(mask: fx.Node, scores: tuple[int, ...]) -> bool:

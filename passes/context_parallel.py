@@ -366,7 +366,7 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
         shape = tuple(x.meta["val"].shape)
         if _model_state(x, kinds):
             continue
-        dims = {d for d in _sequence_dims(shape) if shape[d] == local}
+        dims = {d for d in sequence_dims(shape) if shape[d] == local}
         if node.target is SLICE:
             start, end = (list(node.args[2:4]) + [None, None])[:2]
             if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
@@ -376,7 +376,7 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
             raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
 
 
-def _sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+def sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Where a value's sequence dim may be: 1 (batch first), and 2 of a 4-dim (batch, heads, sequence, dim)."""
     return (1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()
 

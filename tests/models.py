@@ -184,11 +184,7 @@ def gemma2_exact(**kw: object) -> nn.Module:
     float32, so in a float64 model the sum of a norm weight's gradient over the tokens is a float32 sum, whose
     order (one device against a cp rank's chunks) moves updates by float32's rounding: this one computes the
     same ``x / rms(x) * (1 + w)`` without the cast, so float64 runs compare within 1e-12."""
-    model = gemma2(**kw)
-    for m in model.modules():
-        if type(m).__name__ == "Gemma2RMSNorm":
-            m.__class__ = type("Gemma2Norm", (Gemma2Norm, type(m)), {})
-    return model
+    return with_mixin(gemma2(**kw), "Gemma2RMSNorm", Gemma2Norm)
 
 
 class Gemma2Norm:
@@ -466,10 +462,14 @@ def deepseek_v3_exact(**kw: object) -> nn.Module:
     weight to float32, so in a float64 model any float64 rounding in front of it (tp's partial sums, the order in
     which an expert's rows are added) moves routing weights and router gradients by float32's 6e-8: this one
     computes the same grouped top-k (``DeepSeekRouter``) without the cast, so float64 runs compare within 1e-12."""
-    model = deepseek_v3(**kw)
+    return with_mixin(deepseek_v3(**kw), "DeepseekV3TopkRouter", DeepSeekRouter)
+
+
+def with_mixin(model: nn.Module, class_name: str, mixin: type) -> nn.Module:
+    """``model`` with every module of class ``class_name`` (itself included) given ``mixin``'s methods first."""
     for m in model.modules():
-        if type(m).__name__ == "DeepseekV3TopkRouter":
-            m.__class__ = type("DeepSeekRouter", (DeepSeekRouter, type(m)), {})
+        if type(m).__name__ == class_name:
+            m.__class__ = type(mixin.__name__, (mixin, type(m)), {})
     return model
 
 

@@ -75,8 +75,7 @@ def test_gemma2_norm_in_the_models_dtype_is_hugging_faces_norm() -> None:
     within float32's rounding of Hugging Face's (which casts to float32)."""
     hf = models.gemma2().model.norm
     torch.nn.init.normal_(hf.weight, std=0.5)
-    ours = copy.deepcopy(hf)
-    ours.__class__ = type("Gemma2Norm", (models.Gemma2Norm, type(hf)), {})
+    ours = models.with_mixin(copy.deepcopy(hf), "Gemma2RMSNorm", models.Gemma2Norm)
     x = torch.randn(3, 5, hf.weight.shape[0], dtype=torch.float64)
     assert torch.equal(ours.float()(x.float()), hf.float()(x.float()))
     torch.testing.assert_close(ours.double()(x), hf.double()(x), rtol=1e-6, atol=1e-7)
