@@ -34,7 +34,7 @@ from typing import Any, Hashable
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-ENTRIES = 8  # exports kept (least recently used dropped first)
+ENTRIES = 64  # exports kept (least recently used dropped first)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_pre_hooks",

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import UnsupportedError
-from autopar.core.graph import SlotKind
+from autopar.core.graph import SlotKind, origin
 from autopar.core.ring_attention import cp_positions, cp_sequence
 
 aten = torch.ops.aten
@@ -298,7 +298,6 @@ def _names(roles: Roles) -> str:
 
 
 def refused(node: fx.Node, why: str) -> UnsupportedError:
-    """An error naming ``node``, its op and the user's source line, then ``why``."""
-    trace = node.meta.get("stack_trace")
-    where = f" (at {trace.strip().splitlines()[-1].strip()})" if trace else ""
+    """An error naming ``node``, its op and the module of the user's model it is in, then ``why``."""
+    where = f" ({origin(node)})" if origin(node) else ""
     return UnsupportedError(f"context parallelism: node {node.name} ({node.target}){where}: {why}")

@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Captured, Slot, SlotKind
+from autopar.core.graph import Captured, Slot, SlotKind, origin
 from autopar.core.loss_count import LossCounts
 
 aten = torch.ops.aten
@@ -208,5 +208,4 @@ def _is_scalar(value: object) -> bool:
 
 
 def _where(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace")
-    return f"; at {trace.strip().splitlines()[-1].strip()}" if trace else ""
+    return f"; {origin(node)}" if origin(node) else ""

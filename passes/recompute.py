@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.expert_ops import ExpertParallel
+from autopar.core.graph import origin
 from autopar.core.recompute_modes import COMMUNICATING, Recompute
 from autopar.passes.stage_cuts import module_path, node_layer
 
@@ -110,8 +111,7 @@ def _check_replayable(layer: str, nodes: list[fx.Node], mode: str) -> None:
     for n in nodes:
         tags = getattr(n.target, "tags", ())
         if torch.Tag.nondeterministic_seeded in tags and n.kwargs.get("generator") is not None:
-            trace = (n.meta.get("stack_trace") or "").strip().splitlines()
-            where = f" ({trace[-2].strip()})" if len(trace) >= 2 else ""
+            where = f" ({origin(n)})" if origin(n) else ""
             raise ValueError(
                 f"recompute={mode!r} cannot recompute layer {layer!r}: {n.name} ({n.target}){where} draws random "
                 f"numbers from an explicit torch.Generator, whose state backward cannot restore; pass "

@@ -146,8 +146,9 @@ def test_float_bias_per_head_cp2(launcher) -> None:
 
 
 def test_mask_from_an_op_without_a_rule_is_refused() -> None:
-    """A mask built with ``tril`` over (query, key): no rule follows its dims, so it is refused, naming the op."""
-    with pytest.raises(UnsupportedError, match=r"node tril.*no rule for"):
+    """A mask built with ``tril`` over (query, key): no rule follows its dims, so it is refused, naming the op and
+    the module it is in."""
+    with pytest.raises(UnsupportedError, match=r"node tril.*\(in the model \(MaskedAttention\)\).*no rule for"):
         _compile(MaskedAttention(_one_future_token), Mesh(cp=2), IDS, TARGET)
 
 

@@ -215,7 +215,8 @@ def test_a_region_with_an_explicit_generator_is_refused() -> None:
     for node in (noise, out):
         node.meta["nn_module_stack"] = {"k": (PREFIX + "layers.0", torch.nn.Module)}
     graph.output((out,))
-    with pytest.raises(ValueError, match=r"recompute='full' cannot recompute layer 'layers.0'.*explicit torch.Generator"
+    with pytest.raises(ValueError, match=r"recompute='full' cannot recompute layer 'layers.0'"
+                                         r".*\(in layers\.0 \(Module\)\) draws.*explicit torch.Generator"
                                          r".*recompute=\{'layers.0': 'none', '\*': 'full'\}"):
         recompute(fx.GraphModule(root, graph), lambda layer: "full")
 

@@ -132,3 +132,16 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     graph._codegen = gm.graph._codegen
     return fx.GraphModule(gm, graph)
+
+
+def origin(node: fx.Node) -> str:
+    """Where ``node`` was computed in the user's model, for an error message: ``"in model.layers.0.self_attn
+    (LlamaAttention)"`` (the innermost module and its class), or ``""`` for a node outside every module."""
+    root = PREFIX[:-1]
+    stack = [(path, cls) for path, cls in (node.meta.get("nn_module_stack") or {}).values()
+             if path.startswith(PREFIX) or path == root]
+    if not stack:
+        return ""
+    path, cls = stack[-1]
+    name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+    return f"in {'the model' if path == root else path.removeprefix(PREFIX)} ({name.rsplit('.', 1)[-1]})"
