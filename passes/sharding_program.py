@@ -9,8 +9,10 @@ the bytes saved for backward.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,15 +224,40 @@ class Program:
         speed: the search is bounded by branch-and-bound nodes, and the time limit only stops a runaway solve."""
         integrality = np.zeros(len(self.c))
         integrality[: self.decisions] = 1
-        result = milp(objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
-                      options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
+        key = _digest(objective, integrality, self.constraints)
+        result = _SOLVED.pop(key, None) or milp(
+            objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
+            options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
+        _SOLVED[key] = result  # (most recently used last)
+        while len(_SOLVED) > SOLVED_KEPT:
+            _SOLVED.popitem(last=False)
         if result.status == 1 and "time" in str(result.message).lower():
             raise RuntimeError(f"the sharding program did not finish in {MILP_SECONDS} s within {within}, and the "
                                "plan it would stop at could differ between ranks; use a smaller tp or report the model")
         if result.x is None:
             raise RuntimeError(f"the sharding program found no plan within {within} ({result.message}); "
                                "raise memory_budget (or activation_budget)")
+        result.x.flags.writeable = False  # (kept for the next equal program)
         return result
+
+
+SOLVED_KEPT = 32
+_SOLVED: OrderedDict[str, Any] = OrderedDict()  # solutions by their program's digest: a process compiling the same
+# model on the same mesh again (another test, another ParallelModel) solves nothing; equal numbers, equal answer
+
+
+def _digest(objective: np.ndarray, integrality: np.ndarray, constraints: list[LinearConstraint]) -> str:
+    """A digest of every number of a program."""
+    h = hashlib.blake2b(digest_size=20)
+    for a in (objective, integrality):
+        h.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+    for con in constraints:
+        m = coo_matrix(con.A)
+        for a in (m.row, m.col, m.data, np.asarray(m.shape), np.broadcast_to(con.lb, m.shape[:1]),
+                  np.broadcast_to(con.ub, m.shape[:1])):
+            h.update(np.ascontiguousarray(a, dtype=np.float64).tobytes())
+            h.update(b"|")
+    return h.hexdigest()
 
 
 def _edges(choices: dict[fx.Node, Choice], param_names: dict[fx.Node, str], rg: dict[fx.Node, bool],
