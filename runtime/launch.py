@@ -1,7 +1,7 @@
-"""Local ranks: spawn processes, join them into a job, collect results, never hang.
+"""Local ranks: start processes, join them into a job, collect results, never hang.
 
 ``WorkerPool`` keeps worker processes alive across jobs (a test session runs
-many small jobs); each job gets a fresh rendezvous store on 127.0.0.1 (served by the parent,
+many small jobs) and forks them from a server that imported torch once (``_context``); each job gets a fresh rendezvous store on 127.0.0.1 (served by the parent,
 so no other process can take its port) and a fresh default process group of
 the job's size. ``launch`` is a one-job pool. ``backend`` and ``device`` choose
 the process group's backend and where the ranks compute (``runtime/groups.py``
@@ -62,8 +62,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str]) -> None:
+def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str], environ: dict[str, str]) -> None:
     sys.path[:] = sys_path
+    os.environ.clear()  # the parent's environment when it started the worker (not the fork server's)
+    os.environ.update(environ)
     while True:
         task = tasks.get()
         if task is None:
@@ -86,6 +88,21 @@ def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str]) ->
             results.send((job, rank, True, cloudpickle.dumps(out)))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the job
             results.send((job, rank, False, traceback.format_exc()))
+
+
+PRELOAD = ("torch", "torch.distributed", "autopar.parallel", "autopar.compiler", "autopar.runtime.launch")
+
+
+def _context() -> Any:
+    """Workers fork from a server process that imported torch and autopar once (the ``forkserver`` start
+    method, where the platform has it), instead of each importing them anew (``spawn``); the server starts
+    with the first worker and also preloads transformers where the caller had imported it. Each worker still
+    imports the caller's ``__main__`` as ``spawn`` does (a script keeps its ``if __name__ == "__main__"``)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *(["transformers"] if "transformers" in sys.modules else [])])
+    return ctx
 
 
 @dataclass
@@ -111,14 +128,15 @@ class WorkerPool:
         self.device = device or requested_device()
         self.backend = backend or default_backend(self.device)
         rank_device(self.backend, 0, self.device)  # a choice no rank can run is refused here, named
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _context()
         self._workers: list[_Worker | None] = []
         self._jobs = 0
 
     def _start(self, i: int) -> _Worker:
         tasks = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
-        process = self._ctx.Process(target=_worker, args=(i, tasks, writer, list(sys.path)), daemon=True)
+        process = self._ctx.Process(target=_worker, args=(i, tasks, writer, list(sys.path), dict(os.environ)),
+                                    daemon=True)
         worker = _Worker(process, tasks, reader)
         self._workers[i] = worker  # (before start: a failed start is still stopped by close)
         process.start()

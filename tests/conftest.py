@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import transformers  # noqa: F401 - imported before the pool starts, so that its fork server preloads it
 from hypothesis import HealthCheck, settings
 
 from autopar.runtime.launch import WorkerPool

@@ -52,6 +52,20 @@ def test_a_pool_starts_only_the_workers_its_jobs_need() -> None:
         assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)] and pool.running == 2
 
 
+def _environment(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_a_worker_has_the_environment_of_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers fork from a server started with the first worker; each still gets the parent's environment as it
+    is when the worker starts, as a spawned process would, not the server's."""
+    with WorkerPool(1) as pool:
+        assert pool.launch(_environment, 1, "AUTOPAR_TEST_MARK") == [None]  # (the server runs from here on)
+    monkeypatch.setenv("AUTOPAR_TEST_MARK", "set later")
+    with WorkerPool(1) as pool:
+        assert pool.launch(_environment, 1, "AUTOPAR_TEST_MARK") == ["set later"]
+
+
 def _rank1_raises_while_rank0_waits() -> None:
     if dist.get_rank() == 1:
         raise ValueError("bad thing on rank one")
