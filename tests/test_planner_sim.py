@@ -217,7 +217,8 @@ def test_per_submodule_a_submodule_used_again_soon_is_kept() -> None:
 
 def test_per_submodule_the_host_waits_for_the_device_before_each_use() -> None:
     """A gradient's reduce-scatter is issued as its backward is launched and runs beside it, but the next
-    submodule's fetch waits for the device (``torch.cuda.synchronize``): its compute starts after it ends."""
+    submodule's fetch, and every gather, waits for the device (``torch.cuda.synchronize``): the compute after
+    them starts after it ends."""
     program, timeline = _per_submodule(max_live=100, reduce=3.0)
     rs = _first(program, Kind.REDUCE_SCATTER, "reduce_scatter b1")
     assert rs < _first(program, Kind.COMPUTE, "backward 1")
@@ -225,6 +226,15 @@ def test_per_submodule_the_host_waits_for_the_device_before_each_use() -> None:
     after = next(k for k in range(rs + 1, len(program)) if program[k].kind is Kind.COMPUTE
                  and program[k].name == "backward 1" and program[k].seconds == pytest.approx(2 / 3))
     assert timeline.start[after] >= timeline.end[rs] - 1e-12
+    # two microbatches: a0 is kept into the second (used again at once), b0 prefetched at a0's backward ahead of
+    # a0's reduce-scatter; a0's forward runs beside that reduce-scatter (nothing to fetch, a prefetch in flight),
+    # but b0's fetch waits for the device, the reduce-scatter too, not only for b0's gather
+    program, timeline = _per_submodule(max_live=100, max_reuse=1, reduce=3.0, microbatches=2)
+    rs = _first(program, Kind.REDUCE_SCATTER, "reduce_scatter a0")
+    a0, b0 = [k for k in range(rs, len(program)) if program[k].name == "forward 0"]
+    gather = _first(program, Kind.GATHER, "gather b0")
+    assert gather < rs and timeline.start[a0] < timeline.end[rs] and not any(e.name == "gather a0" for e in program[rs:])
+    assert timeline.start[b0] >= timeline.end[rs] - 1e-12 and timeline.end[rs] > timeline.end[gather] + 1
 
 
 def test_per_submodule_cost_model_gathers_each_large_parameter(small) -> None:

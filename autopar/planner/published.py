@@ -185,7 +185,7 @@ def predict(run: Run, profile: Any = None, cluster: Any = None) -> tuple[float, 
 
 
 # Held-out runs the model misses by more than HELD_OUT_BOUND, and what it does not capture (docs/planner.md)
-_ZERO3 = ("planned as DeepSpeed's ZeRO-3 of March 2021 (v0.3.11-v0.3.13) runs it with its defaults "
+_ZERO3 = ("planned as DeepSpeed's ZeRO-3 of March 2021 (v0.3.12-v0.3.13) runs it with its defaults "
           "(``SubmoduleFetch``: a gather per weight, the device synchronized before each, a prefetch of one weight "
           "only under a live budget of 1e9 elements, which a 530B weight alone exceeds), the six runs come out "
           "between 14% optimistic and 14% pessimistic; the runs' DeepSpeed version and settings are not published, "

@@ -28,7 +28,7 @@ adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
   nothing computes beside it, so all of it shows.
 
 - **ZeRO-3 per submodule** (``fetch``: DeepSpeed's ZeRO-3 of 2021, its
-  ``PartitionedParameterCoordinator`` of v0.3.11-v0.3.13), per parameter of
+  ``PartitionedParameterCoordinator`` of v0.3.12-v0.3.13), per parameter of
   at least ``persistence`` elements (smaller ones stay gathered after the
   first step and are left out). The step's trace is every submodule use in
   order: forward, then per unit in reverse its recomputed forward (under
