@@ -16,7 +16,8 @@ whole each time autograd reaches its all-gather: once per microbatch when
 backward runs whole; under a split backward (``zb-h1``, ``zbv``) once when
 ``B`` finishes and once more when ``W`` lands the weight gradients of the
 group's matmuls (``autopar.core.weight_grad`` sends them through autograd in
-one call), for a group with any (``reduce_scatters``).
+one call), for a group with any (``reduce_scatters``). With ``zero3_fetch`` ZeRO-3 gathers and reduce-scatters
+per weight instead, as DeepSpeed's 2021 coordinator does (``step_program.SubmoduleFetch``).
 
 Invariant: ``reduce_scatters`` counts the calls and bytes ``pm.communication()``
 counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
