@@ -165,14 +165,19 @@ def test_the_plan_says_what_each_axis_link_carries_and_when_the_lead_is_within_t
     assert (f"within the calibration's held-out error of {HELD_OUT_ERROR:.0%}" in text) == (lead < HELD_OUT_ERROR)
 
 
-def _per_submodule(max_live: int, max_reuse: int = 0, reduce: float = 0.25, microbatches: int = 1) -> tuple:
+def _per_submodule(max_live: int, max_reuse: int = 0, reduce: float = 0.25, microbatches: int = 1,
+                   tied: bool | None = None) -> tuple:
     """Two units of two submodules (4 and 8 elements each, one parameter each) gathered per submodule as
-    DeepSpeed's 2021 coordinator does: the program and its simulated timeline."""
+    DeepSpeed's 2021 coordinator does: the program and its simulated timeline. ``tied``: a third unit uses a0
+    too (as a tied embedding), held from the model's forward to the end of backward (True) or not (False)."""
     from autopar.planner.step_program import DataParallelPlan, Submodule, SubmoduleFetch, Unit, step_program
 
     units = [Unit(1.0, 2.0, submodules=(Submodule(f"u{i}.a", (2 * i,), 1 / 3), Submodule(f"u{i}.b", (2 * i + 1,), 2 / 3)))
              for i in range(2)]
-    fetch = SubmoduleFetch(prefetch_bucket=1, max_live=max_live, max_reuse=max_reuse, persistence=1)
+    if tied is not None:
+        units.append(Unit(1.0, 2.0, submodules=(Submodule("u0.a", (0,), 1.0),)))
+    fetch = SubmoduleFetch(prefetch_bucket=1, max_live=max_live, max_reuse=max_reuse, persistence=1,
+                           hold_shared=bool(tied))
     plan = DataParallelPlan(zero=3, link="dp", fetch=fetch, elements=(4, 8, 4, 8), gather=(0.5,) * 4,
                             reduce=(reduce,) * 4, names=("a0", "b0", "a1", "b1"))
     program = step_program(units, plan, microbatches)
@@ -202,8 +207,9 @@ def test_per_submodule_a_live_budget_under_one_submodule_prefetches_nothing() ->
 def test_per_submodule_a_submodule_used_again_soon_is_kept() -> None:
     """The last submodule of forward is used again at once by backward: kept within ``max_reuse`` (no re-gather),
     re-gathered with a reuse distance of 0 (DeepSpeed's counts the elements of the uses between: the others' are
-    at least 8); every parameter is reduce-scattered once per microbatch. The trace spans the step: the first
-    submodule of the next microbatch's forward is the last of this backward's, kept too."""
+    at least 8); every parameter is reduce-scattered once per microbatch. The trace spans the step, but what is
+    still gathered when a microbatch's backward ends is released (``_partition_all_parameters``): the next
+    microbatch gathers everything again."""
     for reuse, regathered in ((1, {"a0", "b0", "a1"}), (0, {"a0", "b0", "a1", "b1"})):
         for microbatches in (1, 2):
             program, _ = _per_submodule(max_live=100, max_reuse=reuse, microbatches=microbatches)
@@ -212,13 +218,12 @@ def test_per_submodule_a_submodule_used_again_soon_is_kept() -> None:
             scattered = sorted(e.name for e in program if e.kind is Kind.REDUCE_SCATTER)
             assert scattered == sorted(f"reduce_scatter {n}" for n in ("a0", "b0", "a1", "b1") * microbatches)
             gathered = [e.name for e in program if e.kind is Kind.GATHER]
-            assert len(gathered) == 4 * microbatches - (microbatches - 1 if reuse else 0), (reuse, gathered)
+            assert len(gathered) == 4 * microbatches, (reuse, gathered)
 
 
 def test_per_submodule_the_host_waits_for_the_device_before_each_use() -> None:
     """A gradient's reduce-scatter is issued as its backward is launched and runs beside it, but the next
-    submodule's fetch, and every gather, waits for the device (``torch.cuda.synchronize``): the compute after
-    them starts after it ends."""
+    submodule's fetch waits for the device (``torch.cuda.synchronize``): its compute starts after it ends."""
     program, timeline = _per_submodule(max_live=100, reduce=3.0)
     rs = _first(program, Kind.REDUCE_SCATTER, "reduce_scatter b1")
     assert rs < _first(program, Kind.COMPUTE, "backward 1")
@@ -226,15 +231,19 @@ def test_per_submodule_the_host_waits_for_the_device_before_each_use() -> None:
     after = next(k for k in range(rs + 1, len(program)) if program[k].kind is Kind.COMPUTE
                  and program[k].name == "backward 1" and program[k].seconds == pytest.approx(2 / 3))
     assert timeline.start[after] >= timeline.end[rs] - 1e-12
-    # two microbatches: a0 is kept into the second (used again at once), b0 prefetched at a0's backward ahead of
-    # a0's reduce-scatter; a0's forward runs beside that reduce-scatter (nothing to fetch, a prefetch in flight),
-    # but b0's fetch waits for the device, the reduce-scatter too, not only for b0's gather
-    program, timeline = _per_submodule(max_live=100, max_reuse=1, reduce=3.0, microbatches=2)
-    rs = _first(program, Kind.REDUCE_SCATTER, "reduce_scatter a0")
-    a0, b0 = [k for k in range(rs, len(program)) if program[k].name == "forward 0"]
-    gather = _first(program, Kind.GATHER, "gather b0")
-    assert gather < rs and timeline.start[a0] < timeline.end[rs] and not any(e.name == "gather a0" for e in program[rs:])
-    assert timeline.start[b0] >= timeline.end[rs] - 1e-12 and timeline.end[rs] > timeline.end[gather] + 1
+
+
+def test_per_submodule_a_parameter_several_units_use_is_held_through_the_microbatch() -> None:
+    """A parameter two units use (a tied embedding) is the model's external parameter: gathered as the model's
+    forward begins, before any unit computes, and never again until the microbatch's backward ends; without
+    ``hold_shared`` it is released after its uses and gathered again at the next."""
+    for microbatches in (1, 2):
+        program, _ = _per_submodule(max_live=100, tied=True, microbatches=microbatches)
+        a0 = [k for k, e in enumerate(program) if e.kind in (Kind.GATHER, Kind.REGATHER) and e.name.endswith(" a0")]
+        assert len(a0) == microbatches and a0[0] == 0
+        loose, _ = _per_submodule(max_live=100, tied=False, microbatches=microbatches)
+        assert sum(e.name.endswith(" a0") for e in loose if e.kind in (Kind.GATHER, Kind.REGATHER)) \
+            == 4 * microbatches
 
 
 def test_per_submodule_cost_model_gathers_each_large_parameter(small) -> None:

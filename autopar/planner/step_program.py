@@ -44,7 +44,14 @@ adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
   again within ``max_reuse`` elements of other submodules' parameters. A
   parameter's gradient is reduce-scattered after its last backward use in
   the microbatch (one reduction in flight, as ``reduce_ipg_grads`` waits).
-  A unit's compute is split among its submodules by their elements.
+  A unit's compute is split among its submodules by their elements. With
+  ``hold_shared``, the parameters several units use (a tied embedding) are
+  the model's external parameters (Megatron-LM's ZeRO-3 GPT registers its
+  word embeddings so): the model's forward and backward pre-hooks are uses
+  too, and they stay gathered until the microbatch's backward ends. There
+  every parameter still gathered is released
+  (``_partition_all_parameters``: the post-backward hook of a module whose
+  inputs need no gradient never fires).
 
 Invariant: every ZeRO-3 group is gathered once per forward and once per
 backward (``regathers`` times: a runtime that gathers a recomputed layer for
@@ -94,6 +101,7 @@ class SubmoduleFetch:
     max_live: int = 1_000_000_000
     max_reuse: int = 1_000_000_000
     persistence: int = 100_000
+    hold_shared: bool = True  # parameters several units use are the model's external parameters (see the doc)
 
 
 @dataclass(frozen=True)
@@ -300,8 +308,16 @@ class _Coordinator:
 
     def __init__(self, b: _Builder, units: list[Unit], dp: DataParallelPlan, microbatches: int) -> None:
         self.b, self.units, self.dp, self.fetch = b, units, dp, dp.fetch
-        one: list[tuple[str, int, int]] = [("forward", i, j) for i, u in enumerate(units)
-                                           for j in range(len(u.submodules))]
+        users: dict[int, set[int]] = {}
+        for i, u in enumerate(units):
+            for s in u.submodules:
+                for p in s.params:
+                    users.setdefault(p, set()).add(i)
+        self.held = {p for p, us in users.items() if len(us) > 1} if dp.fetch.hold_shared else set()
+        self.top = Submodule("model", tuple(sorted(self.held)), 0.0)
+        top = [("model", -1, -1)] if self.held else []
+        one = top + [("forward", i, j) for i, u in enumerate(units) for j in range(len(u.submodules))]
+        one += [("model backward", -1, -1)] if self.held else []
         for i in reversed(range(len(units))):
             if dp.regathers == 2 and units[i].recomputed:
                 one += [("recompute", i, j) for j in range(len(units[i].submodules))]
@@ -317,8 +333,8 @@ class _Coordinator:
         self.keep = self._reuse()
 
     def _submodule(self, t: int) -> Submodule:
-        _, i, j = self.trace[t]
-        return self.units[i].submodules[j]
+        what, i, j = self.trace[t]
+        return self.top if what.startswith("model") else self.units[i].submodules[j]
 
     def _reuse(self) -> list[bool]:
         """Whether each use keeps its parameters: its submodule is used again within ``max_reuse`` elements of
@@ -339,8 +355,14 @@ class _Coordinator:
     def microbatch(self, k: int) -> None:
         """Microbatch ``k``'s events: each unit's submodules in the trace's order, its compute split by share."""
         t = k * self.per
+        if self.held:  # the model's forward pre-hook fetches its external parameters
+            self.use(t)
+            t += 1
         for i, u in enumerate(self.units):
             t = self._pass(t, i, f"forward {i}", u.forward, u.tp_forward, range(len(u.submodules)))
+        if self.held:  # ... and its backward pre-hook
+            self.use(t)
+            t += 1
         for i in reversed(range(len(self.units))):
             u = self.units[i]
             backward = u.backward
@@ -349,6 +371,10 @@ class _Coordinator:
                 backward -= u.forward
             t = self._pass(t, i, f"backward {i}", backward, u.tp_backward, reversed(range(len(u.submodules))),
                            reduce=True)
+        for p, status in enumerate(self.status):  # ``_partition_all_parameters`` after each backward
+            if status == _GATHERED:
+                self.status[p] = _RELEASED
+                self.live -= self.dp.elements[p]
 
     def _pass(self, t: int, i: int, name: str, seconds: float, tp: float, order: Any, reduce: bool = False) -> int:
         """Unit ``i``'s submodules in ``order`` from trace step ``t`` (its whole compute when it has none); the
@@ -420,12 +446,12 @@ class _Coordinator:
             self._gather(p, kind)
 
     def _kind(self, t: int) -> Kind:
-        return Kind.GATHER if self.trace[t][0] == "forward" else Kind.REGATHER
+        return Kind.GATHER if self.trace[t][0] in ("forward", "model") else Kind.REGATHER
 
     def release(self, t: int) -> None:
         if self.keep[t]:
             return
         for p in self._submodule(t).params:
-            if self.status[p] == _GATHERED:
+            if self.status[p] == _GATHERED and p not in self.held:
                 self.status[p] = _RELEASED
                 self.live -= self.dp.elements[p]
