@@ -163,3 +163,101 @@ def test_the_plan_says_what_each_axis_link_carries_and_when_the_lead_is_within_t
         assert f"{axis} (" in text
     lead = result.candidates[1].step_time / result.best.step_time - 1
     assert (f"within the calibration's held-out error of {HELD_OUT_ERROR:.0%}" in text) == (lead < HELD_OUT_ERROR)
+
+
+def _per_submodule(max_live: int, max_reuse: int = 0, reduce: float = 0.25, microbatches: int = 1,
+                   tied: bool | None = None) -> tuple:
+    """Two units of two submodules (4 and 8 elements each, one parameter each) gathered per submodule as
+    DeepSpeed's 2021 coordinator does: the program and its simulated timeline. ``tied``: a third unit uses a0
+    too (as a tied embedding), held from the model's forward to the end of backward (True) or not (False)."""
+    from autopar.planner.step_program import DataParallelPlan, Submodule, SubmoduleFetch, Unit, step_program
+
+    units = [Unit(1.0, 2.0, submodules=(Submodule(f"u{i}.a", (2 * i,), 1 / 3), Submodule(f"u{i}.b", (2 * i + 1,), 2 / 3)))
+             for i in range(2)]
+    if tied is not None:
+        units.append(Unit(1.0, 2.0, submodules=(Submodule("u0.a", (0,), 1.0),)))
+    fetch = SubmoduleFetch(prefetch_bucket=1, max_live=max_live, max_reuse=max_reuse, persistence=1,
+                           hold_shared=bool(tied))
+    plan = DataParallelPlan(zero=3, link="dp", fetch=fetch, elements=(4, 8, 4, 8), gather=(0.5,) * 4,
+                            reduce=(reduce,) * 4, names=("a0", "b0", "a1", "b1"))
+    program = step_program(units, plan, microbatches)
+    return program, simulate(program, 0.0)
+
+
+def _first(program: list, kind: Kind, name: str) -> int:
+    return next(k for k, e in enumerate(program) if e.kind is kind and e.name == name)
+
+
+def test_per_submodule_a_live_budget_under_one_submodule_prefetches_nothing() -> None:
+    """With fewer live elements allowed than a submodule holds, each gather waits for its own use (after the
+    previous submodule's compute), so forward runs gathers and compute in series; with room, the next
+    submodule's gather is issued before the current one computes and runs beside it."""
+    serial, timeline = _per_submodule(max_live=4)
+    b0 = _first(serial, Kind.GATHER, "gather b0")
+    a0 = max(k for k in range(b0) if serial[k].kind is Kind.COMPUTE)
+    assert serial[a0].name == "forward 0" and timeline.start[b0] >= timeline.end[a0] - 1e-12
+    assert sum(1 for e in serial[:_first(serial, Kind.COMPUTE, "backward 1")] if e.kind is Kind.GATHER) == 4
+    forward = timeline.end[max(k for k, e in enumerate(serial) if e.name == "forward 1")]
+    assert forward == pytest.approx(4 * 0.5 + 2 * 1.0)
+    ahead, timeline = _per_submodule(max_live=100)
+    b0 = _first(ahead, Kind.GATHER, "gather b0")
+    assert b0 < _first(ahead, Kind.COMPUTE, "forward 0") and timeline.start[b0] < timeline.end[b0 + 1]
+
+
+def test_per_submodule_a_submodule_used_again_soon_is_kept() -> None:
+    """The last submodule of forward is used again at once by backward: kept within ``max_reuse`` (no re-gather),
+    re-gathered with a reuse distance of 0 (DeepSpeed's counts the elements of the uses between: the others' are
+    at least 8); every parameter is reduce-scattered once per microbatch. The trace spans the step, but what is
+    still gathered when a microbatch's backward ends is released (``_partition_all_parameters``): the next
+    microbatch gathers everything again."""
+    for reuse, regathered in ((1, {"a0", "b0", "a1"}), (0, {"a0", "b0", "a1", "b1"})):
+        for microbatches in (1, 2):
+            program, _ = _per_submodule(max_live=100, max_reuse=reuse, microbatches=microbatches)
+            names = [e.name.split()[1] for e in program if e.kind is Kind.REGATHER]
+            assert set(names) == regathered and len(names) == len(regathered) * microbatches, (reuse, names)
+            scattered = sorted(e.name for e in program if e.kind is Kind.REDUCE_SCATTER)
+            assert scattered == sorted(f"reduce_scatter {n}" for n in ("a0", "b0", "a1", "b1") * microbatches)
+            gathered = [e.name for e in program if e.kind is Kind.GATHER]
+            assert len(gathered) == 4 * microbatches, (reuse, gathered)
+
+
+def test_per_submodule_the_host_waits_for_the_device_before_each_use() -> None:
+    """A gradient's reduce-scatter is issued as its backward is launched and runs beside it, but the next
+    submodule's fetch waits for the device (``torch.cuda.synchronize``): its compute starts after it ends."""
+    program, timeline = _per_submodule(max_live=100, reduce=3.0)
+    rs = _first(program, Kind.REDUCE_SCATTER, "reduce_scatter b1")
+    assert rs < _first(program, Kind.COMPUTE, "backward 1")
+    assert timeline.start[rs] < timeline.end[_first(program, Kind.COMPUTE, "backward 1")]
+    after = next(k for k in range(rs + 1, len(program)) if program[k].kind is Kind.COMPUTE
+                 and program[k].name == "backward 1" and program[k].seconds == pytest.approx(2 / 3))
+    assert timeline.start[after] >= timeline.end[rs] - 1e-12
+
+
+def test_per_submodule_a_parameter_several_units_use_is_held_through_the_microbatch() -> None:
+    """A parameter two units use (a tied embedding) is the model's external parameter: gathered as the model's
+    forward begins, before any unit computes, and never again until the microbatch's backward ends; without
+    ``hold_shared`` it is released after its uses and gathered again at the next."""
+    for microbatches in (1, 2):
+        program, _ = _per_submodule(max_live=100, tied=True, microbatches=microbatches)
+        a0 = [k for k, e in enumerate(program) if e.kind in (Kind.GATHER, Kind.REGATHER) and e.name.endswith(" a0")]
+        assert len(a0) == microbatches and a0[0] == 0
+        loose, _ = _per_submodule(max_live=100, tied=False, microbatches=microbatches)
+        assert sum(e.name.endswith(" a0") for e in loose if e.kind in (Kind.GATHER, Kind.REGATHER)) \
+            == 4 * microbatches
+
+
+def test_per_submodule_cost_model_gathers_each_large_parameter(small) -> None:
+    """``CostModel(zero3_fetch=...)``: one gather per parameter of at least ``persistence`` elements per use,
+    smaller ones never; without it the plan is per layer as before."""
+    from autopar.planner.step_program import SubmoduleFetch
+
+    profile, cost = small
+    fetch = SubmoduleFetch(persistence=1000)
+    per = CostModel(profile, cost.cluster, cost.precision, seq_len=IDS.shape[1], zero3_fetch=fetch)
+    config = Config(dp=2, zero=3, microbatches=1, microbatch_size=2)
+    program = per.step_program(config)
+    large = {f"{i}:{n}" if n.startswith("transformer.h.") else n for i, seg in enumerate(profile.sequence())
+             for n, e in profile.part(seg, 1).params.items() if e >= 1000}
+    assert {e.name.split(" ", 1)[1] for e in program if e.kind is Kind.GATHER} == large
+    assert sum(e.kind is Kind.GATHER for e in cost.step_program(config)) < len(large)
+    assert float(per.estimate(config).step_time) > 0

@@ -35,6 +35,7 @@ from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's prec
 from autopar.planner.cost_memory import MemoryAccount
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 from autopar.planner.segment_values import SegmentValues, state_elements
+from autopar.planner.step_program import SubmoduleFetch
 
 
 class CostModel(MemoryAccount):
@@ -43,7 +44,8 @@ class CostModel(MemoryAccount):
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
                  optimizer_states: int = 2, bucket_bytes: int = 25 * 2**20, overlap_grad_sync: bool = True,
                  scatter_gather: bool = False, recompute_collectives: bool = False,
-                 recompute_gathers: bool = False, expert_imbalance: float = 1.0) -> None:
+                 recompute_gathers: bool = False, zero3_fetch: SubmoduleFetch | None = None,
+                 expert_imbalance: float = 1.0) -> None:
         if expert_imbalance < 1:
             raise ValueError(f"expert_imbalance={expert_imbalance} is the busiest rank's routed rows over the mean; "
                              "it is at least 1 (1: balanced routing)")
@@ -58,9 +60,10 @@ class CostModel(MemoryAccount):
         self.scatter_gather = scatter_gather  # pipeline hops send 1/tp per rank, then all-gather (Megatron-LM)
         self.recompute_collectives = recompute_collectives  # full recomputation re-runs tp all-reduces (Megatron-LM)
         # dp gradient reduction overlaps backward (DDP, autopar) or follows it (Megatron-LM in 2021)
-        # full recomputation gathers ZeRO-3's parameters again for backward (DeepSpeed) or keeps them (autopar, FSDP2)
+        # full recomputation gathers ZeRO-3's parameters again for backward (DeepSpeed) or keeps them (autopar, FSDP2);
+        # ZeRO-3 gathers per layer, prefetching (autopar, FSDP2), or per submodule as DeepSpeed's 2021 coordinator
         self.data_parallel = DataParallel(precision, bucket_bytes, overlap_grad_sync, cluster.contention,
-                                          recompute_gathers)
+                                          recompute_gathers, zero3_fetch)
         self.bubbles = Bubbles()
         self._values: dict[tuple, SegmentValues] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}

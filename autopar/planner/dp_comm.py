@@ -16,7 +16,8 @@ whole each time autograd reaches its all-gather: once per microbatch when
 backward runs whole; under a split backward (``zb-h1``, ``zbv``) once when
 ``B`` finishes and once more when ``W`` lands the weight gradients of the
 group's matmuls (``autopar.core.weight_grad`` sends them through autograd in
-one call), for a group with any (``reduce_scatters``).
+one call), for a group with any (``reduce_scatters``). With ``zero3_fetch`` ZeRO-3 gathers and reduce-scatters
+per weight instead, as DeepSpeed's 2021 coordinator does (``step_program.SubmoduleFetch``).
 
 Invariant: ``reduce_scatters`` counts the calls and bytes ``pm.communication()``
 counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
@@ -35,7 +36,7 @@ from autopar.planner.comm_time import ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.config import ZERO_BUBBLE
 from autopar.planner.memory_formulas import Precision
 from autopar.planner.segment_values import SegmentValues
-from autopar.planner.step_program import Buckets, DataParallelPlan, Unit, step_program
+from autopar.planner.step_program import Buckets, DataParallelPlan, Submodule, SubmoduleFetch, Unit, step_program
 from autopar.planner.step_sim import Kind, simulate
 
 DP_KINDS = (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER, Kind.BUCKET, Kind.REPLICATE)
@@ -96,6 +97,7 @@ class DataParallel:
     overlap: bool  # buckets issued as backward produces them (DDP, autopar), or after backward (Megatron-LM 2021)
     contention: float
     recompute_gathers: bool = False  # full recomputation gathers ZeRO-3 groups for its forward and again for backward
+    zero3_fetch: SubmoduleFetch | None = None  # ZeRO-3 gathers per submodule (DeepSpeed's 2021 coordinator)
     # per rank layout (its stage lists are the cost model's, kept as long as it lives): groups, simulations
     cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -128,7 +130,7 @@ class DataParallel:
         """One rank's simulated ``Exposure`` (see ``time``): up to two microbatches simulated whole; more, as one
         and two, the second's difference repeated (each microbatch after the first enters as the second did: one
         reduction in flight); below ZeRO-2, one microbatch (the one that reduces; ``tests/test_planner_sim.py``
-        compares both with the whole program)."""
+        compares both with the whole program); ZeRO-3 per submodule (``zero3_fetch``), all of them."""
         split = c.schedule in ZERO_BUBBLE and c.pp > 1
         key = ("sim", id(stages), same, c.dp_cp, c.dp_shard, c.zero, split, c.zero_prefetch, c.recompute,
                *map(id, links), streams)
@@ -158,8 +160,8 @@ class DataParallel:
         m = c.microbatches
         if c.zero < 2:  # reduced in the last microbatch only: the ones before add nothing to wait for
             return Exposure(*run(1), plan.replicate)
-        if m <= 2:
-            return Exposure(*run(m), plan.replicate)
+        if m <= 2 or plan.fetch is not None:  # (per submodule, the trace spans the step: each microbatch keeps
+            return Exposure(*run(m), plan.replicate)  # what the next one uses first, the last does not)
         two, one = run(2), run(1)  # each microbatch after the first repeats the second
         return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)), plan.replicate)
 
@@ -211,6 +213,12 @@ class DataParallel:
         if c.replicas > 1:  # hybrid sharding: each flat group's shard gradient all-reduced over the replicas
             across = dict(replicate=ring_all_reduce(sum(padded) // n * p.grad, c.replicas, whole, len(padded)),
                           replicate_link=streams[2])
+        if c.zero == 3 and self.zero3_fetch is not None:
+            if split:
+                raise ValueError(f"zero3_fetch (ZeRO-3 gathered per submodule, DeepSpeed's coordinator) is not "
+                                 f"modelled with a split backward ({c.schedule} at pp={c.pp}); use a schedule "
+                                 "that runs backward whole or drop zero3_fetch")
+            return self._submodules(c, flat, times, link, stream, across)
         if c.zero == 3:
             again = [1 + (1 if split and d else 0) for _, d in groups.values()]
             plan = DataParallelPlan(
@@ -223,6 +231,35 @@ class DataParallel:
         buckets = self._buckets(sum(grads), lambda nbytes, count: op(nbytes, n, link, count))
         return units, DataParallelPlan(zero=c.zero, link=stream, buckets=buckets, overlap=self.overlap,
                                        names=names, **across)
+
+    def _submodules(self, c: Any, flat: list[SegmentValues], times: list[tuple], link: Link, stream: str,
+                    across: dict) -> tuple[list[Unit], DataParallelPlan]:
+        """The rank's units with their submodules, each gathering its own parameters of at least the persistence
+        threshold (``SubmoduleFetch``), and the per-parameter collectives."""
+        p, n, fetch = self.precision, c.zero_ranks, self.zero3_fetch
+        index: dict[str, int] = {}  # a parameter's (a layer instance's own: "3:name") -> its index
+        elements: list[int] = []
+        units = []
+        for i, u in enumerate(flat):
+            modules: dict[str, list[int]] = {}
+            for name, e in u.params.items():
+                if name in u.trainable and e >= fetch.persistence:
+                    key = name if name in u.common else f"{i}:{name}"  # layer instances share names
+                    if key not in index:
+                        index[key] = len(index)
+                        elements.append(e)
+                    modules.setdefault(key.rpartition(".")[0], []).append(index[key])
+            total = sum(elements[j] for ps in modules.values() for j in ps)
+            subs = tuple(Submodule(key, tuple(ps), sum(elements[j] for j in ps) / total) for key, ps in modules.items())
+            units.append(Unit(*times[i][:4], submodules=subs, recomputed=u.kind == "layer" and c.recompute == "full"))
+        names = tuple(index)
+        padded = [-(-e // n) * n for e in elements]
+        plan = DataParallelPlan(
+            zero=3, link=stream, names=names, fetch=fetch, elements=tuple(elements),
+            gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
+            reduce=tuple(ring_scatter(e * p.grad, n, link) for e in padded),
+            regathers=2 if self.recompute_gathers and c.recompute == "full" else 1, **across)
+        return units, plan
 
 
 def shared_all_reduce(ranks: list[list[list[SegmentValues]]], link: Link, grad_bytes: int) -> Any:
