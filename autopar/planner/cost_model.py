@@ -382,8 +382,9 @@ class CostModel(MemoryAccount):
     def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
                 bound: bool = False) -> Any:
         """Idle time of the busiest rank, from its per-microbatch parts (``_stage``, summed over its stages):
-        (p - 1) / v microbatches, or a zero-bubble schedule's simulated wait (``bubble.Bubbles``), whose ``F``,
-        ``B`` each carry one pipeline hop and ``W`` is a forward's compute; ``bound``: for those, a lower bound
+        (p - 1) / v microbatches, or a zero-bubble schedule's simulated wait (``bubble.Bubbles``), whose ``W``
+        is a forward's compute (and whose ``F``, ``B`` each carry one pipeline hop under Megatron's blocking
+        hops, ``scatter_gather``; autopar's are ``_pipeline_p2p``'s); ``bound``: for those, a lower bound
         that needs no simulation (``Bubbles.least_idle``)."""
         hop = p2p_t if self.scatter_gather else 0  # autopar's hops are simulated apart (``_pipeline_p2p``)
         per_microbatch = compute + tp + hop
@@ -398,24 +399,13 @@ class CostModel(MemoryAccount):
 
     def _pipeline_p2p(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any,
                       redo: Any, bound: bool = False) -> Any:
-        """What the step shows of the pipeline's transfers, from the busiest rank's per-microbatch parts
-        (``_stage``, summed over its stages; ``p2p_t``: its two hops per stage).
-
-        Megatron-LM's blocking send/recv pairs (``scatter_gather``): every hop of every microbatch. autopar's
-        runtime sends with ``isend`` and only the receiver waits: the schedule simulated with every stage
-        taking the rank's ``F``, ``B``, ``W`` over ``v`` and each message its hop on the link between the two
-        ranks (``pipeline_transfers.Transfers``), less the same schedule with free hops; ``bound``: 0, a lower
-        bound of that without simulating.
-        """
+        """What the step shows of the pipeline's transfers (``p2p_t``: the busiest rank's two hops per stage):
+        under Megatron's blocking send/recv pairs (``scatter_gather``) every hop of every microbatch; under
+        autopar's ``isend`` what the simulated schedule exposes (``Transfers.seconds``); ``bound``: 0, a lower
+        bound of that without simulating."""
         if self.scatter_gather or c.pp == 1:
             return c.microbatches * p2p_t
-        if bound:
-            return 0
-        v, split = c.stages_per_rank, c.schedule in ZERO_BUBBLE
-        weight = (compute - redo) / 3 if split else 0
-        costs = tuple(number(x, c.microbatch_size) for x in (forward, backward - weight, weight, p2p_t / 2))
-        grown = self.transfers.exposed(c.schedule, c.pp, c.microbatches, v, costs[:3], costs[3])
-        return grown / v * (compute + tp)
+        return 0 if bound else self.transfers.seconds(c, compute, tp, p2p_t, forward, backward, redo)
 
     def _rank_seconds(self, c: Config, stages: list[list[SegmentValues]], tp_link: Any, pp_link: Any) -> list[Any]:
         """A rank's ``_stage`` seconds summed over its stages."""

@@ -27,9 +27,13 @@ results by those and the stage times and hops.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from autopar.core.schedule import B, F, W, Schedule
 from autopar.core.simulate import Timing
 from autopar.planner.bubble import Bubbles
+from autopar.planner.config import ZERO_BUBBLE, Config
+from autopar.planner.expr import number
 
 RESOLUTION = 4000  # F, B, W and the hop are rounded to 1/4000 of a stage's F + B + W before simulating
 
@@ -72,6 +76,17 @@ class Transfers:
                 free = self._free[key[:-1]] = step_makespan(order, times, (0.0,) * n)
             self._exposed[key] = max(step_makespan(order, times, (float(h),) * n) - free, 0.0) / (f + b + w)
         return self._exposed[key]
+
+    def seconds(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any) -> Any:
+        """``exposed`` in seconds for configuration ``c``, from the busiest rank's per-microbatch parts summed over
+        its ``v`` stages (``CostModel._stage``: compute, tp, its two hops per stage, forward, backward, recomputed):
+        every stage takes the rank's ``F``, ``B`` (``W``: a forward's compute under a split backward) over ``v``;
+        symbolic in ``b``, the ratios are those at ``c.microbatch_size``."""
+        v = c.stages_per_rank
+        weight = (compute - redo) / 3 if c.schedule in ZERO_BUBBLE else 0
+        costs = [number(x, c.microbatch_size) for x in (forward, backward - weight, weight, p2p_t / 2)]
+        grown = self.exposed(c.schedule, c.pp, c.microbatches, v, (costs[0], costs[1], costs[2]), costs[3])
+        return grown / v * (compute + tp)
 
     def order(self, schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[Step, ...]:
         """``make_schedule``'s schedule as ``Step`` s, each after what it consumes (``Timing.of``'s order)."""
