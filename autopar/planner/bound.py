@@ -2,14 +2,14 @@
 
 The search estimates every configuration's memory (``CostModel.estimate(timed=False)``):
 what fits, and by how much the others do not, is needed of each. Their step
-time costs more (the zero-bubble schedules' bubble is simulated, ZeRO-3's
-collectives counted per flat group) and only a few of them are read: the best
+time costs more (the zero-bubble schedules' bubble and the pipeline's
+transfers are simulated, ZeRO-3's collectives counted per flat group) and only a few of them are read: the best
 ``top`` that fit (the table), the best of each mesh (the explanation compares
 the best with every other tp and pp size and with the best with or without
 hybrid sharding; the measured checks run each mesh's best) and the best that
 autopar runs. ``timed_candidates`` bounds each fitting configuration's step
 time from below (``CostModel.step_time_bound``: the step
-without those two dear parts, exact otherwise), visits them from the lowest
+without those dear parts, exact otherwise), visits them from the lowest
 bound up, and times one only while its bound could still beat one of those.
 
 Invariant: sorted by ``rank_key``, the candidates returned begin with the same

@@ -20,7 +20,8 @@ Invariant: with ``F``, ``B`` and ``W`` taking the same time, the wait is what
 """
 from __future__ import annotations
 
-from autopar.core.schedules import make_schedule
+from autopar.core.schedule import Schedule
+from autopar.core.schedules import make_schedule, stages_per_rank
 from autopar.core.simulate import Timing
 
 RESOLUTION = 200  # F, B and W are rounded to 1/200 of a stage's F + B + W before simulating
@@ -30,7 +31,7 @@ class Bubbles:
     """Waits of generated pipeline schedules, simulated once per (schedule, p, m, rounded cost ratios)."""
 
     def __init__(self) -> None:
-        self._timings: dict[tuple[str, int, int], Timing] = {}
+        self._prepared: dict[tuple[str, int, int, int], tuple[Schedule, Timing]] = {}
         self._idle: dict[tuple[str, int, int, int, int, int], float] = {}
 
     def idle(self, schedule: str, pp: int, microbatches: int, costs: tuple[float, float, float]) -> float:
@@ -61,11 +62,17 @@ class Bubbles:
 
     def timing(self, name: str, pp: int, microbatches: int) -> tuple[Timing, int]:
         """The compute-only schedule ``make_schedule`` generates, prepared for timing once; its stages per rank."""
-        key = (name, pp, microbatches)
-        if key not in self._timings:
-            self._timings[key] = Timing.of(make_schedule(name, pp, microbatches))
-        timing = self._timings[key]
+        timing = self.prepared(name, pp, microbatches)[1]
         return timing, len(timing.steps) // (3 * pp * microbatches)
+
+    def prepared(self, name: str, pp: int, microbatches: int, v: int | None = None) -> tuple[Schedule, Timing]:
+        """``make_schedule(name, pp, microbatches, v)`` and its ``Timing``, made once (``pipeline_transfers`` times
+        the same schedules)."""
+        key = (name, pp, microbatches, stages_per_rank(name, v))
+        if key not in self._prepared:
+            schedule = make_schedule(name, pp, microbatches, key[3])
+            self._prepared[key] = schedule, Timing.of(schedule)
+        return self._prepared[key]
 
 
 

@@ -21,6 +21,7 @@ from autopar.passes.stage_cuts import balanced_cuts
 from autopar.planner.comm_time import collective, p2p, ring_gather
 from autopar.planner import recompute_cost
 from autopar.planner.bubble import Bubbles
+from autopar.planner.pipeline_transfers import Transfers
 from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
@@ -65,6 +66,7 @@ class CostModel(MemoryAccount):
         self.data_parallel = DataParallel(precision, bucket_bytes, overlap_grad_sync, cluster.contention,
                                           recompute_gathers, zero3_fetch)
         self.bubbles = Bubbles()
+        self.transfers = Transfers(self.bubbles)
         self._values: dict[tuple, SegmentValues] = {}
         self._cuts: dict[tuple, list[list[int]]] = {}
         self._comm: dict[int, tuple[Any, Any]] = {}  # id of a SegmentValues -> its tp seconds, forward and backward
@@ -274,16 +276,17 @@ class CostModel(MemoryAccount):
 
     def step_time_bound(self, config: Config) -> float:
         """A lower bound of ``estimate(config).step_time`` that costs a fraction of it: the step with a lower
-        bound of the zero-bubble schedules' simulated bubble (``Bubbles.least_idle``); 0 where ranks share
-        cores (there the simulated step can be shorter than its parts)."""
+        bound of the zero-bubble schedules' simulated bubble (``Bubbles.least_idle``) and none of the pipeline's
+        simulated transfers (``_pipeline_p2p``); 0 where ranks share cores (there the simulated step can be
+        shorter than its parts)."""
         if self.cluster.cores:
             return 0.0
         return float(sum(self._time(config, self._rank_units(config, config.microbatch_size), bound=True)[0].values()))
 
     def exact_bound(self, config: Config) -> bool:
-        """Whether ``step_time_bound(config)`` is the step time itself (no zero-bubble schedule's bubble to
-        simulate, no shared cores)."""
-        return not self.cluster.cores and (config.pp == 1 or config.schedule not in ZERO_BUBBLE)
+        """Whether ``step_time_bound(config)`` is the step time itself (no pipeline transfers or zero-bubble
+        schedule's bubble to simulate, no shared cores)."""
+        return not self.cluster.cores and (config.pp == 1 or self.scatter_gather and config.schedule not in ZERO_BUBBLE)
 
     def _time(self, c: Config, ranks: list[list[list[SegmentValues]]],
               bound: bool = False) -> tuple[dict[str, Any], dict[str, AxisLinks]]:
@@ -312,7 +315,7 @@ class CostModel(MemoryAccount):
         out = {
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,
-            "pipeline_p2p": m * p2p_t + sync,
+            "pipeline_p2p": self._pipeline_p2p(c, compute, tp, p2p_t, forward, backward, redo, bound) + sync,
             "expert_parallel": m * largest([self._all_to_all_seconds(c, stages) for stages in ranks]),
             "context_parallel": m * largest([self._ring_seconds(c, stages) for stages in ranks]),
             "bubble": self._bubble(c, compute, tp, p2p_t, forward, backward, redo, bound),
@@ -328,7 +331,7 @@ class CostModel(MemoryAccount):
             work = sum(m * t[0] + a + o for t, a, o in zip(per_rank, accumulate, optimizer)) * c.dp_cp * c.tp / (
                 cl.cores * nodes)
             out["shared_cores"] = largest([work - sum(out.values()) + out["data_parallel"], 0])
-        axes = axis_links(c, cl, out, serial, dp) if numeric else {}
+        axes = axis_links(c, cl, out, serial, dp, m * p2p_t + sync) if numeric else {}
         return out, axes
 
     def step_program(self, config: Config, rank: int = 0, microbatches: int | None = None) -> list:
@@ -382,18 +385,30 @@ class CostModel(MemoryAccount):
     def _bubble(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any, redo: Any,
                 bound: bool = False) -> Any:
         """Idle time of the busiest rank, from its per-microbatch parts (``_stage``, summed over its stages):
-        (p - 1) / v microbatches, or a zero-bubble schedule's simulated wait (``bubble.Bubbles``), whose ``F``,
-        ``B`` each carry one pipeline hop and ``W`` is a forward's compute; ``bound``: for those, a lower bound
+        (p - 1) / v microbatches, or a zero-bubble schedule's simulated wait (``bubble.Bubbles``), whose ``W``
+        is a forward's compute (and whose ``F``, ``B`` each carry one pipeline hop under Megatron's blocking
+        hops, ``scatter_gather``; autopar's are ``_pipeline_p2p``'s); ``bound``: for those, a lower bound
         that needs no simulation (``Bubbles.least_idle``)."""
-        per_microbatch = compute + tp + p2p_t
+        hop = p2p_t if self.scatter_gather else 0  # autopar's hops are simulated apart (``_pipeline_p2p``)
+        per_microbatch = compute + tp + hop
         if c.schedule not in ZERO_BUBBLE or c.pp == 1:
             return (c.pp - 1) / c.stages_per_rank * per_microbatch
         weight = (compute - redo) / 3
-        phases = (forward + p2p_t / 2, backward - weight + p2p_t / 2, weight)
+        phases = (forward + hop / 2, backward - weight + hop / 2, weight)
         costs = tuple(number(x, c.microbatch_size) for x in phases)
         idle = self.bubbles.least_idle(c.pp, costs) if bound else self.bubbles.idle(c.schedule, c.pp, c.microbatches,
                                                                                    costs)
         return idle / c.stages_per_rank * per_microbatch
+
+    def _pipeline_p2p(self, c: Config, compute: Any, tp: Any, p2p_t: Any, forward: Any, backward: Any,
+                      redo: Any, bound: bool = False) -> Any:
+        """What the step shows of the pipeline's transfers (``p2p_t``: the busiest rank's two hops per stage):
+        under Megatron's blocking send/recv pairs (``scatter_gather``) every hop of every microbatch; under
+        autopar's ``isend`` what the simulated schedule exposes (``Transfers.seconds``); ``bound``: 0, a lower
+        bound of that without simulating."""
+        if self.scatter_gather or c.pp == 1:
+            return c.microbatches * p2p_t
+        return 0 if bound else self.transfers.seconds(c, compute, tp, p2p_t, forward, backward, redo)
 
     def _rank_seconds(self, c: Config, stages: list[list[SegmentValues]], tp_link: Any, pp_link: Any) -> list[Any]:
         """A rank's ``_stage`` seconds summed over its stages."""

@@ -65,9 +65,11 @@ class Estimate:
         return self.model_flops / self.step_time / self.config.devices
 
 
-def axis_links(c: Config, cluster: Any, time: dict[str, Any], serial: Any, dp: Any) -> dict[str, AxisLinks]:
+def axis_links(c: Config, cluster: Any, time: dict[str, Any], serial: Any, dp: Any,
+               pp_busy: Any = None) -> dict[str, AxisLinks]:
     """Each mesh axis's ``AxisLinks`` in a step of ``c`` whose parts are ``time``: ``serial`` seconds of dp
-    collectives that never overlap and the simulated ``dp_comm.Exposure`` ``dp`` of the others. Under hybrid
+    collectives that never overlap and the simulated ``dp_comm.Exposure`` ``dp`` of the others; ``pp_busy``
+    the seconds the pipeline's transfers keep its link busy (default: what the step shows of them). Under hybrid
     sharding dp is two axes: ``dp_shard`` (ZeRO's collectives) and ``dp_replicate`` (the all-reduce across
     replicas, after backward: all of it exposed). A group of ranks spread over ``span`` consecutive ranks runs
     inside a node where ``span`` fits one."""
@@ -77,7 +79,7 @@ def axis_links(c: Config, cluster: Any, time: dict[str, Any], serial: Any, dp: A
     if c.dp_shard:
         rows.append(("dp_replicate", c.replicas, c.devices, dp.replicate, dp.replicate, 0.0))
     rows += [("tp", c.tp, tp, time["tensor_parallel"], time["tensor_parallel"], 0.0),
-             ("pp", c.pp, tp_pp, time["pipeline_p2p"], time["pipeline_p2p"], 0.0)]
+             ("pp", c.pp, tp_pp, time["pipeline_p2p"] if pp_busy is None else pp_busy, time["pipeline_p2p"], 0.0)]
     return {axis: AxisLinks("intra" if span <= cluster.devices_per_node else "inter", cluster.link(span).bandwidth,
                             float(busy), float(exposed), float(extra))
             for axis, size, span, busy, exposed, extra in rows if size > 1}

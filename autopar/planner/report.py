@@ -150,8 +150,8 @@ def _links(best: Candidate) -> list[str]:
         said = (f"{axis} ({AXIS_WORDS[axis]}, {where} at {gb(x.bandwidth)}/s): busy {_seconds(x.busy)}, "
                 f"{x.busy / e.step_time:.0%} of the step")
         if x.hidden > 0:
-            said += (f"; {_seconds(x.hidden)} hidden behind compute, {_seconds(x.exposed)} exposed, and compute "
-                     f"{_seconds(x.contention)} slower beside it")
+            said += f"; {_seconds(x.hidden)} hidden behind compute, {_seconds(x.exposed)} exposed"
+            said += f", and compute {_seconds(x.contention)} slower beside it" if x.contention else ""
         else:
             said += ", all exposed (compute waits for it)"
         parts.append(said)
