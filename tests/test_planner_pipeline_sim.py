@@ -170,6 +170,8 @@ def _simulated_waits(p: int, m: int, times: tuple) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow  # measured waits: a loaded machine's scheduling adds waits of its own (opt-in, as the
+# planner's other wall-clock checks)
 def test_the_runtimes_receivers_wait_where_the_simulation_makes_them(pipeline_runtime) -> None:
     """1F1B on 2 stages, 4 microbatches, simulated with the runtime's own median F and B seconds per stage: a
     receive the simulation makes wait half a forward or more waits over a quarter of one in the runtime, one it
