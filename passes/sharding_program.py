@@ -225,9 +225,10 @@ class Program:
         integrality = np.zeros(len(self.c))
         integrality[: self.decisions] = 1
         key = _digest(objective, integrality, self.constraints)
-        result = _SOLVED.pop(key, None) or milp(
-            objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
-            options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
+        result = _SOLVED.pop(key, None)
+        if result is None:
+            result = milp(objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
+                          options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
         _SOLVED[key] = result  # (most recently used last)
         while len(_SOLVED) > SOLVED_KEPT:
             _SOLVED.popitem(last=False)
