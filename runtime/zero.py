@@ -1,8 +1,11 @@
 """ZeRO stages 1-3 over the dp axis on one rank: flat shards, gradient reduction, the sharded optimizer step.
 
 Under hybrid sharding (``Mesh(dp=(replicate, shard))``) the shards are over the
-rank's ``dp_shard`` group, and after the reductions each shard's gradient is
-all-reduced over its ``dp_replicate`` group (the ranks holding the same slice).
+rank's ``dp_shard`` group, and each shard's gradient is all-reduced over its
+``dp_replicate`` group (the ranks holding the same slice) as soon as a
+reduction issued in its stage's last backward action (``arm(last=True)``: no
+gradient of the stage comes after it) has landed, beside the rest of backward;
+a group that action does not reduce is all-reduced in ``finish``.
 
 ``ZeroRuntime`` acts only on the rank's own parameter tensors and its dp process
 group, so a pipeline rank (its stage's parameters) or a tensor-parallel rank
@@ -33,7 +36,7 @@ from autopar.runtime import zero_kernels as _kernels  # noqa: F401  (runs the au
 from autopar.runtime.groups import Groups
 from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
-from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, average_over_replicas
+from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, ReplicaReduce
 from autopar.runtime.zero_trace import ZeroTrace
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
@@ -112,7 +115,9 @@ class ZeroRuntime:
         check_optimizer(settings.optimizer, [p for _, p in named], self.stage)
         self.tracker = GatheredBytes()
         self.trace = ZeroTrace()  # each layer's gathers, reductions and backward, for pm.timeline(layers=True)
-        self.queue = ReduceQueue(trace=self.trace)
+        replicate = groups["dp_replicate"] if mesh.dp_replicate > 1 else None
+        self.replicas = ReplicaReduce(replicate, mesh.dp_replicate, self.trace) if replicate is not None else None
+        self.queue = ReduceQueue(trace=self.trace, replicas=self.replicas)
         by_name = dict(named)
         self.shards: list[FlatShard] = []
         self.members: dict[FlatShard, list[torch.nn.Parameter]] = {}
@@ -174,9 +179,12 @@ class ZeroRuntime:
 
     # gradient sync (the interface of runtime.grad_sync.BucketedAllReduce) ----------
     def arm(self, last: bool) -> None:
-        """Stage 1: whether the gradients the next backward completes are reduced (``last``: its stage's last
-        microbatch; full gradients accumulate until then). Stages 2-3 reduce every microbatch's."""
+        """Whether the next backward (B or W) is its stage's last action that computes gradients before the step's
+        reduction (``last``). Stage 1 reduces only then (full gradients accumulate until then); stages 2-3 reduce
+        every microbatch's. A reduction issued in it is its group's final one of the step (hybrid sharding: the
+        all-reduce across replicas follows it)."""
         self._armed = last
+        self.queue.final = last
 
     def _on_grad(self, p: torch.Tensor) -> None:
         fs = self._group_of[id(p)]
@@ -214,7 +222,9 @@ class ZeroRuntime:
             elif self.stage == 2 and any(p.grad is not None for p in self.members[fs]):
                 self._launch(fs)
         self.queue.drain()
-        average_over_replicas(self.shards, self.groups["dp_replicate"], self.groups.mesh.dp_replicate)
+        if self.replicas is not None:
+            self.replicas.finish(self.shards)
+        self.queue.final = False
         for fs in self.shards:
             fs.shard.grad = None if fs.fresh else fs.grad
         self._ready.clear()

@@ -15,8 +15,11 @@ which the all-gather reads in place), and ``GatheredBytes`` measures how many
 bytes of them are alive.
 Gradients are reduced in ``reduce_dtype`` (default the parameters') and
 accumulate into ``grad`` in the parameters' dtype. Under hybrid sharding the
-group is the rank's ``dp_shard`` group, and ``average_over_replicas`` then
-averages each ``grad`` over the ``dp_replicate`` ranks holding the same slice.
+group is the rank's ``dp_shard`` group, and ``ReplicaReduce`` averages each
+``grad`` over the ``dp_replicate`` ranks holding the same slice: a group's
+all-reduce starts as soon as the step's last reduction of it has landed, while
+backward goes on (as FSDP2's hybrid sharding does), and the step waits for all
+of them before the optimizer.
 """
 from __future__ import annotations
 
@@ -258,26 +261,44 @@ class FlatShard:
         self.fresh = False
 
 
-def average_over_replicas(shards: list[FlatShard], group: dist.ProcessGroup | None, n: int) -> None:
-    """Hybrid sharding: all-reduces the gradient of every shard that got one this step over ``group`` (the
-    ``n`` ``dp_replicate`` ranks holding the same slices) in its ``reduce_dtype``, all in flight together, and
-    divides by ``n``; each slice was averaged over its shard group, so it ends averaged over all of dp."""
-    if group is None:
-        return
-    works = []
-    for fs in shards:
-        if fs.fresh or fs.grad is None:
-            continue
+class ReplicaReduce:
+    """Hybrid sharding: each flat group's averaged shard gradient all-reduced over the rank's ``dp_replicate``
+    group (the ``n`` ranks holding the same slices), in the group's ``reduce_dtype``, then divided by ``n``: each
+    slice was averaged over its shard group, so it ends averaged over all of dp.
+
+    ``start`` issues a group's all-reduce (the reduce queue calls it when the step's last reduction of the group
+    lands, so it runs beside the rest of backward); ``finish`` starts those no final reduction started (a
+    schedule whose last reduction of a group is not known in advance) and waits for every one. Replica ranks
+    run the same program, so they issue the all-reduces in the same order."""
+
+    def __init__(self, group: dist.ProcessGroup, n: int, trace: ZeroTrace | None = None) -> None:
+        self.group, self.n, self.trace = group, n, trace
+        self._pending: dict[FlatShard, tuple[torch.Tensor, object, Span | None]] = {}
+
+    def started(self, fs: FlatShard) -> bool:
+        return fs in self._pending
+
+    def start(self, fs: FlatShard) -> None:
+        if fs in self._pending or fs.fresh or fs.grad is None:
+            return
         buf = fs.grad if fs.grad.dtype == fs.reduce_dtype else fs.grad.to(fs.reduce_dtype)
+        span = self.trace.open(ZeroEvent.ALL_REDUCE, fs.spec.name) if self.trace is not None else None
         fs.record("zero_all_reduce", DP_SUBAXES[0], buf)
-        works.append((fs, buf, dist.all_reduce(buf, group=group, async_op=True)))
-    with torch.no_grad():
-        for fs, buf, work in works:
-            work.wait()
-            if buf is fs.grad:
-                buf.div_(n)
-            else:
-                fs.grad.copy_(buf.div_(n))
+        self._pending[fs] = (buf, dist.all_reduce(buf, group=self.group, async_op=True), span)
+
+    def finish(self, shards: list[FlatShard]) -> None:
+        for fs in shards:
+            self.start(fs)
+        pending, self._pending = self._pending, {}
+        with torch.no_grad():
+            for fs, (buf, work, span) in pending.items():
+                work.wait()
+                if span is not None:
+                    span.close()
+                if buf is fs.grad:
+                    buf.div_(self.n)
+                else:
+                    fs.grad.copy_(buf.div_(self.n))
 
 
 def _finish(gather: _Prefetch) -> None:
@@ -298,6 +319,7 @@ class _Reduction:
     in_place: bool  # stage 1: ``out`` is the shard's gradient itself
     owned: bool  # nothing else reads ``src``: its storage is released once the slice is taken
     span: Span | None  # issued .. waited for, in the rank's ``ZeroTrace``
+    final: bool  # the step's last reduction of ``shard``: its all-reduce across replicas follows it
 
 
 class ReduceQueue:
@@ -306,13 +328,31 @@ class ReduceQueue:
     A flat gradient the queue owns (converted, copied or handed over with ``owned``) is released when its
     reduction completes, as gathered buffers are: gloo may keep a completed collective's tensor referenced
     for a while, and memory should follow the step, not that timing.
+
+    Under hybrid sharding (``replicas``) a reduction issued while ``final`` is set is the step's last of its
+    group (the owner sets ``final`` where that is known): when it lands, the group's all-reduce across the
+    replicas starts. A reduction of a group whose all-reduce has started is refused (it would be lost).
     """
 
-    def __init__(self, inflight: int = 1, trace: ZeroTrace | None = None) -> None:
+    def __init__(self, inflight: int = 1, trace: ZeroTrace | None = None,
+                 replicas: ReplicaReduce | None = None) -> None:
         self.inflight = inflight
         self.trace = trace
+        self.replicas = replicas
+        self.final = False
         self._pending: deque[_Reduction] = deque()
         self.launched = 0  # reduce-scatters launched since construction (for tests and the plan)
+
+    def _landed(self, shard: FlatShard, final: bool) -> None:
+        """After ``shard``'s reduced slice was added to its gradient: its all-reduce across replicas, if final."""
+        if self.replicas is not None and final:
+            self.replicas.start(shard)
+
+    def _check_open(self, shard: FlatShard) -> None:
+        if self.replicas is not None and self.replicas.started(shard):
+            raise RuntimeError(f"internal error: {shard} got a gradient reduction after its all-reduce across "
+                               "replicas had started (its last reduction of the step was mistaken); please "
+                               "report it with the model and the schedule")
 
     def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, *, wait: bool = True, owned: bool = False) -> None:
         """Reduce-scatters ``flat`` (the group's padded flat gradient) into a new slice, added to ``grad`` later.
@@ -320,9 +360,11 @@ class ReduceQueue:
         With ``wait``, older reduce-scatters beyond ``inflight`` are completed first; without, call ``limit``.
         ``owned``: nothing else reads ``flat``, so the reduction may overwrite it and free it when done.
         """
+        self._check_open(shard)
         if shard.group is None:
             lo = shard.index * shard.spec.shard
             shard.accumulate(flat[lo : lo + shard.spec.shard].clone(), in_place=False)
+            self._landed(shard, self.final)
             return
         gloo = dist.get_backend(shard.group) == "gloo"
         if not owned and gloo:
@@ -332,15 +374,17 @@ class ReduceQueue:
         span = self._open(shard)
         shard.record("zero_reduce_scatter", shard.axis, flat)
         work = reduce_scatter_async(out, flat, shard.index, shard.group, shard.axis)
-        self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned, span=span))
+        self._push(_Reduction(shard, work, out, flat, in_place=False, owned=owned, span=span, final=self.final))
         if wait:
             self.limit()
 
     def reduce_scatter_in_place(self, shard: FlatShard) -> None:
         """Stage 1: reduce-scatters ``grad_full`` into its own slice ``grad`` (through a copy in the shard's
         ``reduce_dtype`` when that differs)."""
+        self._check_open(shard)
         if shard.group is None:
             shard.accumulate(shard.grad, in_place=True)
+            self._landed(shard, self.final)
             return
         if shard.reduce_dtype != shard.grad_full.dtype:
             self.reduce_scatter(shard, shard.grad_full.to(shard.reduce_dtype), owned=True)
@@ -348,7 +392,8 @@ class ReduceQueue:
         span = self._open(shard)
         shard.record("zero_reduce_scatter", shard.axis, shard.grad_full)
         work = reduce_scatter_async(shard.grad, shard.grad_full, shard.index, shard.group, shard.axis)
-        self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False, span=span))
+        self._push(_Reduction(shard, work, shard.grad, shard.grad_full, in_place=True, owned=False, span=span,
+                              final=self.final))
         self.limit()
 
     def _open(self, shard: FlatShard) -> Span | None:
@@ -377,6 +422,7 @@ class ReduceQueue:
         r.shard.accumulate(r.out if r.out is not None else r.work.result, in_place=r.in_place)
         if r.owned:
             r.src.untyped_storage().resize_(0)
+        self._landed(r.shard, r.final)
 
     def drain(self) -> None:
         while self._pending:

@@ -9,6 +9,7 @@ An event is ``(what, start, end)`` in ``time.perf_counter`` seconds, the clock o
 | ``regather <group>``    | backward's all-gather of a layer issued    | waited for (backward reads it), or dropped  |
 | ``backward <group>``    | the layer's first saved parameter unpacked | the layer's parameter gradient complete     |
 | ``reduce_scatter <group>`` | the gradient's reduction issued          | waited for (its slice added to the shard's gradient) |
+| ``all_reduce <group>``  | hybrid sharding: the shard gradient's all-reduce across replicas issued | waited for (before the optimizer) |
 
 Only the order and the times are recorded; nothing here waits or allocates.
 """
@@ -25,6 +26,7 @@ class ZeroEvent(enum.Enum):
     REGATHER = "regather"
     BACKWARD = "backward"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"  # hybrid sharding: a shard gradient across the replicas
 
 
 @dataclass

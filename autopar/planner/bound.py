@@ -62,8 +62,9 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
         c = fitting[i]
         low = bound * (1 - SLACK)
         groups = _groups(c)
-        if len(leaders) >= top and rounded(low) > -leaders[0] and all(low > best.get(g, math.inf) for g in groups):
-            continue  # cannot be among the best ``top``, nor beat the best of any of its groups
+        if len(leaders) >= top and rounded(low) > -leaders[0] and \
+                all(rounded(low) > rounded(best.get(g, math.inf)) for g in groups):
+            continue  # cannot be among the best ``top``, nor beat or tie (``rank_key``) the best of any of its groups
         t = c.step_time
         out.append(c)
         if not c.cost.exact_bound(c.config):  # (an exact one is among the leaders already, if it leads)

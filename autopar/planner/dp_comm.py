@@ -84,7 +84,8 @@ class Exposure:
     exposed: Any = 0.0
     contention: Any = 0.0
     busy: Any = 0.0
-    replicate: Any = 0.0  # hybrid sharding: seconds of the all-reduce across replicas (after backward: exposed)
+    replicate: Any = 0.0  # hybrid sharding: seconds the all-reduces across replicas keep their link busy (in busy)
+    replicate_exposed: Any = 0.0  # ... and the seconds the step runs on after everything else (in exposed)
 
 
 @dataclass(frozen=True)
@@ -138,32 +139,41 @@ class DataParallel:
             self.cache[key] = ({}, self._units(c, stages, seconds(stages), links, streams, split))
         sims, (units, plan) = self.cache[key]
 
-        def run(m: int) -> tuple[float, float, float]:
-            """(exposed, contention, busy) of the first ``m`` microbatches; a simulation of two gives one too."""
+        def run(m: int) -> tuple[float, ...]:
+            """(exposed, contention, busy, replicas' busy, replicas' exposed) of the first ``m`` microbatches; a
+            simulation of two gives one too, where nothing runs across replicas (their all-reduces follow a
+            step's last microbatch: a prefix holds none)."""
             if m not in sims:
                 marks: list[int] = []
                 program = step_program(units, plan, m, tp_link=streams[1], marks=marks)
                 timeline = simulate(program, self.contention)
-                base = busy = 0.0
+                base = busy = across = 0.0
+                others = 0.0  # when the last event not across replicas ends
                 ends = {k: n + 1 for n, k in enumerate(marks[:-1])}  # microbatch n + 1 ends after event k - 1
                 for k, e in enumerate(program):
                     if e.kind is Kind.COMPUTE or e.kind is Kind.TP:
                         base += e.seconds
                     elif e.kind in DP_KINDS:
                         busy += e.seconds
-                    if k + 1 in ends:  # a shorter program's numbers, from this one's prefix (whose all-reduce
-                        span, lost = timeline.upto(k + 1)  # across replicas starts when everything has ended)
-                        sims.setdefault(ends[k + 1], (span + plan.replicate - base - lost, lost, busy + plan.replicate))
-                sims[m] = (timeline.makespan - base - timeline.stretch, timeline.stretch, busy)
+                    if e.kind is Kind.REPLICATE:
+                        across += e.seconds
+                    elif e.kind is not Kind.WAIT:
+                        others = max(others, timeline.end[k])
+                    if k + 1 in ends and not hybrid:  # a shorter program's numbers, from this one's prefix
+                        span, lost = timeline.upto(k + 1)
+                        sims.setdefault(ends[k + 1], (span - base - lost, lost, busy, 0.0, 0.0))
+                sims[m] = (timeline.makespan - base - timeline.stretch, timeline.stretch, busy, across,
+                           timeline.makespan - others)
             return sims[m]
 
+        hybrid = bool(plan.replicate or plan.replicate_buckets)
         m = c.microbatches
         if c.zero < 2:  # reduced in the last microbatch only: the ones before add nothing to wait for
-            return Exposure(*run(1), plan.replicate)
+            return Exposure(*run(1))
         if m <= 2 or plan.fetch is not None:  # (per submodule, the trace spans the step: each microbatch keeps
-            return Exposure(*run(m), plan.replicate)  # what the next one uses first, the last does not)
-        two, one = run(2), run(1)  # each microbatch after the first repeats the second
-        return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one, two)), plan.replicate)
+            return Exposure(*run(m))  # what the next one uses first, the last does not)
+        two, one = run(2), run(1)  # each microbatch after the first repeats the second (the replicas' all-reduces
+        return Exposure(*(max(a + (m - 1) * (b - a), 0.0) for a, b in zip(one[:3], two[:3])), *two[3:])  # once)
 
     def _buckets(self, total: float, seconds: Any = None) -> Buckets:
         """The buckets ``total`` bytes of gradients make (``autopar.core.buckets.bucket_sizes``)."""
@@ -209,10 +219,14 @@ class DataParallel:
         units = [Unit(*t[:4], groups=tuple(index[g] for g in mine), gradients=grad)
                  for t, mine, grad in zip(times, uses, grads)]
         padded = [-(-e // n) * n for e, _ in groups.values()]
-        across = {}
+        across: dict = {}
         if c.replicas > 1:  # hybrid sharding: each flat group's shard gradient all-reduced over the replicas
-            across = dict(replicate=ring_all_reduce(sum(padded) // n * p.grad, c.replicas, whole, len(padded)),
-                          replicate_link=streams[2])
+            across = dict(replicate_link=streams[2])
+            if c.zero == 3:  # a group's, as its last reduce-scatter lands
+                across["replicate"] = tuple(ring_all_reduce(e // n * p.grad, c.replicas, whole) for e in padded)
+            else:  # a bucket's (a flat group of the runtime's)
+                across["replicate_buckets"] = lambda nbytes, count: ring_all_reduce(nbytes / n, c.replicas, whole,
+                                                                                    count)
         if c.zero == 3 and self.zero3_fetch is not None:
             if split:
                 raise ValueError(f"zero3_fetch (ZeRO-3 gathered per submodule, DeepSpeed's coordinator) is not "

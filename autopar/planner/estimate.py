@@ -70,14 +70,14 @@ def axis_links(c: Config, cluster: Any, time: dict[str, Any], serial: Any, dp: A
     """Each mesh axis's ``AxisLinks`` in a step of ``c`` whose parts are ``time``: ``serial`` seconds of dp
     collectives that never overlap and the simulated ``dp_comm.Exposure`` ``dp`` of the others; ``pp_busy``
     the seconds the pipeline's transfers keep its link busy (default: what the step shows of them). Under hybrid
-    sharding dp is two axes: ``dp_shard`` (ZeRO's collectives) and ``dp_replicate`` (the all-reduce across
-    replicas, after backward: all of it exposed). A group of ranks spread over ``span`` consecutive ranks runs
+    sharding dp is two axes: ``dp_shard`` (ZeRO's collectives) and ``dp_replicate`` (the all-reduces across
+    replicas, beside the rest of backward; exposed what the step runs on after everything else). A group of ranks spread over ``span`` consecutive ranks runs
     inside a node where ``span`` fits one."""
     tp, tp_pp = c.tp, c.tp * c.pp
     rows = [("dp_shard" if c.dp_shard else "dp", c.zero_ranks, c.zero_ranks * tp_pp, serial + dp.busy - dp.replicate,
-             time["data_parallel"] - dp.replicate, dp.contention)]
+             time["data_parallel"] - dp.replicate_exposed, dp.contention)]
     if c.dp_shard:
-        rows.append(("dp_replicate", c.replicas, c.devices, dp.replicate, dp.replicate, 0.0))
+        rows.append(("dp_replicate", c.replicas, c.devices, dp.replicate, dp.replicate_exposed, 0.0))
     rows += [("tp", c.tp, tp, time["tensor_parallel"], time["tensor_parallel"], 0.0),
              ("pp", c.pp, tp_pp, time["pipeline_p2p"] if pp_busy is None else pp_busy, time["pipeline_p2p"], 0.0)]
     return {axis: AxisLinks("intra" if span <= cluster.devices_per_node else "inter", cluster.link(span).bandwidth,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "expert_parallel", "context_parallel", "bubble",
              "shared_cores", "data_parallel", "contention", "optimizer")
 AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline",
-              "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, after backward"}
+              "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, beside backward"}
 
 
 # ---------------------------------------------------------------------------
@@ -260,10 +260,11 @@ def _hybrid_reason(result: PlanResult) -> list[str]:
     h = best if hybrid else other
     c, link = h.config, h.estimate.links.get("dp_shard")
     where = "inside a node" if link is not None and link.link == "intra" else "between nodes"
-    across = h.estimate.links["dp_replicate"].busy if "dp_replicate" in h.estimate.links else 0.0
+    across = h.estimate.links.get("dp_replicate")
+    busy, exposed = (across.busy, across.exposed) if across is not None else (0.0, 0.0)
     how = (f"dp=({c.replicas}, {c.dp_shard}) shards ZeRO-{c.zero} over {c.dp_shard} ranks {where} and all-reduces "
-           f"each shard's gradients across the {c.replicas} replicas after backward, {_seconds(across)} exposed "
-           f"(docs/zero.md)")
+           f"each shard's gradients across the {c.replicas} replicas beside backward, {_seconds(busy)} of them, "
+           f"{_seconds(exposed)} exposed (docs/zero.md)")
     ratio = other.step_time / best.step_time
     worse = _biggest_difference(other, best)
     if hybrid:

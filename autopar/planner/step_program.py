@@ -21,12 +21,11 @@ adds, as ``runtime/zero.py`` and ``runtime/zero_group.py`` issue them:
   did). ZeRO-2 reduces in every microbatch, ZeRO 0 and 1 in the last only;
   ZeRO 1-2's reductions share ZeRO's queue (one in flight), DDP's all-reduces
   do not wait for each other. All are waited for at the end of the step.
-- **Hybrid sharding** (``replicate``): once the step's last reduction has
-  ended (``runtime/zero.py``'s ``finish``: ZeRO's queue drained), one
-  all-reduce of every flat group's shard gradient across the replicas, all in
-  flight together (one event on the replicas' link), before the optimizer:
-  nothing computes beside it, so all of it shows.
-
+- **Hybrid sharding** (``replicate``): in the last microbatch, as ZeRO's
+  queue waits for a reduction (before the next, or at the end of the step),
+  the all-reduce of that group's (or buckets') shard gradient across the
+  replicas is issued on their link (``runtime/zero_group.py``'s
+  ``ReplicaReduce``), beside the rest of backward.
 - **ZeRO-3 per submodule** (``fetch``: DeepSpeed's ZeRO-3 of 2021, its
   ``PartitionedParameterCoordinator`` of v0.3.12-v0.3.13), per parameter of
   at least ``persistence`` elements (smaller ones stay gathered after the
@@ -143,10 +142,46 @@ class DataParallelPlan:
     overlap: bool = True  # buckets issued as backward produces them
     names: tuple[str, ...] = ()  # each group's name ("unit 3": a unit's own parameters; a module's name)
     regathers: int = 1  # all-gathers of a ZeRO-3 group per backward (2: the recomputed forward's, then backward's)
-    replicate: float = 0.0  # hybrid sharding: seconds of the shards' all-reduce across replicas, after backward
+    # hybrid sharding: seconds of each ZeRO-3 group's shard gradient all-reduced across the replicas; for buckets,
+    # of ``count`` buckets' moving ``nbytes`` of (unsharded) gradient in all
+    replicate: tuple[float, ...] = ()
+    replicate_buckets: Callable[[float, int], float] | None = None
     replicate_link: str = ""
     fetch: SubmoduleFetch | None = None  # ZeRO-3 per submodule; ``gather`` and ``reduce`` are then per parameter
     elements: tuple[int, ...] = ()  # ... and each parameter's elements
+
+
+class _Reductions:
+    """ZeRO's queue: the reduction in flight (its event, what it reduces, whether it is the step's last of that),
+    and, under hybrid sharding, the all-reduce across replicas that follows the last one once it is waited for."""
+
+    def __init__(self, b: "_Builder", dp: DataParallelPlan) -> None:
+        self.b, self.dp = b, dp
+        self.event: int | None = None
+        self.what: tuple[int, int] | int = 0  # a ZeRO-3 group, or buckets ``start .. stop - 1``
+        self.final = False
+        self.hybrid = bool(dp.replicate or dp.replicate_buckets)
+
+    def issue(self, event: int, what: tuple[int, int] | int, final: bool) -> None:
+        self.event, self.what, self.final = event, what, final
+
+    def land(self) -> None:
+        """The host waits for the reduction in flight; a final one's all-reduce across replicas is issued."""
+        if self.event is None:
+            return
+        self.b.wait((self.event,))
+        self.event = None
+        dp = self.dp
+        if not (self.final and self.hybrid):
+            return
+        if isinstance(self.what, tuple):
+            start, stop = self.what
+            x = dp.buckets
+            seconds = dp.replicate_buckets(x.end(stop - 1) - x.end(start - 1), stop - start)
+            name = f"bucket {start}" if stop - start == 1 else f"buckets {start}-{stop - 1}"
+        else:
+            seconds, name = dp.replicate[self.what], self.b.group(self.what)
+        self.b.collective(Kind.REPLICATE, f"all_reduce {name} across replicas", seconds, dp.replicate_link)
 
 
 class _Builder:
@@ -187,25 +222,28 @@ def step_program(units: list[Unit], dp: DataParallelPlan | None, microbatches: i
     compute by unit index (``"backward 3"``) and collectives by group (``dp.names``, else the group's index).
     ``marks`` receives how many events each microbatch ends after."""
     b = _Builder(tp_link, dp.names if dp is not None else ())
-    inflight: list[int | None] = [None]  # ZeRO's reduction in flight
+    queue = _Reductions(b, dp) if dp is not None else None
     coordinator = None
+    if queue is not None and dp.fetch is not None and queue.hybrid:
+        raise ValueError("ZeRO-3 gathered per submodule (DeepSpeed's 2021 coordinator) is not modelled with hybrid "
+                         "sharding; plan it with dp_shard=0 or without zero3_fetch")
     for k in range(microbatches):
-        reduces = dp is not None and (dp.zero >= 2 or k == microbatches - 1)
+        final = k == microbatches - 1
+        reduces = dp is not None and (dp.zero >= 2 or final)
         if dp is not None and dp.fetch is not None:
             coordinator = coordinator or _Coordinator(b, units, dp, microbatches)
             coordinator.microbatch(k)
         elif dp is not None and dp.zero == 3:
             _zero3_forward(b, units, dp)
-            _zero3_backward(b, units, dp, inflight)
+            _zero3_backward(b, units, dp, queue, final)
         else:
             for i, u in enumerate(units):
                 b.compute(f"forward {i}", u.forward, u.tp_forward)
-            _backward_with_buckets(b, units, dp if reduces else None)
+            _backward_with_buckets(b, units, dp if reduces else None, queue, final)
         if marks is not None:
             marks.append(len(b.events))
-    if dp is not None and dp.replicate:  # after every reduction of the step has ended
-        b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "reductions done")
-        b.pending = [b.collective(Kind.REPLICATE, "all_reduce replicas", dp.replicate, dp.replicate_link)]
+    if queue is not None and queue.final and queue.hybrid:  # the last reduction waited for, its all-reduce issued
+        queue.land()
     b.wait(tuple(b.pending) + ((b.last_tp,) if b.last_tp is not None else ()), "end of step")
     return b.events
 
@@ -227,7 +265,7 @@ def _zero3_forward(b: _Builder, units: list[Unit], dp: DataParallelPlan) -> None
         b.compute(f"forward {i}", u.forward, u.tp_forward)
 
 
-def _zero3_backward(b: _Builder, units: list[Unit], dp: DataParallelPlan, inflight: list[int | None]) -> None:
+def _zero3_backward(b: _Builder, units: list[Unit], dp: DataParallelPlan, queue: _Reductions, final: bool) -> None:
     backward = list(reversed(units))
     order = _first_uses(backward)
     at = {g: n for n, g in enumerate(order)}
@@ -248,29 +286,32 @@ def _zero3_backward(b: _Builder, units: list[Unit], dp: DataParallelPlan, inflig
         done.update(mine)
         b.compute(f"backward {len(units) - 1 - i}", u.backward, u.tp_backward, tuple(issued[g] for g in mine))
         for g in [g for g in u.groups if last[g] == i]:
-            if inflight[0] is not None:
-                b.wait((inflight[0],))
-            inflight[0] = b.collective(Kind.REDUCE_SCATTER, f"reduce_scatter {b.group(g)}", dp.reduce[g], dp.link)
+            queue.land()
+            queue.issue(b.collective(Kind.REDUCE_SCATTER, f"reduce_scatter {b.group(g)}", dp.reduce[g], dp.link), g,
+                        final)
 
 
-def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan | None) -> None:
+def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan | None,
+                           queue: _Reductions | None = None, final: bool = False) -> None:
     """Backward of one microbatch; with ``dp``, its gradient buckets issued as their bytes are produced (the
     buckets completed at one point issued as one collective: DDP's go out together, and ZeRO's queue waits for
     each before the next, so nothing runs between them either way)."""
-    produced, issued, previous = 0.0, 0, None
+    produced, issued = 0.0, 0
     buckets = dp.buckets if dp is not None else None
 
     def issue(done: int) -> None:
-        nonlocal issued, previous
+        nonlocal issued
         if done <= issued:
             return
         if dp.zero > 0:  # ZeRO's queue: one reduction in flight
-            if previous is not None:
-                b.wait((previous,))
+            queue.land()
             if done - issued > 1:
-                b.wait((_buckets(b, dp, issued, done - 1),))
+                queue.issue(_buckets(b, dp, issued, done - 1), (issued, done - 1), final)
+                queue.land()
                 issued = done - 1
-        previous = _buckets(b, dp, issued, done)
+        event = _buckets(b, dp, issued, done)
+        if dp.zero > 0:
+            queue.issue(event, (issued, done), final)
         issued = done
 
     for i in reversed(range(len(units))):
@@ -282,6 +323,8 @@ def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan 
     if buckets is not None:
         b.wait((b.last_tp,) if b.last_tp is not None else ())
         issue(buckets.count)
+        if queue is not None and not final:  # a microbatch's first bucket does not wait for the last of the one
+            queue.event = None  # before (they run one after the other on the link either way)
 
 
 def _buckets(b: _Builder, dp: DataParallelPlan, start: int, stop: int) -> int:
