@@ -60,10 +60,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="hybrid sharding: R replicas of ranks/R shards (autopar Mesh(dp=(R, S)), FSDP2's 2-D mesh)")
     p.add_argument("--prefetch", type=int, default=1,
                    help="zero_prefetch: layers autopar gathers ahead; FSDP2's explicit prefetch depth too")
     p.add_argument("--fsdp2-async", action="store_true",
                    help="also time FSDP2 with asynchronous all-gathers (unshard_async_op), as 'fsdp2-async'")
+
+
+def dp_mesh(args: argparse.Namespace) -> autopar.Mesh:
+    """autopar's mesh for ``--ranks`` and ``--replicas``: plain dp, or hybrid sharding."""
+    if args.ranks % args.replicas:
+        raise SystemExit(f"--replicas {args.replicas} must divide --ranks {args.ranks}")
+    return autopar.Mesh(dp=args.ranks if args.replicas == 1 else (args.replicas, args.ranks // args.replicas))
 
 
 def batch(args: argparse.Namespace) -> torch.Tensor:
@@ -80,7 +89,8 @@ class FSDP2Step:
 
         self.ranks = args.ranks
         self.model = make_model(args)
-        mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("dp",)) if args.replicas == 1 else \
+            init_device_mesh("cpu", (args.replicas, args.ranks // args.replicas), mesh_dim_names=("replicate", "shard"))
         extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
         blocks = list(self.model.transformer.h)
         for block in blocks:
@@ -221,7 +231,7 @@ def main(rank: Callable[[argparse.Namespace], dict], doc: str, what: str) -> Non
     args = p.parse_args()
     report(autopar.launch(rank, args.ranks, args),
            f"GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq}, {args.ranks} gloo "
-           f"ranks, {args.steps} interleaved steps; " + what.format(**vars(args)))
+           f"ranks ({dp_mesh(args)}), {args.steps} interleaved steps; " + what.format(**vars(args)))
 
 
 def report(results: list[dict], title: str) -> None:
