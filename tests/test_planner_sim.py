@@ -112,6 +112,20 @@ def test_two_microbatches_repeated_equal_the_whole_program(small, zero: int) -> 
     assert charged.exposed > 0  # (gloo's latency: something shows)
 
 
+@pytest.mark.parametrize("bucket_mb", [25, 0.005])
+def test_zero2s_one_queue_spans_the_microbatches(small, bucket_mb: float) -> None:
+    """ZeRO-2 reduces every microbatch's buckets through the rank's one queue, as ``runtime/zero_group.py``'s
+    ``ReduceQueue`` does: each reduction is issued only after the one before it, the previous microbatch's last
+    included, has been waited for."""
+    profile, cost = small
+    cost = CostModel(profile, cost.cluster, cost.precision, seq_len=IDS.shape[1], bucket_bytes=int(bucket_mb * 2**20))
+    program = cost.step_program(Config(dp=2, zero=2, microbatches=3, microbatch_size=1))
+    buckets = [i for i, e in enumerate(program) if e.kind is Kind.BUCKET]
+    assert len(buckets) >= 3
+    for a, b in zip(buckets, buckets[1:]):
+        assert any(program[k].kind is Kind.WAIT and a in program[k].after for k in range(a + 1, b)), (a, b)
+
+
 def test_a_runtime_that_gathers_recomputed_layers_twice_moves_twice_the_backward_bytes(small) -> None:
     """``recompute_gathers`` (DeepSpeed's ZeRO-3 under full recomputation: the recomputed forward's gather, then
     backward's) doubles each re-gather's seconds, and only under full recomputation."""

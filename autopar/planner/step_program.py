@@ -323,8 +323,6 @@ def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan 
     if buckets is not None:
         b.wait((b.last_tp,) if b.last_tp is not None else ())
         issue(buckets.count)
-        if queue is not None and not final:  # a microbatch's first bucket does not wait for the last of the one
-            queue.event = None  # before (they run one after the other on the link either way)
 
 
 def _buckets(b: _Builder, dp: DataParallelPlan, start: int, stop: int) -> int:
