@@ -1,12 +1,21 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import transformers  # noqa: F401 - imported before the pool starts, so that its fork server preloads it
 from hypothesis import HealthCheck, settings
 
+from autopar.passes.sharding_program import SOLVED_DIR
+from autopar.runtime import launch
 from autopar.runtime.launch import WorkerPool
+
+# the Hugging Face code the tests' models run, imported once by the rank workers' fork server rather than by
+# each worker on its first model (modeling_utils alone is a second or more of each worker's start)
+launch.PRELOAD = (*launch.PRELOAD, "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
+                  "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert")
 
 settings.register_profile("default", max_examples=6, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -16,10 +25,20 @@ settings.load_profile("slow" if os.environ.get("AUTOPAR_SLOW") else "default")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``-m slow`` runs the property tests with the slow profile's examples too."""
+    """``-m slow`` runs the property tests with the slow profile's examples too. The run's processes (pytest's
+    workers and their ranks) share one directory of sharding solutions (``AUTOPAR_SOLVED_DIR``,
+    passes/sharding_program.py): a program that the ranks of a job, or another test, solve alike is solved once."""
     expr = config.getoption("markexpr") or ""
     if "slow" in expr and "not slow" not in expr:
         settings.load_profile("slow")
+    if not os.environ.get(SOLVED_DIR):  # (pytest-xdist's workers inherit the first process's)
+        os.environ[SOLVED_DIR] = config._autopar_solved = tempfile.mkdtemp(prefix="autopar-solved-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "_autopar_solved", None):
+        shutil.rmtree(config._autopar_solved, ignore_errors=True)
+        del os.environ[SOLVED_DIR]
 
 POOL_SIZE = 8
 # the tests run their ranks on the CPU (over gloo) on any machine; benchmarks/gpu_check.py runs the CUDA path
