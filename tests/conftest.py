@@ -35,6 +35,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SOLVED_DIR] = config._autopar_solved = tempfile.mkdtemp(prefix="autopar-solved-")
 
 
+# Files whose few tests run long (interpreters started, eight ranks, long training; 12-140 s each in a loaded
+# two-process run): pytest-xdist hands files out in order, so these start first and no process is left running
+# one of them alone at the end while the other has finished.
+LONG_FILES = ("test_launch.py", "test_3d.py", "test_recompute_memory.py", "test_train_lm.py",
+              "test_planner_bound.py")
+
+
+@pytest.hookimpl(trylast=True)  # (after -m has deselected)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long files first (longest first), then the others by their number of tests, most first (what ``--loadscope-reorder``
+    does, turned off in pyproject's addopts so that this order holds)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    def order(item: pytest.Item) -> tuple:
+        name = item.path.name
+        return (LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES), -counts[name], name)
+    items.sort(key=order)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if getattr(config, "_autopar_solved", None):
         shutil.rmtree(config._autopar_solved, ignore_errors=True)
