@@ -12,10 +12,13 @@ from autopar.passes.sharding_program import SOLVED_DIR
 from autopar.runtime import launch
 from autopar.runtime.launch import WorkerPool
 
-# the Hugging Face code the tests' models run, imported once by the rank workers' fork server rather than by
-# each worker on its first model (modeling_utils alone is a second or more of each worker's start)
+# what the tests' rank jobs import, imported once by the rank workers' fork server rather than by each worker
+# on its first job (each a second or so of every worker's start): the Hugging Face code of the models, the
+# export's tracer (torch imports it on the first export), and pytest and the models of the tests, which a worker
+# imports with the first function of a test module it runs
 launch.PRELOAD = (*launch.PRELOAD, "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
-                  "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert")
+                  "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert",
+                  "torch.export._trace", "pytest", "models")
 
 settings.register_profile("default", max_examples=6, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
