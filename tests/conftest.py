@@ -34,6 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     expr = config.getoption("markexpr") or ""
     if "slow" in expr and "not slow" not in expr:
         settings.load_profile("slow")
+    if hasattr(config.option, "loadscopereorder"):  # (pytest-xdist: keep the order of the files below)
+        config.option.loadscopereorder = False
     if not os.environ.get(SOLVED_DIR):  # (pytest-xdist's workers inherit the first process's)
         os.environ[SOLVED_DIR] = config._autopar_solved = tempfile.mkdtemp(prefix="autopar-solved-")
 
@@ -47,8 +49,8 @@ LONG_FILES = ("test_launch.py", "test_3d.py", "test_recompute_memory.py", "test_
 
 @pytest.hookimpl(trylast=True)  # (after -m has deselected)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long files first (longest first), then the others by their number of tests, most first (what ``--loadscope-reorder``
-    does, turned off in pyproject's addopts so that this order holds)."""
+    """The long files first (longest first), then the others by their number of tests, most first (what
+    pytest-xdist's ``--loadscope-reorder`` does, turned off in ``pytest_configure`` so that this order holds)."""
     counts: dict[str, int] = {}
     for item in items:
         counts[item.path.name] = counts.get(item.path.name, 0) + 1
