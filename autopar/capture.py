@@ -25,6 +25,7 @@ from autopar.experts import loop_over_all_experts
 from autopar.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
 from autopar.passes.expert_loops import densify_expert_loops
+from autopar.passes.lazy_module import lazy_exports
 from autopar.precision import in_compute_dtype, widened
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -128,7 +129,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, with_loss: boo
     else:
         wrapper, export_args = _Forward(model), (args, kwargs)
     try:
-        with loop_over_all_experts(model), _without_source_lines():
+        with loop_over_all_experts(model), _without_source_lines(), lazy_exports():
             return torch.export.export(wrapper, export_args, strict=False)
     except CaptureError:
         raise

@@ -34,6 +34,8 @@ from typing import Any, Hashable
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.passes.lazy_module import lazy
+
 ENTRIES = 64  # exports kept (least recently used dropped first)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
@@ -60,7 +62,7 @@ class Export:
     @classmethod
     def of(cls, ep: torch.export.ExportedProgram) -> "Export":
         sig = ep.graph_signature
-        return cls(ep.graph_module, list(sig.input_specs), list(sig.output_specs), dict(ep.constants),
+        return cls(lazy(ep.graph_module), list(sig.input_specs), list(sig.output_specs), dict(ep.constants),
                    ep.call_spec.out_spec)
 
     def copy(self) -> "Export":

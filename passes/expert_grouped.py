@@ -32,6 +32,7 @@ from autopar.core.expert_ops import GroupedExpertParallel
 from autopar.passes.expert_loops import module_name
 from autopar.passes.expert_graph import VIEWS, ancestors as _ancestors, check_rowwise, \
     descendants as _descendants
+from autopar.passes.lazy_module import graph_module
 
 aten = torch.ops.aten
 
@@ -170,7 +171,7 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], rows: fx.Node, y: fx.Nod
     for nd in nodes:
         env[nd] = graph.node_copy(nd, env.__getitem__)
     graph.output(env[y])
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def _erase_region(gm: fx.GraphModule, sort: fx.Node, out: fx.Node) -> None:

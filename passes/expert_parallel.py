@@ -39,6 +39,7 @@ from autopar.passes.expert_graph import CONVERSIONS, VIEWS, ancestors as _ancest
     descendants as _descendants
 from autopar.passes.expert_grouped import grouped_sort, rewrite_grouped
 from autopar.passes.expert_loops import MASKS, module_name
+from autopar.passes.lazy_module import graph_module
 
 aten = torch.ops.aten
 
@@ -271,7 +272,7 @@ def _subgraph(gm: fx.GraphModule, body: tuple, x: fx.Node, y: fx.Node, placed: d
             copied.args = (copied.args[0], 0, nd.args[2] % local)
         env[nd] = copied
     graph.output(env[y])
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def _depends_on_inputs(gm: fx.GraphModule, inputs: set[fx.Node]) -> set[fx.Node]:

@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from autopar.core.graph import Captured, Slot, SlotKind, origin
 from autopar.core.loss_count import LossCounts
+from autopar.passes.lazy_module import graph_module
 
 aten = torch.ops.aten
 LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default)
@@ -77,7 +78,7 @@ def normalize_by_global_count(captured: Captured) -> LossCounts | None:
     counts.output(tuple(results))
     graph.lint()
     captured.gm.recompile()
-    return LossCounts(fx.GraphModule(captured.gm, counts), dtypes, [t.name for t in terms])
+    return LossCounts(graph_module(captured.gm, counts), dtypes, [t.name for t in terms])
 
 
 def _rewrite(graph: fx.Graph, term: fx.Node, c: fx.Node, counts: fx.Graph, env: dict) -> fx.Node:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core import comm
+from autopar.passes.lazy_module import graph_module
 from autopar.passes.rules import local_args, replacement
 from autopar.passes.rules.base import R
 from autopar.passes.sharding import tensor_inputs
@@ -125,7 +126,7 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
             outs = [local_input(a, R, False) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
                     else a for a in node.args[0]]
             graph.output(tuple(outs))
-    lowered = fx.GraphModule(gm, graph)
+    lowered = graph_module(gm, graph)
     lowered.graph.lint()
     return lowered
 

@@ -37,6 +37,7 @@ from autopar.core import zero_ops as _declared  # noqa: F401  (declares the auto
 from autopar.core.expert_ops import ExpertParallel
 from autopar.core.graph import origin
 from autopar.core.recompute_modes import COMMUNICATING, Recompute
+from autopar.passes.lazy_module import graph_module
 from autopar.passes.stage_cuts import module_path, node_layer
 
 
@@ -215,7 +216,7 @@ def _outline(gm: fx.GraphModule, members: dict[str, list[fx.Node]], modes: dict[
         for k, o in enumerate(outputs):
             env[o] = graph.call_function(operator.getitem, (call, k))
             env[o].meta = dict(o.meta)
-    out = fx.GraphModule(root, graph)
+    out = graph_module(root, graph)
     out.graph.lint()
     return out
 
@@ -233,7 +234,7 @@ def _region(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], out
             _copy_attr(gm, root, n.target)
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(root, graph)
+    return graph_module(root, graph)
 
 
 def _copy_attr(src: torch.nn.Module, dst: torch.nn.Module, target: str) -> None:

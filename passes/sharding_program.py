@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import os
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -227,8 +229,9 @@ class Program:
         key = _digest(objective, integrality, self.constraints)
         result = _SOLVED.pop(key, None)
         if result is None:
-            result = milp(objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
-                          options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7})
+            result = shared_solution(key, lambda: milp(
+                objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
+                options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7}))
         _SOLVED[key] = result  # (most recently used last)
         while len(_SOLVED) > SOLVED_KEPT:
             _SOLVED.popitem(last=False)
@@ -243,8 +246,35 @@ class Program:
 
 
 SOLVED_KEPT = 32
+SOLVED_DIR = "AUTOPAR_SOLVED_DIR"  # a directory shared by this machine's processes for their solutions (optional)
 _SOLVED: OrderedDict[str, Any] = OrderedDict()  # solutions by their program's digest: a process compiling the same
 # model on the same mesh again (another test, another ParallelModel) solves nothing; equal numbers, equal answer
+
+
+def shared_solution(key: str, solve: Callable[[], Any]) -> Any:
+    """``solve()``, or the answer another process of this machine found to the program of digest ``key``, when
+    ``AUTOPAR_SOLVED_DIR`` names a directory they share: the ranks of a job solve the same program at the same
+    time, so the first to take the program's lock solves it and the others wait for its answer instead of each
+    solving it again. A lock whose holder died is free again (the system drops it with the process)."""
+    folder = os.environ.get(SOLVED_DIR)
+    if not folder:
+        return solve()
+    import fcntl  # (a POSIX module: imported only where the directory is asked for)
+
+    path = os.path.join(folder, key)
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    return pickle.load(f)
+            result = solve()
+            with open(path + ".part", "wb") as f:
+                pickle.dump(result, f)
+            os.replace(path + ".part", path)
+            return result
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _digest(objective: np.ndarray, integrality: np.ndarray, constraints: list[LinearConstraint]) -> str:

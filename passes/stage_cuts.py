@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from autopar.core.graph import PREFIX, Boundary, Captured, Slot, SlotKind, StageGraph
 from autopar.passes.cost import annotate_costs, requires_grad, tensor_bytes
+from autopar.passes.lazy_module import graph_module
 
 
 def module_path(node: fx.Node) -> list[str]:
@@ -209,7 +210,7 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
         # placeholders must come first and in slot order: recv values go last
         recv_slots = [Slot(SlotKind.RECV, nd.name) for nd in recv]
         _move_recv_last(graph, len(recv))
-        stage_gm = fx.GraphModule(_submodules(gm, graph), graph)
+        stage_gm = graph_module(_submodules(gm, graph), graph)
         stage_gm.graph.lint()
         stages.append(StageGraph(
             index=s, gm=stage_gm, slots=slots + recv_slots,
