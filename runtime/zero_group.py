@@ -267,9 +267,9 @@ class ReplicaReduce:
     slice was averaged over its shard group, so it ends averaged over all of dp.
 
     ``start`` issues a group's all-reduce (the reduce queue calls it when the step's last reduction of the group
-    lands, so it runs beside the rest of backward); ``finish`` starts those no final reduction started (a
-    schedule whose last reduction of a group is not known in advance) and waits for every one. Replica ranks
-    run the same program, so they issue the all-reduces in the same order."""
+    lands, so it runs beside the rest of backward); ``finish`` starts those no final reduction started (a group
+    its stage's last backward action did not reduce, or a stage armed as never last) and waits for every one.
+    Replica ranks run the same program, so they issue the all-reduces in the same order."""
 
     def __init__(self, group: dist.ProcessGroup, n: int, trace: ZeroTrace | None = None) -> None:
         self.group, self.n, self.trace = group, n, trace
