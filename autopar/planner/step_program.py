@@ -176,9 +176,8 @@ class _Reductions:
             return
         if isinstance(self.what, tuple):
             start, stop = self.what
-            x = dp.buckets
-            seconds = dp.replicate_buckets(x.end(stop - 1) - x.end(start - 1), stop - start)
-            name = f"bucket {start}" if stop - start == 1 else f"buckets {start}-{stop - 1}"
+            name, nbytes = _span(dp.buckets, start, stop)
+            seconds = dp.replicate_buckets(nbytes, stop - start)
         else:
             seconds, name = dp.replicate[self.what], self.b.group(self.what)
         self.b.collective(Kind.REPLICATE, f"all_reduce {name} across replicas", seconds, dp.replicate_link)
@@ -327,10 +326,14 @@ def _backward_with_buckets(b: _Builder, units: list[Unit], dp: DataParallelPlan 
 
 def _buckets(b: _Builder, dp: DataParallelPlan, start: int, stop: int) -> int:
     """One collective standing for buckets ``start`` .. ``stop - 1``."""
-    x = dp.buckets
-    nbytes = x.end(stop - 1) - x.end(start - 1)
+    name, nbytes = _span(dp.buckets, start, stop)
+    return b.collective(Kind.BUCKET, name, dp.buckets.seconds(nbytes, stop - start), dp.link)
+
+
+def _span(x: Buckets, start: int, stop: int) -> tuple[str, float]:
+    """The name and the bytes of buckets ``start`` .. ``stop - 1``."""
     name = f"bucket {start}" if stop - start == 1 else f"buckets {start}-{stop - 1}"
-    return b.collective(Kind.BUCKET, name, x.seconds(nbytes, stop - start), dp.link)
+    return name, x.end(stop - 1) - x.end(start - 1)
 
 
 def _first_uses(units: list[Unit]) -> list[int]:
