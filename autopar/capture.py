@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture_cache import EXPORTS, Export, export_key, split_outputs
 from autopar.core.errors import CaptureError
+from autopar.export_files import exported
 from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
 from autopar.experts import loop_over_all_experts
 from autopar.log import log_pass
@@ -95,22 +96,25 @@ def capture(
         output_dtype = torch.float32 if compute_dtype is not None else None
         key = export_key(model, (args, kwargs, target if with_loss else None), loss_fn if with_loss else None,
                          with_loss=with_loss, output_dtype=output_dtype)
-        exported = EXPORTS.get(key)
-        if exported is None and with_loss and key is not None:  # the forward-only graph comes with it
+        export = EXPORTS.get(key)
+        if export is None and with_loss and key is not None:  # the forward-only graph comes with it
             targets, inputs = pytree.tree_leaves(target), pytree.tree_leaves((args, kwargs))
             same = {t: next(i for i, x in enumerate(inputs) if x is y) for t, y in enumerate(targets)
                     if any(x is y for x in inputs)}  # (one tensor passed as input and target)
-            joint = Export.of(_export(model, args, kwargs, with_loss=True, loss_fn=loss_fn, target=target,
-                                      output_dtype=output_dtype, with_outputs=True))
+            joint = exported(("joint", key), lambda: Export.of(_export(
+                model, args, kwargs, with_loss=True, loss_fn=loss_fn, target=target, output_dtype=output_dtype,
+                with_outputs=True)))
             tensors = all(isinstance(x, torch.Tensor) for x in [*targets, *inputs])
             train, forward = split_outputs(joint, len(targets) if tensors else 0, same)
             EXPORTS.remember(export_key(model, (args, kwargs, None), None, with_loss=False,
                                         output_dtype=output_dtype) if forward is not None else None, forward)
-            exported = EXPORTS.put(key, train)
-        elif exported is None:
-            exported = EXPORTS.put(key, Export.of(_export(model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn,
-                                                          target=target, output_dtype=output_dtype)))
-    captured = _dedupe_tied(_from_exported(exported), model)
+            export = EXPORTS.put(key, train)
+        elif export is None:
+            export = exported(key, lambda: Export.of(_export(model, args, kwargs, with_loss=with_loss,
+                                                             loss_fn=loss_fn, target=target,
+                                                             output_dtype=output_dtype)))
+            export = EXPORTS.put(key, export)
+    captured = _dedupe_tied(_from_exported(export), model)
     captured.input_dtypes = fed
     with log_pass("expert loops -> dense dispatch", len(captured.gm.graph.nodes)) as info:
         info["detail"] = f"{densify_expert_loops(captured.gm)} expert selections made static"

@@ -45,6 +45,14 @@ _SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *
 _DEPTH = 6
 
 
+@dataclass(frozen=True)
+class ProcessLocal:
+    """A value of a key that only this process can name (an object's address): such a key is not shared with
+    other processes (``export_files.digest``)."""
+
+    id: int
+
+
 class _Unknown(Exception):
     """A value the key cannot hold exactly."""
 
@@ -209,7 +217,7 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if isinstance(v, types.BuiltinFunctionType) and (v.__self__ is None or isinstance(v.__self__, types.ModuleType)):
         return ("builtin", v)  # a function of a C module (F.gelu): stateless
     if isinstance(v, torch.nn.Module):
-        return ("module", id(v))  # a submodule: fingerprinted in its own place among the model's modules
+        return ("module", ProcessLocal(id(v)))  # a submodule: fingerprinted in its own place among the modules
     if isinstance(v, enum.Enum):
         return (type(v), v.value)
     if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__"):  # a plain object (a model's config)

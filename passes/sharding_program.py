@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-import os
-import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.comm import LinkCost, conversion, conversion_time, ops_time
+from autopar.core.shared_dir import shared
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.rules import SUMS_INSIDE, Strategy
 from autopar.passes.rules.base import R
@@ -246,35 +245,14 @@ class Program:
 
 
 SOLVED_KEPT = 32
-SOLVED_DIR = "AUTOPAR_SOLVED_DIR"  # a directory shared by this machine's processes for their solutions (optional)
 _SOLVED: OrderedDict[str, Any] = OrderedDict()  # solutions by their program's digest: a process compiling the same
 # model on the same mesh again (another test, another ParallelModel) solves nothing; equal numbers, equal answer
 
 
 def shared_solution(key: str, solve: Callable[[], Any]) -> Any:
-    """``solve()``, or the answer another process of this machine found to the program of digest ``key``, when
-    ``AUTOPAR_SOLVED_DIR`` names a directory they share: the ranks of a job solve the same program at the same
-    time, so the first to take the program's lock solves it and the others wait for its answer instead of each
-    solving it again. A lock whose holder died is free again (the system drops it with the process)."""
-    folder = os.environ.get(SOLVED_DIR)
-    if not folder:
-        return solve()
-    import fcntl  # (a POSIX module: imported only where the directory is asked for)
-
-    path = os.path.join(folder, key)
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    return pickle.load(f)
-            result = solve()
-            with open(path + ".part", "wb") as f:
-                pickle.dump(result, f)
-            os.replace(path + ".part", path)
-            return result
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """``solve()``, or the answer another process of this machine found to the program of digest ``key``
+    (``core.shared_dir.shared``): the ranks of a job solve the same program at the same time."""
+    return shared(key, solve)
 
 
 def _digest(objective: np.ndarray, integrality: np.ndarray, constraints: list[LinearConstraint]) -> str:

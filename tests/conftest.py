@@ -8,7 +8,7 @@ import pytest
 import transformers  # noqa: F401 - imported before the pool starts, so that its fork server preloads it
 from hypothesis import HealthCheck, settings
 
-from autopar.passes.sharding_program import SOLVED_DIR
+from autopar.core.shared_dir import SOLVED_DIR
 from autopar.runtime import launch
 from autopar.runtime.launch import WorkerPool
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autopar.passes.sharding_program import SOLVED_DIR, shared_solution
+from autopar.core.shared_dir import SOLVED_DIR
+from autopar.passes.sharding_program import shared_solution
+from harness.shared_dir import shared_dir
 
 
 def _solve_noting(log: Path, answer: list[float]) -> list[float]:
@@ -19,15 +21,8 @@ def _solve_noting(log: Path, answer: list[float]) -> list[float]:
 
 
 def _rank_solves(folder: str, log: str) -> list[float]:
-    before = os.environ.get(SOLVED_DIR)
-    os.environ[SOLVED_DIR] = folder  # (this job only: the worker runs the session's next jobs)
-    try:
+    with shared_dir(folder):
         return shared_solution("program", lambda: _solve_noting(Path(log), [float(os.getpid())]))
-    finally:
-        if before is None:
-            del os.environ[SOLVED_DIR]
-        else:
-            os.environ[SOLVED_DIR] = before
 
 
 def test_the_ranks_of_a_job_solve_one_program_once(launcher, tmp_path: Path) -> None:
