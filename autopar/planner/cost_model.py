@@ -6,7 +6,7 @@ memory per device and step time for one ``Config`` (mesh, ZeRO stage,
 schedule, microbatches, recomputation), as numbers or, with ``symbolic=True``,
 as sympy expressions in the microbatch size ``b``. The formulas are in
 docs/planner.md; the pipeline bubble is in ``bubble.py``, the data-parallel
-collectives in ``dp_comm.py``.
+collectives in ``dp_comm.py``, memory in ``cost_memory.py``, the cp and ep axes in ``cost_axes.py``.
 """
 from __future__ import annotations
 
@@ -26,20 +26,18 @@ from autopar.planner.config import V_SHAPED, ZERO_BUBBLE, Config
 from autopar.planner.core_sharing import Comm, Phase, makespan, step_programs
 from autopar.planner.dp_comm import DataParallel, Exposure, reduce_scatters, shared_all_reduce
 from autopar.planner.estimate import AxisLinks, Estimate, axis_links, largest_fitting
-from autopar.planner.context_cost import (heads_exchange_seconds, heads_exchange_step, ring_seconds, ring_step,
-                                          sharded, usp_seconds, usp_step)
-from autopar.planner.expert_cost import all_to_all_seconds, all_to_all_step, expert_elements, routed
 from autopar.planner.expr import largest, number
 from autopar.planner.memory_formulas import (  # noqa: F401  (the planner's precision names, read from here too)
     OPTIMIZER_STATES, PRECISIONS, Precision, precision_of, state_bytes,
 )
+from autopar.planner.cost_axes import ContextExpertCosts
 from autopar.planner.cost_memory import MemoryAccount
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 from autopar.planner.segment_values import SegmentValues, state_elements
 from autopar.planner.step_program import SubmoduleFetch
 
 
-class CostModel(MemoryAccount):
+class CostModel(MemoryAccount, ContextExpertCosts):
     """Evaluates ``Config``s for one profile, cluster, precision, optimizer and sequence length."""
 
     def __init__(self, profile: ModelProfile, cluster: Any, precision: Precision, *, seq_len: int = 1,
@@ -159,61 +157,6 @@ class CostModel(MemoryAccount):
                                 for r in range(config.pp)]
         return self._ranks[key]
 
-    def _routed(self, values: SegmentValues, ep: int, b: Any) -> SegmentValues:
-        """A segment's values with its routed experts as they run at ``ep`` (``experts.routed``; one object per
-        segment values and ep, so that alike stages stay alike)."""
-        if self.experts is None:
-            return values
-        key = ("routed", id(values), ep)
-        if key not in self._per_stage:
-            self._per_stage[key] = routed(values, self.experts, ep, self.imbalance, b * self.seq_len)
-        return self._per_stage[key]
-
-    def _sharded(self, values: SegmentValues, cp: int) -> SegmentValues:
-        """A segment's values on one cp rank (``context_cost.sharded``; one object per segment values and cp)."""
-        key = ("cp", id(values), cp)
-        if key not in self._per_stage:
-            self._per_stage[key] = sharded(values, cp)
-        return self._per_stage[key]
-
-    def ring_exchanges(self, config: Config, rank: int = 0) -> tuple[int, int, Any]:
-        """(attentions, exchanges, bytes) of the cp ring (or all-to-alls) pp rank ``rank`` sends in one step
-        (``context_cost.ring_step``, ``heads_exchange_step``, ``usp_step``); zeros without cp."""
-        units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
-        if config.cp_split:
-            return usp_step(units, config.cp_split, config.microbatches)
-        step = heads_exchange_step if config.cp_attention == "all_to_all" else ring_step
-        return step(units, config.cp, config.microbatches)
-
-    def _ring_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
-        """Exposed seconds of one microbatch's cp ring on a rank holding ``stages``, on the link its cp group
-        spans (``cp`` ranks ``pp * tp`` apart: ``cp * pp * tp`` consecutive ranks)."""
-        if c.cp == 1:
-            return 0
-        units, link = [u for st in stages for u in st], self.cluster.link(c.cp * c.pp * c.tp)
-        if c.cp_attention == "all_to_all":
-            return heads_exchange_seconds(units, c.cp, link)
-        flops_per_s = self.cluster.peak(self.precision.name) * self.cluster.efficiency
-        if c.cp_split:  # the all-to-all groups: cp_a2a consecutive cp ranks, pp * tp apart
-            return usp_seconds(units, c.cp_split, (link, self.cluster.link(c.cp_a2a * c.pp * c.tp)), flops_per_s)
-        return ring_seconds(units, c.cp, link.p2p(), flops_per_s)
-
-    def expert_all_to_all(self, config: Config, rank: int = 0) -> tuple[int, Any]:
-        """(calls, bytes) of the ep all-to-alls pp rank ``rank`` sends in one step, its own rows included
-        (``expert_cost.all_to_all_step``); (0, 0) without ep."""
-        if self.experts is None or config.ep == 1:
-            return 0, 0
-        units = [u for st in self._rank_units(config, config.microbatch_size)[rank] for u in st]
-        return all_to_all_step(units, self.experts, config, self.seq_len, self.precision.activation)
-
-    def _all_to_all_seconds(self, c: Config, stages: list[list[SegmentValues]]) -> Any:
-        """Seconds of one microbatch's ep all-to-alls on a rank holding ``stages``, on the link its ep group
-        spans (``ep`` consecutive dp ranks: ``ep * pp * tp`` ranks; ``expert_cost.all_to_all_seconds``)."""
-        if self.experts is None or c.ep == 1:
-            return 0
-        return all_to_all_seconds([u for st in stages for u in st], self.experts, c, self.seq_len,
-                                  self.precision.activation, self.cluster.link(c.ep * c.pp * c.tp), self.imbalance)
-
     def _intern(self, items: list) -> list:
         """One list object for each content (of interned or cached objects): the ranks of a pipeline that hold
         alike stages share their numbers below (``_per_stage``, ``_per_rank``)."""
@@ -232,13 +175,6 @@ class CostModel(MemoryAccount):
         key = ("state", id(stages))
         if key not in self._per_rank:
             self._per_rank[key] = state_elements([u for st in stages for u in st])
-        return self._per_rank[key]
-
-    def _expert_elements(self, stages: list[list[SegmentValues]]) -> tuple[int, int]:
-        """``expert_cost.expert_elements`` of a rank's stages."""
-        key = ("expert state", id(stages))
-        if key not in self._per_rank:
-            self._per_rank[key] = expert_elements([u for st in stages for u in st], self.experts)
         return self._per_rank[key]
 
     def fits(self, config: Config, memory: float) -> bool:
