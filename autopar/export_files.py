@@ -14,16 +14,21 @@ strides, storage offset, dtype, device and ``requires_grad``, and read back as a
 attribute or a graph below, an object pickle cannot hold) is used as exported, and not shared.
 
 The key's digest (``digest``) reads what ``capture_cache.export_key`` holds: values by type and value, classes by
-module and name (and, for a class defined inside a function, the code of its methods), functions by module,
-name and code. A key holding anything else (an object identified by its address) is not shared.
+module, name and the size and time of change of the module's file (and, for a class defined inside a function,
+the code of its methods), functions by module, name and code; and the size and time of change of every file of
+autopar, so that a directory kept from one version to the next is not read across them. A key holding anything
+else (an object identified by its address) is not shared.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import pickle
+import sys
 import types
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Hashable
 
 import torch
@@ -144,6 +149,7 @@ def digest(key: Hashable | None) -> str | None:
         return None
     h = hashlib.blake2b(torch.__version__.encode(), digest_size=20)
     try:
+        _feed(h, _autopar_files())
         _feed(h, key)
     except _Unwritable:
         return None
@@ -167,6 +173,7 @@ def _feed(h: Any, v: Any) -> None:
         h.update(f"{type(v).__name__}:{v!r};".encode())
     elif isinstance(v, type):
         h.update(f"class {v.__module__}.{v.__qualname__};".encode())
+        _feed(h, _file_stamp(sys.modules.get(v.__module__)))
         if "<locals>" in v.__qualname__:  # (a class made inside a function: its methods' code as well)
             _feed(h, [(k, x) for k, x in sorted(vars(v).items()) if isinstance(x, types.FunctionType)])
     elif isinstance(v, types.FunctionType):
@@ -176,6 +183,24 @@ def _feed(h: Any, v: Any) -> None:
         h.update(f"builtin {getattr(v.__self__, '__name__', '')}.{v.__qualname__};".encode())
     else:  # (a submodule by its id, an object only this process holds)
         raise _Unwritable(type(v).__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _autopar_files() -> tuple:
+    """The size and time of change of every file of autopar: an export written by other code is not read."""
+    root = Path(__file__).parent
+    return tuple((str(p.relative_to(root)), *_stamp(p)) for p in sorted(root.rglob("*.py")))
+
+
+def _file_stamp(module: types.ModuleType | None) -> tuple:
+    """The size and time of change of a module's file (a class's code: a library upgraded, a file edited)."""
+    path = getattr(module, "__file__", None)
+    return _stamp(Path(path)) if path else ()
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _feed_code(h: Any, code: types.CodeType) -> None:
