@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.passes.lazy_module import lazy
@@ -175,10 +176,19 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
     """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
     try:
         modules = tuple((name, type(m), _attributes(m), _tensors(m)) for name, m in model.named_modules())
-        return (modules, _value(inputs, fake=True), _function(loss_fn), with_loss, output_dtype,
+        return (modules, _value(inputs, fake=True), _aliases(inputs), _function(loss_fn), with_loss, output_dtype,
                 torch.is_grad_enabled(), torch.get_default_dtype())
     except _Unknown:
         return None
+
+
+def _aliases(inputs: Any) -> tuple:
+    """For each tensor among the inputs, the first that is the same tensor and the first that shares its storage:
+    a target passed as the input itself is one placeholder of the export, which the model then reads."""
+    leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+    storages = [x.untyped_storage().data_ptr() if x.device.type != "meta" else -i - 1 for i, x in enumerate(leaves)]
+    return tuple((next(j for j, y in enumerate(leaves) if y is x), storages.index(storages[i]))
+                 for i, x in enumerate(leaves))
 
 
 def _attributes(m: torch.nn.Module) -> tuple:

@@ -76,3 +76,15 @@ def test_a_training_export_answers_the_forward_only_one() -> None:
         assert EXPORTS.hits == hits + 1
         assert derived.gm.code == direct.gm.code and derived.slots == direct.slots
         assert derived.mutated_buffers == direct.mutated_buffers and derived.out_spec == direct.out_spec
+
+
+def test_a_target_passed_as_the_input_itself_is_another_export() -> None:
+    """The export of ``target=ids`` (the same tensor) has one placeholder for both, which the model reads: an
+    export for a target of its own, same shapes, must not be that one."""
+    make = models.factory(models.gpt2, layers=1)
+    other = IDS.roll(1, dims=1)
+    assert key(make()) != export_key(make(), ((IDS,), {}, other), models.lm_loss, with_loss=True, output_dtype=None)
+    capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=IDS)
+    apart = capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=other)
+    inputs = [n for n, slot in zip(apart.gm.graph.nodes, apart.slots) if slot.kind.name == "INPUT"]
+    assert len(inputs) == 2 and all(n.users for n in inputs)  # the ids and the target, each read
