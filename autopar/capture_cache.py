@@ -186,7 +186,8 @@ def _aliases(inputs: Any) -> tuple:
     """For each tensor among the inputs, the first that is the same tensor and the first that shares its storage:
     a target passed as the input itself is one placeholder of the export, which the model then reads."""
     leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
-    storages = [x.untyped_storage().data_ptr() if x.device.type != "meta" else -i - 1 for i, x in enumerate(leaves)]
+    storages = [x.untyped_storage().data_ptr() if type(x) in (torch.Tensor, torch.nn.Parameter)  # (not a fake
+                and x.device.type != "meta" else -i - 1 for i, x in enumerate(leaves)]  # or meta one: no storage)
     return tuple((next(j for j, y in enumerate(leaves) if y is x), storages.index(storages[i]))
                  for i, x in enumerate(leaves))
 
