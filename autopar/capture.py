@@ -20,9 +20,9 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture_cache import EXPORTS, Export, export_key, split_outputs
 from autopar.core.errors import CaptureError
-from autopar.export_files import exported
 from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
 from autopar.experts import loop_over_all_experts
+from autopar.export_files import exported
 from autopar.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
 from autopar.passes.expert_loops import densify_expert_loops
@@ -110,10 +110,8 @@ def capture(
                                         output_dtype=output_dtype) if forward is not None else None, forward)
             export = EXPORTS.put(key, train)
         elif export is None:
-            export = exported(key, lambda: Export.of(_export(model, args, kwargs, with_loss=with_loss,
-                                                             loss_fn=loss_fn, target=target,
-                                                             output_dtype=output_dtype)))
-            export = EXPORTS.put(key, export)
+            export = EXPORTS.put(key, exported(key, lambda: Export.of(_export(
+                model, args, kwargs, with_loss=with_loss, loss_fn=loss_fn, target=target, output_dtype=output_dtype))))
     captured = _dedupe_tied(_from_exported(export), model)
     captured.input_dtypes = fed
     with log_pass("expert loops -> dense dispatch", len(captured.gm.graph.nodes)) as info:

@@ -14,7 +14,7 @@ import math
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -228,7 +228,7 @@ class Program:
         key = _digest(objective, integrality, self.constraints)
         result = _SOLVED.pop(key, None)
         if result is None:
-            result = shared_solution(key, lambda: milp(
+            result = shared(key, lambda: milp(  # (the ranks of a job solve it once)
                 objective, constraints=self.constraints, integrality=integrality, bounds=Bounds(0, 1),
                 options={"node_limit": MILP_NODES, "time_limit": MILP_SECONDS, "mip_rel_gap": 1e-7}))
         _SOLVED[key] = result  # (most recently used last)
@@ -247,12 +247,6 @@ class Program:
 SOLVED_KEPT = 32
 _SOLVED: OrderedDict[str, Any] = OrderedDict()  # solutions by their program's digest: a process compiling the same
 # model on the same mesh again (another test, another ParallelModel) solves nothing; equal numbers, equal answer
-
-
-def shared_solution(key: str, solve: Callable[[], Any]) -> Any:
-    """``solve()``, or the answer another process of this machine found to the program of digest ``key``
-    (``core.shared_dir.shared``): the ranks of a job solve the same program at the same time."""
-    return shared(key, solve)
 
 
 def _digest(objective: np.ndarray, integrality: np.ndarray, constraints: list[LinearConstraint]) -> str:

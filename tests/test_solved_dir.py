@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.core.shared_dir import SOLVED_DIR
-from autopar.passes.sharding_program import shared_solution
+from autopar.core.shared_dir import SOLVED_DIR, shared
 from harness.shared_dir import shared_dir
 
 
@@ -22,7 +21,7 @@ def _solve_noting(log: Path, answer: list[float]) -> list[float]:
 
 def _rank_solves(folder: str, log: str) -> list[float]:
     with shared_dir(folder):
-        return shared_solution("program", lambda: _solve_noting(Path(log), [float(os.getpid())]))
+        return shared("program", lambda: _solve_noting(Path(log), [float(os.getpid())]))
 
 
 def test_the_ranks_of_a_job_solve_one_program_once(launcher, tmp_path: Path) -> None:
@@ -35,13 +34,13 @@ def test_the_ranks_of_a_job_solve_one_program_once(launcher, tmp_path: Path) -> 
 def test_each_program_is_solved_on_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(SOLVED_DIR, str(tmp_path))
     log = tmp_path / "solves.txt"
-    first = shared_solution("a", lambda: _solve_noting(log, [1.0]))
-    assert shared_solution("a", lambda: _solve_noting(log, [2.0])) == first == [1.0]
-    assert shared_solution("b", lambda: _solve_noting(log, [3.0])) == [3.0]
+    first = shared("a", lambda: _solve_noting(log, [1.0]))
+    assert shared("a", lambda: _solve_noting(log, [2.0])) == first == [1.0]
+    assert shared("b", lambda: _solve_noting(log, [3.0])) == [3.0]
     assert len(log.read_text().split()) == 2
 
 
 def test_without_a_directory_every_call_solves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(SOLVED_DIR, raising=False)
     log = tmp_path / "solves.txt"
-    assert [shared_solution("a", lambda: _solve_noting(log, [float(i)])) for i in range(2)] == [[0.0], [1.0]]
+    assert [shared("a", lambda: _solve_noting(log, [float(i)])) for i in range(2)] == [[0.0], [1.0]]
