@@ -184,7 +184,8 @@ def _per_submodule(max_live: int, max_reuse: int = 0, reduce: float = 0.25, micr
     """Two units of two submodules (4 and 8 elements each, one parameter each) gathered per submodule as
     DeepSpeed's 2021 coordinator does: the program and its simulated timeline. ``tied``: a third unit uses a0
     too (as a tied embedding), held from the model's forward to the end of backward (True) or not (False)."""
-    from autopar.planner.step_program import DataParallelPlan, Submodule, SubmoduleFetch, Unit, step_program
+    from autopar.planner.step_program import DataParallelPlan, Unit, step_program
+    from autopar.planner.submodule_fetch import Submodule, SubmoduleFetch
 
     units = [Unit(1.0, 2.0, submodules=(Submodule(f"u{i}.a", (2 * i,), 1 / 3), Submodule(f"u{i}.b", (2 * i + 1,), 2 / 3)))
              for i in range(2)]
@@ -263,7 +264,7 @@ def test_per_submodule_a_parameter_several_units_use_is_held_through_the_microba
 def test_per_submodule_cost_model_gathers_each_large_parameter(small) -> None:
     """``CostModel(zero3_fetch=...)``: one gather per parameter of at least ``persistence`` elements per use,
     smaller ones never; without it the plan is per layer as before."""
-    from autopar.planner.step_program import SubmoduleFetch
+    from autopar.planner.submodule_fetch import SubmoduleFetch
 
     profile, cost = small
     fetch = SubmoduleFetch(persistence=1000)

@@ -34,7 +34,7 @@ from autopar.planner.cost_axes import ContextExpertCosts
 from autopar.planner.cost_memory import MemoryAccount
 from autopar.planner.model_profile import ModelProfile, Segment, b_sym, s_sym
 from autopar.planner.segment_values import SegmentValues, state_elements
-from autopar.planner.step_program import SubmoduleFetch
+from autopar.planner.submodule_fetch import SubmoduleFetch
 
 
 class CostModel(MemoryAccount, ContextExpertCosts):

@@ -17,7 +17,7 @@ backward runs whole; under a split backward (``zb-h1``, ``zbv``) once when
 ``B`` finishes and once more when ``W`` lands the weight gradients of the
 group's matmuls (``autopar.core.weight_grad`` sends them through autograd in
 one call), for a group with any (``reduce_scatters``). With ``zero3_fetch`` ZeRO-3 gathers and reduce-scatters
-per weight instead, as DeepSpeed's 2021 coordinator does (``step_program.SubmoduleFetch``).
+per weight instead, as DeepSpeed's 2021 coordinator does (``submodule_fetch.py``).
 
 Invariant: ``reduce_scatters`` counts the calls and bytes ``pm.communication()``
 counts as ``zero_reduce_scatter@dp`` (tests/test_zero_bubble.py).
@@ -36,7 +36,8 @@ from autopar.planner.comm_time import ring_all_reduce, ring_gather, ring_scatter
 from autopar.planner.config import ZERO_BUBBLE
 from autopar.planner.memory_formulas import Precision
 from autopar.planner.segment_values import SegmentValues
-from autopar.planner.step_program import Buckets, DataParallelPlan, Submodule, SubmoduleFetch, Unit, step_program
+from autopar.planner.step_program import Buckets, DataParallelPlan, Unit, step_program
+from autopar.planner.submodule_fetch import Submodule, SubmoduleFetch
 from autopar.planner.step_sim import Kind, simulate
 
 DP_KINDS = (Kind.GATHER, Kind.REGATHER, Kind.REDUCE_SCATTER, Kind.BUCKET, Kind.REPLICATE)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.planner.megatron import megatron_flops
-from autopar.planner.step_program import SubmoduleFetch
+from autopar.planner.submodule_fetch import SubmoduleFetch
 
 MEGATRON_2021 = "Narayanan et al. 2021 (arXiv:2104.04473), comparison with ZeRO-3 (Table 2)"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198), end-to-end iteration time"
