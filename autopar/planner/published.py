@@ -186,7 +186,7 @@ def predict(run: Run, profile: Any = None, cluster: Any = None) -> tuple[float, 
 
 # Held-out runs the model misses by more than HELD_OUT_BOUND, and what it does not capture (docs/planner.md)
 _ZERO3 = ("planned as DeepSpeed's ZeRO-3 of March 2021 (v0.3.12-v0.3.13 with the Megatron-LM example of the same "
-          "day) runs it with its defaults (``SubmoduleFetch``: a gather per weight with the device synchronized "
+          "day) runs it with its defaults and the example's reduce-scatter of gradients (``SubmoduleFetch``: a gather per weight with the device synchronized "
           "before it, one weight prefetched under a live budget of 1e9 elements that the held word embeddings "
           "and one weight already fill, so most gathers wait), the six runs come out 10-16% pessimistic: "
           "something of the published runs overlaps more than that code does; the runs' DeepSpeed version and "
