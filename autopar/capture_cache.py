@@ -5,12 +5,17 @@ signature again: a second ``parallelize`` of a freshly built identical model, th
 running job after job. ``export_key`` fingerprints what the export reads and nothing it does not:
 
 - the model's modules in order: class (so its code), every attribute (Hugging Face's config, flags,
-  ``training``), the names, shapes, dtypes, devices and ``requires_grad`` of parameters and buffers, and
-  the value of any plain tensor attribute (it would become a constant of the graph). Parameter and buffer
+  ``training``), the names, shapes, strides, dtypes, devices and ``requires_grad`` of parameters and buffers,
+  and the value of any plain tensor attribute (it would become a constant of the graph). Parameter and buffer
   values are not read: the export sees them as fake tensors, so no value can shape the graph;
-- the inputs and target: tensors by shape, dtype, device and ``requires_grad`` (fake as well), every other
-  leaf by value; the loss function (the object itself, and what its closure holds);
-- whether a loss is captured and the output dtype.
+- what the code of the model's classes and of the loss reads (``_reads``): class attributes, the closures and
+  defaults of methods, module-level values its functions name and the functions they call, followed in turn;
+  the code of torch, Python and installed packages is not followed (a class of Hugging Face's is keyed by its
+  instance's attributes and its code, not by module-level state of transformers);
+- the inputs and target: tensors by shape, strides, dtype, device and ``requires_grad`` (fake as well), every
+  other leaf by value (a float by its bits: ``-0.0`` is not ``0.0``); the loss function (the object itself,
+  what its closure holds, and the object a bound method is bound to);
+- whether a loss is captured, the output dtype, grad mode, default dtype and default device.
 
 A training export also answers the forward-only export of the same model on the same inputs: it is exported
 once returning the loss and the model's outputs, and ``split_outputs`` cuts it into the graph of each (the
@@ -18,17 +23,21 @@ forward one without the loss's nodes and the target's inputs), kept under each o
 ``pm.step`` then exports nothing.
 
 Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type) makes the key
-``None``: that export is not remembered. A hit returns a copy of the pristine export (new nodes and metadata;
+``None``: that export is not remembered; a module-level object of such a type that the code reads (a logger) is
+keyed by its type only. A hit returns a copy of the pristine export (new nodes and metadata;
 the fake values are shared, as no pass changes one in place), so that the passes may rewrite it freely.
 """
 from __future__ import annotations
 
 import copy
 import enum
+import functools
 import hashlib
+import sys
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Hashable
 
 import torch
@@ -175,11 +184,29 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
                output_dtype: torch.dtype | None) -> Hashable | None:
     """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
     try:
-        modules = tuple((name, type(m), _attributes(m), _tensors(m)) for name, m in model.named_modules())
-        return (modules, _value(inputs, fake=True), _aliases(inputs), _function(loss_fn), with_loss, output_dtype,
-                torch.is_grad_enabled(), torch.get_default_dtype())
+        modules = _modules(model)
+        code = _reads([*dict.fromkeys(type(m) for m in model.modules()), loss_fn])
+        return (modules, code, _value(inputs, fake=True), _strides(inputs), _aliases(inputs), _loss(loss_fn),
+                with_loss, output_dtype, torch.is_grad_enabled(), torch.get_default_dtype(),
+                torch.get_default_device())
     except _Unknown:
         return None
+
+
+def _modules(model: torch.nn.Module) -> tuple:
+    return tuple((name, type(m), _attributes(m), _tensors(m)) for name, m in model.named_modules())
+
+
+def _loss(f: Any) -> Any:
+    """The loss function; a method of a module (``criterion.forward``) also by that module's state."""
+    if isinstance(f, types.MethodType) and isinstance(f.__self__, torch.nn.Module):
+        return ("method", _function(f.__func__), _modules(f.__self__))
+    return _function(f)
+
+
+def _strides(inputs: Any) -> tuple:
+    """The strides of the input tensors: a model may branch on ``x.is_contiguous()`` (fake tensors keep them)."""
+    return tuple(x.stride() for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))
 
 
 def _aliases(inputs: Any) -> tuple:
@@ -200,7 +227,7 @@ def _attributes(m: torch.nn.Module) -> tuple:
 
 def _tensors(m: torch.nn.Module) -> tuple:
     def spec(t: torch.Tensor | None) -> Any:
-        return None if t is None else (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device.type, t.requires_grad)
     return (tuple((k, spec(t)) for k, t in m._parameters.items()),
             tuple((k, spec(t), k in m._non_persistent_buffers_set) for k, t in m._buffers.items()))
 
@@ -209,7 +236,9 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     """``v`` as a hashable value that is equal exactly when ``v`` is (tensors by value unless ``fake``)."""
     if depth > _DEPTH:
         raise _Unknown("too deep")
-    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+    if isinstance(v, float):  # (by its bits: 0.0 == -0.0, which the graph tells apart; nan != nan)
+        return (type(v), v.hex())
+    if v is None or isinstance(v, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
         return (type(v), v)
     if isinstance(v, torch.Tensor):
         if fake or v.device.type == "meta":
@@ -224,23 +253,131 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if isinstance(v, (set, frozenset)):
         return (type(v), frozenset(_value(x, depth + 1) for x in v))
     if isinstance(v, type) or callable(v) and hasattr(v, "__code__"):
-        return _function(v)
+        return _function(v, depth + 1)
     if isinstance(v, types.BuiltinFunctionType) and (v.__self__ is None or isinstance(v.__self__, types.ModuleType)):
         return ("builtin", v)  # a function of a C module (F.gelu): stateless
     if isinstance(v, torch.nn.Module):
         return ("module", ProcessLocal(id(v)))  # a submodule: fingerprinted in its own place among the modules
     if isinstance(v, enum.Enum):
         return (type(v), v.value)
-    if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__"):  # a plain object (a model's config)
+    if isinstance(v, functools.partial):
+        return (type(v), _value(v.func, depth + 1), _value(v.args, depth + 1), _value(v.keywords, depth + 1))
+    if isinstance(v, types.MethodType):
+        return _function(v, depth + 1)
+    if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__") and _python_class(type(v)):  # a plain object
+        # (a model's config); a class of C code may keep its state outside ``__dict__``
         return (type(v), tuple((k, _value(x, depth + 1)) for k, x in sorted(vars(v).items())))
     raise _Unknown(type(v).__name__)
 
 
-def _function(f: Any) -> Any:
-    """A function or class: the object itself (its code), and what its closure and defaults hold."""
+def _python_class(cls: type) -> bool:
+    """Whether every class of ``cls`` but ``object`` is written in Python (keeps its state in ``__dict__``)."""
+    return all(c.__flags__ & _HEAP_TYPE for c in cls.__mro__[:-1])
+
+
+_HEAP_TYPE = 1 << 9  # (Py_TPFLAGS_HEAPTYPE: a class made by a class statement)
+
+
+def _function(f: Any, depth: int = 0) -> Any:
+    """A function or class: the object itself (its code), and what its closure and defaults hold; a bound method
+    also by the object it is bound to."""
     if f is None or isinstance(f, type):
         return f
+    if isinstance(f, types.MethodType):  # (a module it is bound to: by its address, its state kept elsewhere)
+        return ("method", _function(f.__func__, depth), _value(f.__self__, depth))
     if not hasattr(f, "__code__"):
         raise _Unknown(type(f).__name__)
-    cells = tuple(_value(c.cell_contents) for c in (f.__closure__ or ()))
-    return (f, cells, _value(f.__defaults__), _value(f.__kwdefaults__))
+    cells = tuple(_value(c.cell_contents, depth + 1) for c in (f.__closure__ or ()))
+    return (f, cells, _value(f.__defaults__, depth + 1), _value(f.__kwdefaults__, depth + 1))
+
+
+def _reads(roots: list) -> tuple:
+    """What the code of the model's classes and of the loss reads besides its arguments and the modules' own
+    attributes: each class's attributes (its methods with their closures and defaults, class-level values), and
+    the module-level names its functions read, by value (a function one calls: followed in turn; an attribute of
+    a module, ``cfg.SCALE``: where the code names it). The code of torch and of Python's own library is taken as
+    the export's own (a torch of another version is another key: ``export_files.digest``)."""
+    seen: set[int] = set()
+    out: list = []
+    todo = [r for r in roots if r is not None]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or _library(x):
+            continue
+        seen.add(id(x))
+        if isinstance(x, types.MethodType):
+            todo += [x.__func__, type(x.__self__)]
+        elif isinstance(x, type):
+            out.append((x, _class_values(x, todo)))
+            todo += x.__mro__[1:]
+        elif isinstance(x, types.FunctionType):
+            out.append(_function_reads(x, todo))
+    return tuple(out)
+
+
+def _library(x: Any) -> bool:
+    """Whether ``x`` is code of torch, autopar, Python or an installed package (Hugging Face's), not followed: its
+    module-level state is taken as fixed (a registry such as ``ALL_ATTENTION_FUNCTIONS`` changed at run time is
+    not seen), its code as that of the installed version."""
+    return _library_module(x.__name__ if isinstance(x, types.ModuleType) else getattr(x, "__module__", None) or "")
+
+
+@functools.lru_cache(maxsize=None)
+def _library_module(name: str) -> bool:
+    top = name.partition(".")[0]
+    path = getattr(sys.modules.get(name), "__file__", None) or ""
+    return top in ("torch", "autopar") or top in sys.stdlib_module_names or \
+        any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
+
+
+def _class_values(cls: type, todo: list) -> tuple:
+    """A class's values (by value), its functions queued to be read in turn."""
+    values = []
+    for k, v in sorted(vars(cls).items()):
+        inner = [v.__func__] if isinstance(v, (staticmethod, classmethod)) else \
+            [v.fget, v.fset, v.fdel] if isinstance(v, property) else [v]
+        if all(isinstance(f, (types.FunctionType, type, type(None))) for f in inner):
+            todo += [f for f in inner if f is not None]
+        elif not (k.startswith("__") and k.endswith("__")):
+            values.append((k, _held(v)))
+    return tuple(values)
+
+
+def _function_reads(f: types.FunctionType, todo: list) -> tuple:
+    """A function by its code, closure, defaults and the module-level values its code names."""
+    cells = []
+    for c in f.__closure__ or ():
+        try:
+            cells.append(c.cell_contents)
+        except ValueError:  # (an empty cell)
+            cells.append(None)
+    names = _names(f.__code__)
+    found = [(n, f.__globals__[n]) for n in names if n in f.__globals__]
+    for _, m in list(found):  # the attributes of modules this code names (``cfg.SCALE``)
+        if isinstance(m, types.ModuleType) and not _library(m):
+            found += [(f"{m.__name__}.{n}", getattr(m, n)) for n in names if hasattr(m, n)]
+    found = [(n, v) for n, v in found if not isinstance(v, types.ModuleType)]
+    todo += [v for v in [*cells, *(f.__defaults__ or ()), *(v for _, v in found)] if callable(v)]
+    return (f, tuple(map(_named, cells)), _held(f.__defaults__), _held(f.__kwdefaults__),
+            tuple((n, _named(v)) for n, v in found))
+
+
+def _named(v: Any) -> Any:
+    """A value a function reads: a function or class by itself (read in its own place), the rest by value."""
+    return v if isinstance(v, (types.FunctionType, type)) else _held(v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    """The names a code object (and the code inside it) reads: globals and attributes alike."""
+    inner = [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names(c)]
+    return tuple(dict.fromkeys([*code.co_names, *inner]))
+
+
+def _held(v: Any) -> Any:
+    """``v`` by value where the key can hold it, else by its type (an object such as a logger: its state, and
+    a rebinding to another of its type, is not seen)."""
+    try:
+        return _value(v)
+    except _Unknown:
+        return ("object", type(v))

@@ -15,7 +15,8 @@ attribute or a graph below, an object pickle cannot hold) is used as exported, a
 
 The key's digest (``digest``) reads what ``capture_cache.export_key`` holds: values by type and value, classes by
 module, name and the size and time of change of the module's file (and, for a class defined inside a function,
-the code of its methods), functions by module, name and code; and the size and time of change of every file of
+the code of its methods), functions by module, name and code (what a function's closure holds and the values
+its code reads are values of the key: ``capture_cache._reads``); and the size and time of change of every file of
 autopar, so that a directory kept from one version to the next is not read across them. A key holding anything
 else (an object identified by its address) is not shared.
 """

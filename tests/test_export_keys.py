@@ -1,0 +1,148 @@
+"""Two models whose exports differ never share one: each case captures one model, then another that the export of
+the first would answer wrongly, and checks the second's graph against the model itself (float64, eager) and a
+fresh export (autopar/capture_cache.py ``export_key``, autopar/export_files.py ``digest``)."""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from autopar.capture import capture
+from autopar.capture_cache import EXPORTS
+from autopar.core.graph import Captured, SlotKind
+from harness.shared_dir import shared_dir
+
+SCALE = 2.0  # read by ``_scaled`` (module level), changed by a test
+settings = types.ModuleType("settings")  # a module of settings the forward reads an attribute of
+settings.SHIFT = 0.5
+
+
+def _run(c: Captured, model: torch.nn.Module, inputs: tuple, target: Any = None) -> list[torch.Tensor]:
+    """The captured graph run on the model's own tensors: its outputs after the buffers' new values."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False)), **c.constants}
+    flat = pytree.tree_leaves((inputs, {}, target) if target is not None else (inputs, {}))
+    fed = [flat[s.index] if s.kind is SlotKind.INPUT else state[s.name] for s in c.slots]
+    return list(c.gm(*fed))[len(c.mutated_buffers):]
+
+
+def _check_second(first: Callable[[], torch.nn.Module], second: Callable[[], torch.nn.Module],
+                  x: torch.Tensor) -> None:
+    """``second()``'s capture after ``first()``'s computes what the model does and is the fresh export's graph."""
+    EXPORTS.kept.clear()
+    capture(first(), (x,))
+    model = second()
+    got = capture(model, (x,))
+    torch.testing.assert_close(_run(got, model, (x,))[0], model(x), rtol=0, atol=0)
+    EXPORTS.kept.clear()
+    assert got.gm.code == capture(second(), (x,)).gm.code
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE + settings.SHIFT
+
+
+class Scaled(torch.nn.Module):
+    factor = 1.0  # a class attribute, read as ``self.factor``
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+        torch.nn.init.eye_(self.lin.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(self.lin(x)) * self.factor
+
+
+X = torch.arange(6, dtype=torch.float64).reshape(2, 3) - 2.5
+
+
+def _setting(name: str, owner: Any, value: Any) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        setattr(owner, name, value)
+        return Scaled()
+    return make
+
+
+def test_module_level_values_and_class_attributes_the_code_reads_are_in_the_key() -> None:
+    """A global read by a function the forward calls, an attribute of a module it names, a class attribute."""
+    module = sys.modules[__name__]
+    try:
+        for name, owner, one, other in [("SCALE", module, 2.0, 3.0), ("SHIFT", settings, 0.5, 1.5),
+                                        ("factor", Scaled, 1.0, -1.0)]:
+            _check_second(_setting(name, owner, one), _setting(name, owner, other), X)
+            setattr(owner, name, one)
+    finally:
+        module.SCALE, settings.SHIFT, Scaled.factor = 2.0, 0.5, 1.0
+
+
+class Activated(torch.nn.Module):
+    def __init__(self, act: Callable) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x)
+
+
+def test_a_partial_a_module_holds_is_keyed_by_its_arguments() -> None:
+    _check_second(lambda: Activated(functools.partial(F.leaky_relu, negative_slope=0.1)),
+                  lambda: Activated(functools.partial(F.leaky_relu, negative_slope=0.2)), X)
+
+
+def test_negative_zero_is_not_zero() -> None:
+    _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
+                  lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
+
+
+class Strided(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.is_contiguous() else x * 3
+
+
+def test_the_strides_of_the_inputs_are_in_the_key() -> None:
+    EXPORTS.kept.clear()
+    capture(Strided(), (X.t().contiguous(),))
+    got = capture(Strided(), (X.t(),))
+    torch.testing.assert_close(_run(got, Strided(), (X.t(),))[0], Strided()(X.t()), rtol=0, atol=0)
+
+
+def _made(scale: float) -> torch.nn.Module:
+    class Made(torch.nn.Module):  # one qualified name and code for every scale: the closure tells them apart
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * scale
+    return Made()
+
+
+def test_classes_made_alike_by_a_function_share_no_export_through_files(tmp_path: Path) -> None:
+    """Read back from bytes (``AUTOPAR_SOLVED_DIR``), an export is named by the digest: the code of a class made
+    inside a function is the same for both, its closure is not."""
+    with shared_dir(str(tmp_path)):
+        _check_second(lambda: _made(2.0), lambda: _made(3.0), X)
+
+
+class Weighted:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean() * self.weight
+
+
+@pytest.mark.parametrize("criterion", [Weighted(1.0), torch.nn.HuberLoss(delta=1.0)], ids=["object", "module"])
+def test_a_bound_method_loss_is_keyed_by_its_object(criterion: Any) -> None:
+    target = torch.zeros(2, 3, dtype=torch.float64)
+    loss_fn = criterion.loss if isinstance(criterion, Weighted) else criterion.forward
+    EXPORTS.kept.clear()
+    capture(Scaled(), (X,), with_loss=True, loss_fn=loss_fn, target=target)
+    setattr(criterion, "weight" if isinstance(criterion, Weighted) else "delta", 0.25)
+    model = Scaled()
+    got = capture(model, (X,), with_loss=True, loss_fn=loss_fn, target=target)
+    torch.testing.assert_close(_run(got, model, (X,), target)[0], loss_fn(model(X), target), rtol=0, atol=0)
