@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import io
 import pickle
 import sys
@@ -188,9 +189,13 @@ def _feed(h: Any, v: Any) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _autopar_files() -> tuple:
-    """The size and time of change of every file of autopar: an export written by other code is not read."""
-    root = Path(__file__).parent
-    return tuple((str(p.relative_to(root)), *_stamp(p)) for p in sorted(root.rglob("*.py")))
+    """The size and time of change of every file of autopar, ``passes`` and ``runtime`` included (in a source
+    checkout they lie beside the package, not in it): an export written by other code is not read."""
+    package = Path(__file__).parent
+    roots = [package, *(Path(p) for name in ("autopar.passes", "autopar.runtime")
+                        for p in importlib.util.find_spec(name).submodule_search_locations
+                        if package not in Path(p).parents)]
+    return tuple((str(p.relative_to(root.parent)), *_stamp(p)) for root in roots for p in sorted(root.rglob("*.py")))
 
 
 def _file_stamp(module: types.ModuleType | None) -> tuple:

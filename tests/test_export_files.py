@@ -13,7 +13,7 @@ import models
 from autopar import capture as capture_module
 from autopar.capture import _export, capture
 from autopar.capture_cache import EXPORTS, Export, export_key
-from autopar.export_files import decode, digest, encode
+from autopar.export_files import _autopar_files, decode, digest, encode
 from harness.shared_dir import shared_dir
 
 
@@ -103,3 +103,16 @@ def test_the_ranks_of_a_job_export_a_model_once(launcher, tmp_path: Path) -> Non
     codes = launcher(_rank_captures, 3, str(tmp_path), str(log))
     assert len(log.read_text().split()) == 1  # one rank exported; the others read its bytes
     assert codes[0] == codes[1] == codes[2]
+
+
+def test_the_digest_stamps_every_file_of_autopar_passes_and_runtime_included() -> None:
+    """In a source checkout ``passes/`` and ``runtime/`` lie beside ``autopar/``: an export written by another
+    version of ``passes/lazy_module.py`` must not be read."""
+    import autopar.passes
+    import autopar.runtime
+    stamped = {name for name, *_ in _autopar_files()}
+    for package in (autopar.passes, autopar.runtime):
+        for root in map(Path, package.__path__):
+            files = [str(p.relative_to(root.parent)) for p in root.rglob("*.py")]
+            missing = [f for f in files if not any(s == f or s.endswith("/" + f) for s in stamped)]
+            assert files and not missing, missing[:3]
