@@ -185,7 +185,8 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
     """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
     try:
         modules = _modules(model)
-        code = _reads([*dict.fromkeys(type(m) for m in model.modules()), loss_fn])
+        held = [v for m in model.modules() for v in vars(m).values() if callable(v)]  # (``self.act = f``)
+        code = _reads([*dict.fromkeys(type(m) for m in model.modules()), *held, loss_fn])
         return (modules, code, _value(inputs, fake=True), _strides(inputs), _aliases(inputs), _loss(loss_fn),
                 with_loss, output_dtype, torch.is_grad_enabled(), torch.get_default_dtype(),
                 torch.get_default_device())
@@ -307,6 +308,8 @@ def _reads(roots: list) -> tuple:
         seen.add(id(x))
         if isinstance(x, types.MethodType):
             todo += [x.__func__, type(x.__self__)]
+        elif isinstance(x, functools.partial):
+            todo.append(x.func)
         elif isinstance(x, type):
             out.append((x, _class_values(x, todo)))
             todo += x.__mro__[1:]

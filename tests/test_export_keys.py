@@ -97,6 +97,22 @@ def test_a_partial_a_module_holds_is_keyed_by_its_arguments() -> None:
                   lambda: Activated(functools.partial(F.leaky_relu, negative_slope=0.2)), X)
 
 
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    return x + settings.SHIFT
+
+
+def test_a_function_a_module_holds_is_followed_to_what_it_reads() -> None:
+    def make(shift: float) -> Callable[[], torch.nn.Module]:
+        def build() -> torch.nn.Module:
+            settings.SHIFT = shift
+            return Activated(_shifted)
+        return build
+    try:
+        _check_second(make(0.5), make(1.5), X)
+    finally:
+        settings.SHIFT = 0.5
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
