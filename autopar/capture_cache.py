@@ -242,11 +242,11 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if v is None or isinstance(v, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
         return (type(v), v)
     if isinstance(v, torch.Tensor):
+        spec = ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
         if fake or v.device.type == "meta":
-            return ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
-        data = v.detach().cpu().contiguous()
-        return ("tensor", tuple(v.shape), v.dtype, hashlib.blake2b(data.view(torch.uint8).numpy()
-                                                                   if data.numel() else b"").hexdigest())
+            return spec
+        data = v.detach().cpu().contiguous()  # (a constant of the graph: its strides as well as its values)
+        return (*spec, v.stride(), hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest())
     if isinstance(v, (list, tuple)):
         return (type(v), tuple(_value(x, depth + 1, fake) for x in v))
     if isinstance(v, dict):

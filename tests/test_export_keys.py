@@ -123,11 +123,22 @@ class Strided(torch.nn.Module):
         return x * 2 if x.is_contiguous() else x * 3
 
 
-def test_the_strides_of_the_inputs_are_in_the_key() -> None:
+class StridedConstant(torch.nn.Module):
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table  # a plain tensor: a constant of the graph
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table.sum() if self.table.is_contiguous() else x - self.table.sum()
+
+
+def test_the_strides_of_the_inputs_and_of_constants_are_in_the_key() -> None:
     EXPORTS.kept.clear()
     capture(Strided(), (X.t().contiguous(),))
     got = capture(Strided(), (X.t(),))
     torch.testing.assert_close(_run(got, Strided(), (X.t(),))[0], Strided()(X.t()), rtol=0, atol=0)
+    table = torch.eye(3, dtype=torch.float64) + 1
+    _check_second(lambda: StridedConstant(table), lambda: StridedConstant(table.t()), X)
 
 
 def _made(scale: float) -> torch.nn.Module:
