@@ -183,6 +183,8 @@ EXPORTS = ExportCache()
 def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: bool,
                output_dtype: torch.dtype | None) -> Hashable | None:
     """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
+    if _global_hooks() or _modes():
+        return None
     try:
         modules = _modules(model)
         held = [v for m in model.modules() for v in vars(m).values() if callable(v)]  # (``self.act = f``)
@@ -192,6 +194,23 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
                 torch.get_default_device())
     except _Unknown:
         return None
+
+
+def _global_hooks() -> bool:
+    """Whether a hook every module runs is registered (``register_module_forward_hook``): the export records
+    what it does."""
+    from torch.nn.modules import module
+    return any(getattr(module, f"_global{h}", None) for h in _HOOKS if "state_dict" not in h)
+
+
+def _modes() -> bool:
+    """Whether a torch function or dispatch mode is active (the default device's aside: a value of the key):
+    the export records what it does."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(not isinstance(m, DeviceContext) for m in _get_current_function_mode_stack()) or \
+        bool(_get_current_dispatch_mode_stack())
 
 
 def _modules(model: torch.nn.Module) -> tuple:

@@ -3,15 +3,17 @@ the first would answer wrongly, and checks the second's graph against the model 
 fresh export (autopar/capture_cache.py ``export_key``, autopar/export_files.py ``digest``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture
@@ -173,3 +175,41 @@ def test_a_bound_method_loss_is_keyed_by_its_object(criterion: Any) -> None:
     model = Scaled()
     got = capture(model, (X,), with_loss=True, loss_fn=loss_fn, target=target)
     torch.testing.assert_close(_run(got, model, (X,), target)[0], loss_fn(model(X), target), rtol=0, atol=0)
+
+
+def _doubled(module: torch.nn.Module, args: tuple, out: Any) -> Any:
+    return out * 2 if isinstance(module, torch.nn.Linear) else None
+
+
+class Doubling(TorchFunctionMode):
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is F.linear else out
+
+
+def _captured_within(context: Callable[[], Any], x: torch.Tensor) -> None:
+    """A capture made inside ``context`` (something every module or every call runs) does not answer a capture
+    made outside it. (``x``: a shape of each test's own, as the tests' processes share their exports' files.)"""
+    EXPORTS.kept.clear()
+    with context():
+        capture(Scaled(), (x,))
+    model = Scaled()
+    got = capture(model, (x,))
+    torch.testing.assert_close(_run(got, model, (x,))[0], model(x), rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def _global_hook() -> Iterator[None]:
+    handle = torch.nn.modules.module.register_module_forward_hook(_doubled)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_a_global_module_hook_is_not_an_export_of_the_model_alone() -> None:
+    _captured_within(_global_hook, X[:1])
+
+
+def test_a_torch_function_mode_is_not_an_export_of_the_model_alone() -> None:
+    _captured_within(Doubling, X.repeat(2, 1))
