@@ -15,7 +15,7 @@ running job after job. ``export_key`` fingerprints what the export reads and not
 - the inputs and target: tensors by shape, strides, dtype, device and ``requires_grad`` (fake as well), every
   other leaf by value (a float by its bits: ``-0.0`` is not ``0.0``); the loss function (the object itself,
   what its closure holds, and the object a bound method is bound to);
-- whether a loss is captured, the output dtype, grad mode, default dtype and default device.
+- whether a loss is captured, the output dtype, grad mode, default dtype and device, and autocast's state.
 
 A training export also answers the forward-only export of the same model on the same inputs: it is exported
 once returning the loss and the model's outputs, and ``split_outputs`` cuts it into the graph of each (the
@@ -191,9 +191,14 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
         code = _reads([*dict.fromkeys(type(m) for m in model.modules()), *held, loss_fn])
         return (modules, code, _value(inputs, fake=True), _strides(inputs), _aliases(inputs), _loss(loss_fn),
                 with_loss, output_dtype, torch.is_grad_enabled(), torch.get_default_dtype(),
-                torch.get_default_device())
+                torch.get_default_device(), _autocast())
     except _Unknown:
         return None
+
+
+def _autocast() -> tuple:
+    """Autocast's state: a model may read it (``torch.is_autocast_enabled()``) while exported."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
 def _global_hooks() -> bool:

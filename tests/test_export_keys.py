@@ -187,13 +187,14 @@ class Doubling(TorchFunctionMode):
         return out * 2 if func is F.linear else out
 
 
-def _captured_within(context: Callable[[], Any], x: torch.Tensor) -> None:
+def _captured_within(context: Callable[[], Any], x: torch.Tensor,
+                     make: Callable[[], torch.nn.Module] = Scaled) -> None:
     """A capture made inside ``context`` (something every module or every call runs) does not answer a capture
     made outside it. (``x``: a shape of each test's own, as the tests' processes share their exports' files.)"""
     EXPORTS.kept.clear()
     with context():
-        capture(Scaled(), (x,))
-    model = Scaled()
+        capture(make(), (x,))
+    model = make()
     got = capture(model, (x,))
     torch.testing.assert_close(_run(got, model, (x,))[0], model(x), rtol=0, atol=0)
 
@@ -213,3 +214,12 @@ def test_a_global_module_hook_is_not_an_export_of_the_model_alone() -> None:
 
 def test_a_torch_function_mode_is_not_an_export_of_the_model_alone() -> None:
     _captured_within(Doubling, X.repeat(2, 1))
+
+
+class AutocastAware(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if torch.is_autocast_enabled("cpu") else x * 3
+
+
+def test_autocast_read_by_the_model_is_in_the_key() -> None:
+    _captured_within(lambda: torch.autocast("cpu", dtype=torch.bfloat16), X, AutocastAware)
