@@ -14,7 +14,7 @@ strides, storage offset, dtype, device and ``requires_grad``, and read back as a
 attribute or a graph below, an object pickle cannot hold) is used as exported, and not shared.
 
 The key's digest (``digest``) reads what ``capture_cache.export_key`` holds: values by type and value, classes by
-module, name and the size and time of change of the module's file (and, for a class defined inside a function,
+module, name, the size and time of change of the module's file and its bases (and, for a class defined inside a function,
 the code of its methods), functions by module, name and code (what a function's closure holds and the values
 its code reads are values of the key: ``capture_cache._reads``); and the size and time of change of every file of
 autopar, so that a directory kept from one version to the next is not read across them. A key holding anything
@@ -176,6 +176,7 @@ def _feed(h: Any, v: Any) -> None:
     elif isinstance(v, type):
         h.update(f"class {v.__module__}.{v.__qualname__};".encode())
         _feed(h, _file_stamp(sys.modules.get(v.__module__)))
+        _feed(h, list(v.__bases__))  # (``type("Act", (nn.Tanh,), {})``: the same name for another class)
         if "<locals>" in v.__qualname__:  # (a class made inside a function: its methods' code as well)
             _feed(h, [(k, x) for k, x in sorted(vars(v).items()) if isinstance(x, types.FunctionType)])
     elif isinstance(v, types.FunctionType):

@@ -150,11 +150,17 @@ def _made(scale: float) -> torch.nn.Module:
     return Made()
 
 
-def test_classes_made_alike_by_a_function_share_no_export_through_files(tmp_path: Path) -> None:
+def _activation(base: type) -> torch.nn.Module:
+    return Activated(type("Activation", (base,), {})())  # one module and name for every base
+
+
+def test_classes_made_alike_share_no_export_through_files(tmp_path: Path) -> None:
     """Read back from bytes (``AUTOPAR_SOLVED_DIR``), an export is named by the digest: the code of a class made
-    inside a function is the same for both, its closure is not."""
+    inside a function is the same for both, its closure is not; a class made by ``type`` has the same name
+    and module for both, its bases differ."""
     with shared_dir(str(tmp_path)):
         _check_second(lambda: _made(2.0), lambda: _made(3.0), X)
+        _check_second(lambda: _activation(torch.nn.Sigmoid), lambda: _activation(torch.nn.Tanh), X)
 
 
 class Weighted:
