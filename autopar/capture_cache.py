@@ -23,8 +23,7 @@ forward one without the loss's nodes and the target's inputs), kept under each o
 ``pm.step`` then exports nothing.
 
 Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type) makes the key
-``None``: that export is not remembered; a module-level object of such a type that the code reads (a logger) is
-keyed by its type only. A hit returns a copy of the pristine export (new nodes and metadata;
+``None``: that export is not remembered (a module-level logger the code reads is keyed by its name). A hit returns a copy of the pristine export (new nodes and metadata;
 the fake values are shared, as no pass changes one in place), so that the passes may rewrite it freely.
 """
 from __future__ import annotations
@@ -33,6 +32,7 @@ import copy
 import enum
 import functools
 import hashlib
+import logging
 import sys
 import types
 from collections import OrderedDict
@@ -289,7 +289,8 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
         return (type(v), _value(v.func, depth + 1), _value(v.args, depth + 1), _value(v.keywords, depth + 1))
     if isinstance(v, types.MethodType):
         return _function(v, depth + 1)
-    if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__") and _python_class(type(v)):  # a plain object
+    if hasattr(v, "__dict__") and not hasattr(type(v), "__slots__") and \
+            (_python_class(type(v)) or type(v) is types.SimpleNamespace):  # a plain object
         # (a model's config); a class of C code may keep its state outside ``__dict__``
         return (type(v), tuple((k, _value(x, depth + 1)) for k, x in sorted(vars(v).items())))
     raise _Unknown(type(v).__name__)
@@ -402,9 +403,10 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
 
 
 def _held(v: Any) -> Any:
-    """``v`` by value where the key can hold it, else by its type (an object such as a logger: its state, and
-    a rebinding to another of its type, is not seen)."""
-    try:
-        return _value(v)
-    except _Unknown:
-        return ("object", type(v))
+    """``v`` by value; a logger by its name (what it logs is not in the graph). A module outside the model raises:
+    its tensors would be constants of the graph."""
+    if isinstance(v, logging.Logger):
+        return ("logger", v.name)
+    if isinstance(v, torch.nn.Module):
+        raise _Unknown(f"a {type(v).__name__} outside the model")
+    return _value(v)

@@ -171,8 +171,11 @@ def _feed(h: Any, v: Any) -> None:
             _feed(sub, x)
             parts.append(sub.digest())
         _feed(h, sorted(parts))
-    elif v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+    elif v is None or v is Ellipsis or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype,
+                                                      torch.device, torch.Size)):
         h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, slice):  # (constants of code: ``x[..., 1:]``)
+        _feed(h, ["slice", v.start, v.stop, v.step])
     elif isinstance(v, type):
         h.update(f"class {v.__module__}.{v.__qualname__};".encode())
         _feed(h, _file_stamp(sys.modules.get(v.__module__)))

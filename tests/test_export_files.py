@@ -75,6 +75,7 @@ def test_a_key_names_classes_and_functions_by_their_code() -> None:
     assert key(first) == key(first) is not None
     assert key(first) != key(second)  # (one qualified name and line, two functions)
     assert key(first) != key(models.mse)
+    assert key(first, models.fused_slice()) is not None  # (its code holds ``...`` and slices: shared too)
     held = models.mlp((3, 4))
     held.__dict__["other"] = held[0]  # a module held outside ``_modules``: named by its address, not shared
     assert key(first, held) is None

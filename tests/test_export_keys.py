@@ -115,6 +115,32 @@ def test_a_function_a_module_holds_is_followed_to_what_it_reads() -> None:
         settings.SHIFT = 0.5
 
 
+class Offset(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("by", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.by
+
+
+OFFSET = Offset()  # a module outside the model, which the model calls: its buffer is a constant of the graph
+
+
+class CallsOffset(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return OFFSET(x)
+
+
+def test_a_module_outside_the_model_is_read_by_its_values() -> None:
+    def make(by: float) -> Callable[[], torch.nn.Module]:
+        def build() -> torch.nn.Module:
+            OFFSET.by.fill_(by)
+            return CallsOffset()
+        return build
+    _check_second(make(0.5), make(1.5), X)
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
