@@ -28,6 +28,7 @@ the fake values are shared, as no pass changes one in place), so that the passes
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import enum
 import functools
@@ -55,12 +56,7 @@ _SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *
 _DEPTH = 6
 
 
-@dataclass(frozen=True)
-class ProcessLocal:
-    """A value of a key that only this process can name (an object's address): such a key is not shared with
-    other processes (``export_files.digest``)."""
-
-    id: int
+_MODULE_NAMES: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("module names", default={})
 
 
 class _Unknown(Exception):
@@ -185,6 +181,10 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
     """The key of an export of ``model`` on ``inputs`` (args, kwargs, target), or None where it is not exact."""
     if _global_hooks() or _modes():
         return None
+    names: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), name)
+    token = _MODULE_NAMES.set(names)  # (a module an attribute refers to: by its name in the model)
     try:
         modules = _modules(model)
         held = [v for m in model.modules() for v in vars(m).values() if callable(v)]  # (``self.act = f``)
@@ -194,6 +194,8 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
                 torch.get_default_device(), _autocast())
     except _Unknown:
         return None
+    finally:
+        _MODULE_NAMES.reset(token)
 
 
 def _autocast() -> tuple:
@@ -282,7 +284,7 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if isinstance(v, types.BuiltinFunctionType) and (v.__self__ is None or isinstance(v.__self__, types.ModuleType)):
         return ("builtin", v)  # a function of a C module (F.gelu): stateless
     if isinstance(v, torch.nn.Module):
-        return ("module", ProcessLocal(id(v)))  # a submodule: fingerprinted in its own place among the modules
+        return ("module", _module_name(v))
     if isinstance(v, enum.Enum):
         return (type(v), v.value)
     if isinstance(v, functools.partial):
@@ -294,6 +296,16 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
         # (a model's config); a class of C code may keep its state outside ``__dict__``
         return (type(v), tuple((k, _value(x, depth + 1)) for k, x in sorted(vars(v).items())))
     raise _Unknown(type(v).__name__)
+
+
+def _module_name(m: torch.nn.Module) -> str:
+    """A module an attribute refers to, by its name in the model (fingerprinted in its own place there); not by
+    its address, which another module may take once this one is gone. A module outside the model raises: its
+    tensors would be constants of the graph."""
+    name = _MODULE_NAMES.get().get(id(m))
+    if name is None:
+        raise _Unknown(f"a {type(m).__name__} outside the model")
+    return name
 
 
 def _python_class(cls: type) -> bool:
@@ -309,7 +321,7 @@ def _function(f: Any, depth: int = 0) -> Any:
     also by the object it is bound to."""
     if f is None or isinstance(f, type):
         return f
-    if isinstance(f, types.MethodType):  # (a module it is bound to: by its address, its state kept elsewhere)
+    if isinstance(f, types.MethodType):  # (a module of the model it is bound to: by its name)
         return ("method", _function(f.__func__, depth), _value(f.__self__, depth))
     if not hasattr(f, "__code__"):
         raise _Unknown(type(f).__name__)
@@ -403,10 +415,5 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
 
 
 def _held(v: Any) -> Any:
-    """``v`` by value; a logger by its name (what it logs is not in the graph). A module outside the model raises:
-    its tensors would be constants of the graph."""
-    if isinstance(v, logging.Logger):
-        return ("logger", v.name)
-    if isinstance(v, torch.nn.Module):
-        raise _Unknown(f"a {type(v).__name__} outside the model")
-    return _value(v)
+    """``v`` by value; a logger by its name (what it logs is not in the graph)."""
+    return ("logger", v.name) if isinstance(v, logging.Logger) else _value(v)

@@ -76,9 +76,12 @@ def test_a_key_names_classes_and_functions_by_their_code() -> None:
     assert key(first) != key(second)  # (one qualified name and line, two functions)
     assert key(first) != key(models.mse)
     assert key(first, models.fused_slice()) is not None  # (its code holds ``...`` and slices: shared too)
-    held = models.mlp((3, 4))
-    held.__dict__["other"] = held[0]  # a module held outside ``_modules``: named by its address, not shared
-    assert key(first, held) is None
+    held, other = models.mlp((3, 4, 4)), models.mlp((3, 4, 4))
+    held.__dict__["other"], other.__dict__["other"] = held[0], other[1]  # (held outside ``_modules``)
+    assert key(first, held) is not None and key(first, held) != key(first, other)  # named by their place
+    outside = models.mlp((3, 4))
+    outside.__dict__["other"] = models.mlp((3, 4))  # a module outside the model: its tensors would be constants
+    assert key(first, outside) is None
 
 
 def _rank_captures(folder: str, log: str) -> str:

@@ -141,6 +141,26 @@ def test_a_module_outside_the_model_is_read_by_its_values() -> None:
     _check_second(make(0.5), make(1.5), X)
 
 
+class Listed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helpers = [torch.nn.Linear(3, 3, dtype=torch.float64)]  # a plain list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.helpers[0](x)
+
+
+def test_a_module_held_outside_the_model_is_not_keyed_by_its_address() -> None:
+    """Its weights are constants of the graph; the same object, new weights, must not get the first graph."""
+    model = Listed()
+    EXPORTS.kept.clear()
+    capture(model, (X,))
+    with torch.no_grad():
+        model.helpers[0].weight.mul_(2)
+    got = capture(model, (X,))
+    torch.testing.assert_close(_run(got, model, (X,))[0], model(X), rtol=0, atol=0)
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
