@@ -271,6 +271,8 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
         spec = ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
         if fake or v.device.type == "meta":
             return spec
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):  # (a subclass: a fake tensor an export left behind)
+            raise _Unknown(type(v).__name__)
         data = v.detach().cpu().contiguous()  # (a constant of the graph: its strides as well as its values)
         return (*spec, v.stride(), hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest())
     if isinstance(v, (list, tuple)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models
 from autopar.capture import capture
@@ -47,6 +48,10 @@ def test_what_it_cannot_hold_exactly_is_not_remembered() -> None:
     assert key(hooked) is None
     odd = models.factory(models.gpt2, layers=1)()
     odd.transformer.extra = __import__("threading").Lock()  # an attribute of a type the key cannot fingerprint
+    assert key(odd) is None
+    odd = models.factory(models.gpt2, layers=1)()
+    with FakeTensorMode():
+        odd.transformer.extra = torch.zeros(2)  # a fake tensor left on the model by an export: not a value
     assert key(odd) is None
 
 
