@@ -373,15 +373,15 @@ def _library_module(name: str) -> bool:
 
 
 def _class_values(cls: type, todo: list) -> tuple:
-    """A class's values (by value), its functions queued to be read in turn."""
+    """A class's attributes (its functions and classes by themselves, queued to be read in turn; the rest by
+    value), but the ones Python gives every class (``__module__``, ``__dict__``)."""
     values = []
     for k, v in sorted(vars(cls).items()):
-        inner = [v.__func__] if isinstance(v, (staticmethod, classmethod)) else \
-            [v.fget, v.fset, v.fdel] if isinstance(v, property) else [v]
-        if all(isinstance(f, (types.FunctionType, type, type(None))) for f in inner):
-            todo += [f for f in inner if f is not None]
-        elif not (k.startswith("__") and k.endswith("__")):
-            values.append((k, _held(v)))
+        v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+        inner = [v.fget, v.fset, v.fdel] if isinstance(v, property) else [v]
+        todo += [f for f in inner if callable(f)]
+        if not (k.startswith("__") and k.endswith("__")) or isinstance(v, types.FunctionType):
+            values.append((k, tuple(map(_named, inner))))
     return tuple(values)
 
 

@@ -94,6 +94,39 @@ class Activated(torch.nn.Module):
         return self.act(x)
 
 
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+class Chooses(torch.nn.Module):
+    choice = staticmethod(_double)  # a class attribute naming one of two functions the model reads anyway
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _double, _triple
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.choice(x)
+
+
+def _choosing(f: Callable) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        Chooses.choice = staticmethod(f)
+        return Chooses()
+    return make
+
+
+def test_a_class_attribute_naming_a_function_is_keyed_by_that_function() -> None:
+    try:
+        _check_second(_choosing(_double), _choosing(_triple), X)
+    finally:
+        Chooses.choice = staticmethod(_double)
+
+
 def test_a_partial_a_module_holds_is_keyed_by_its_arguments() -> None:
     _check_second(lambda: Activated(functools.partial(F.leaky_relu, negative_slope=0.1)),
                   lambda: Activated(functools.partial(F.leaky_relu, negative_slope=0.2)), X)
