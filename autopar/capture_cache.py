@@ -22,9 +22,11 @@ once returning the loss and the model's outputs, and ``split_outputs`` cuts it i
 forward one without the loss's nodes and the target's inputs), kept under each one's key. ``pm(...)`` after
 ``pm.step`` then exports nothing.
 
-Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type) makes the key
-``None``: that export is not remembered (a module-level logger the code reads is keyed by its name). A hit returns a copy of the pristine export (new nodes and metadata;
-the fake values are shared, as no pass changes one in place), so that the passes may rewrite it freely.
+Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type, a module outside
+the model that the code calls, a global module hook or an active torch function mode) makes the key ``None``:
+that export is not remembered (a module-level logger the code reads is keyed by its name). A hit returns a copy
+of the pristine export (new nodes and metadata; the fake values are shared, as no pass changes one in place), so
+that the passes may rewrite it freely.
 """
 from __future__ import annotations
 
@@ -397,7 +399,7 @@ def _function_reads(f: types.FunctionType, todo: list) -> tuple:
     found = [(n, f.__globals__[n]) for n in names if n in f.__globals__]
     for _, m in list(found):  # the attributes of modules this code names (``cfg.SCALE``)
         if isinstance(m, types.ModuleType) and not _library(m):
-            found += [(f"{m.__name__}.{n}", getattr(m, n)) for n in names if hasattr(m, n)]
+            found += [(f"{m.__name__}.{n}", vars(m)[n]) for n in names if n in vars(m)]  # (no ``__getattr__``)
     found = [(n, v) for n, v in found if not isinstance(v, types.ModuleType)]
     todo += [v for v in [*cells, *(f.__defaults__ or ()), *(v for _, v in found)] if callable(v)]
     return (f, tuple(map(_named, cells)), _held(f.__defaults__), _held(f.__kwdefaults__),

@@ -194,6 +194,23 @@ def test_a_module_held_outside_the_model_is_not_keyed_by_its_address() -> None:
     torch.testing.assert_close(_run(got, model, (X,))[0], model(X), rtol=0, atol=0)
 
 
+def _not_installed(name: str) -> Any:
+    raise ImportError(f"{name} needs a package that is not installed")
+
+
+lazy = types.ModuleType("lazy")  # a module whose missing attributes import on first use (PEP 562)
+lazy.__getattr__ = _not_installed
+
+
+class ReadsLazy(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + settings.SHIFT if lazy is not None else x
+
+
+def test_a_module_that_imports_on_first_use_is_read_without_importing() -> None:
+    _check_second(ReadsLazy, ReadsLazy, X)
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
