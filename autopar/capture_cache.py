@@ -275,7 +275,7 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
             return spec
         if type(v) not in (torch.Tensor, torch.nn.Parameter):  # (a subclass: a fake tensor an export left behind)
             raise _Unknown(type(v).__name__)
-        data = v.detach().cpu().contiguous()  # (a constant of the graph: its strides as well as its values)
+        data = v.detach().cpu().reshape(-1)  # (a constant of the graph; flat: a 0-d tensor has no view in bytes)
         return (*spec, v.stride(), hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest())
     if isinstance(v, (list, tuple)):
         return (type(v), tuple(_value(x, depth + 1, fake) for x in v))

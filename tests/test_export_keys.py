@@ -211,6 +211,12 @@ def test_a_module_that_imports_on_first_use_is_read_without_importing() -> None:
     _check_second(ReadsLazy, ReadsLazy, X)
 
 
+def test_a_0d_tensor_a_module_holds_is_keyed_by_its_value() -> None:
+    def scaled(by: float) -> Callable[[], torch.nn.Module]:
+        return lambda: Activated(functools.partial(torch.mul, other=torch.tensor(by, dtype=torch.float64)))
+    _check_second(scaled(2.0), scaled(3.0), X)
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
