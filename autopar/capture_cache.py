@@ -20,7 +20,8 @@ running job after job. ``export_key`` fingerprints what the export reads and not
 A training export also answers the forward-only export of the same model on the same inputs: it is exported
 once returning the loss and the model's outputs, and ``split_outputs`` cuts it into the graph of each (the
 forward one without the loss's nodes and the target's inputs), kept under each one's key. ``pm(...)`` after
-``pm.step`` then exports nothing.
+``pm.step`` then exports nothing. (Not where a value the model returns is one the loss computed: a loss that
+changes the model's output in place.)
 
 Anything it cannot fingerprint exactly (a module with hooks, an attribute of an unknown type, a module outside
 the model that the code calls, a global module hook or an active torch function mode) makes the key ``None``:
@@ -111,13 +112,22 @@ def split_outputs(joint: Export, targets: int, same: dict[int, int] | None = Non
     for t, i in (same or {}).items():
         if targets and dropped[t][0].users:
             dropped[t][0].replace_all_uses_with(inputs[i])
-    if not targets or any(n.users for n, _ in dropped):
+    if not targets or any(n.users for n, _ in dropped) or not _by_the_model(forward.graph_module):
         return train, None
     for n, _ in dropped:
         forward.graph_module.graph.erase_node(n)
     forward.input_specs = [s for s in joint.input_specs if all(s is not spec for _, spec in dropped)]
     forward.graph_module.recompile()
     return train, forward
+
+
+def _by_the_model(gm: torch.fx.GraphModule) -> bool:
+    """Whether the model computed every value the graph returns: a loss that changes the model's output in place
+    (``out.mul_(2)``) makes the export return the changed value, which a forward-only export would not."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return all(n.op != "call_function" or any(path == "model" or path.startswith("model.") for path, _ in
+                                              (n.meta.get("nn_module_stack") or {}).values())
+               for n in _ancestors(out))
 
 
 def _keep_outputs(gm: torch.fx.GraphModule, keep: list[int], prune: bool = False) -> None:

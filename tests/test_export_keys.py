@@ -331,3 +331,17 @@ class AutocastAware(torch.nn.Module):
 
 def test_autocast_read_by_the_model_is_in_the_key() -> None:
     _captured_within(lambda: torch.autocast("cpu", dtype=torch.bfloat16), X, AutocastAware)
+
+
+def _doubling_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out.mul_(2) - target) ** 2).mean()  # (changes the model's output in place)
+
+
+def test_the_forward_graph_of_a_training_export_is_the_models_own() -> None:
+    """The training export also gives the forward-only graph (``split_outputs``), but not where the loss changed
+    the model's output in place: the export returns the changed value."""
+    model, target = Scaled(), torch.zeros(2, 3, dtype=torch.float64)
+    EXPORTS.kept.clear()
+    capture(model, (X,), with_loss=True, loss_fn=_doubling_loss, target=target)
+    got = capture(model, (X,))
+    torch.testing.assert_close(_run(got, model, (X,))[0], model(X), rtol=0, atol=0)
