@@ -10,8 +10,9 @@ running job after job. ``export_key`` fingerprints what the export reads and not
   values are not read: the export sees them as fake tensors, so no value can shape the graph;
 - what the code of the model's classes and of the loss reads (``_reads``): class attributes, the closures and
   defaults of methods, module-level values its functions name and the functions they call, followed in turn;
-  the code of torch, Python and installed packages is not followed (a class of Hugging Face's is keyed by its
-  instance's attributes and its code, not by module-level state of transformers);
+  the code of torch, Python and installed packages is not followed: a class of theirs is keyed by its functions
+  and the functions and classes they name at module level (a patched method or ``apply_rotary_pos_emb``), not
+  by the module-level values of transformers;
 - the inputs and target: tensors by shape, strides, dtype, device and ``requires_grad`` (fake as well), every
   other leaf by value (a float by its bits: ``-0.0`` is not ``0.0``); the loss function (the object itself,
   what its closure holds, and the object a bound method is bound to);
@@ -347,17 +348,21 @@ def _reads(roots: list) -> tuple:
     """What the code of the model's classes and of the loss reads besides its arguments and the modules' own
     attributes: each class's attributes (its methods with their closures and defaults, class-level values), and
     the module-level names its functions read, by value (a function one calls: followed in turn; an attribute of
-    a module, ``cfg.SCALE``: where the code names it). The code of torch and of Python's own library is taken as
-    the export's own (a torch of another version is another key: ``export_files.digest``)."""
+    a module, ``cfg.SCALE``: where the code names it). A class of a library (``_library``) is read by its
+    functions only (``_library_class``)."""
     seen: set[int] = set()
     out: list = []
     todo = [r for r in roots if r is not None]
     while todo:
         x = todo.pop()
-        if id(x) in seen or _library(x):
+        if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, types.MethodType):
+        if _library(x):
+            if isinstance(x, type):
+                out.append((x, _library_class(x)))
+                todo += x.__mro__[1:]
+        elif isinstance(x, types.MethodType):
             todo += [x.__func__, type(x.__self__)]
         elif isinstance(x, functools.partial):
             todo.append(x.func)
@@ -367,6 +372,35 @@ def _reads(roots: list) -> tuple:
         elif isinstance(x, types.FunctionType):
             out.append(_function_reads(x, todo))
     return tuple(out)
+
+
+def _library_class(cls: type) -> tuple:
+    """A library's class by its functions and the functions and classes their code names at module level, all by
+    themselves: a method or a module-level function patched at run time (``LlamaMLP.forward = ...``,
+    ``modeling_llama.apply_rotary_pos_emb = ...``) is another key. Not followed further."""
+    functions = [(k, v) for k, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType)]
+    return tuple((k, tuple((g, tuple((n, g.__globals__[n]) for n in _names(g.__code__)
+                                     if isinstance(g.__globals__.get(n), (types.FunctionType, type))))
+                           for g in _wrapped(f)))
+                 for k, f in functions)
+
+
+def _wrapped(f: types.FunctionType, depth: int = 0) -> list[types.FunctionType]:
+    """``f`` and the functions its closure holds, in turn: a decorated method's own code is in its wrapper's
+    closure."""
+    inner = [g for g in _cells(f) if isinstance(g, types.FunctionType) and g is not f] if depth < _DEPTH else []
+    return [f, *(g for x in inner for g in _wrapped(x, depth + 1))]
+
+
+def _cells(f: types.FunctionType) -> list:
+    """What ``f``'s closure holds (None for an empty cell)."""
+    cells = []
+    for c in f.__closure__ or ():
+        try:
+            cells.append(c.cell_contents)
+        except ValueError:  # (an empty cell)
+            cells.append(None)
+    return cells
 
 
 def _library(x: Any) -> bool:
@@ -399,12 +433,7 @@ def _class_values(cls: type, todo: list) -> tuple:
 
 def _function_reads(f: types.FunctionType, todo: list) -> tuple:
     """A function by its code, closure, defaults and the module-level values its code names."""
-    cells = []
-    for c in f.__closure__ or ():
-        try:
-            cells.append(c.cell_contents)
-        except ValueError:  # (an empty cell)
-            cells.append(None)
+    cells = _cells(f)
     names = _names(f.__code__)
     found = [(n, f.__globals__[n]) for n in names if n in f.__globals__]
     for _, m in list(found):  # the attributes of modules this code names (``cfg.SCALE``)

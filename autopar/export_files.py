@@ -202,6 +202,7 @@ def _autopar_files() -> tuple:
     return tuple((str(p.relative_to(root.parent)), *_stamp(p)) for root in roots for p in sorted(root.rglob("*.py")))
 
 
+@functools.lru_cache(maxsize=None)
 def _file_stamp(module: types.ModuleType | None) -> tuple:
     """The size and time of change of a module's file (a class's code: a library upgraded, a file edited)."""
     path = getattr(module, "__file__", None)
@@ -214,10 +215,17 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _feed_code(h: Any, code: types.CodeType) -> None:
-    h.update(code.co_code)
+    h.update(_code_digest(code))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digest(code: types.CodeType) -> bytes:
+    """A code object's bytes, names and constants, hashed once (a key names hundreds of library functions)."""
+    h = hashlib.blake2b(code.co_code, digest_size=20)
     _feed(h, [code.co_filename, code.co_firstlineno, code.co_names, code.co_varnames, code.co_freevars])
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             _feed_code(h, c)
         else:
             _feed(h, c)
+    return h.digest()

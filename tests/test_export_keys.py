@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+import models
 from autopar.capture import capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.graph import Captured, SlotKind
@@ -345,3 +346,23 @@ def test_the_forward_graph_of_a_training_export_is_the_models_own() -> None:
     capture(model, (X,), with_loss=True, loss_fn=_doubling_loss, target=target)
     got = capture(model, (X,))
     torch.testing.assert_close(_run(got, model, (X,))[0], model(X), rtol=0, atol=0)
+
+
+def _no_rotation(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+    return q, k
+
+
+@pytest.mark.parametrize("patched", ["apply_rotary_pos_emb", "LlamaMLP.forward"])
+def test_a_library_function_patched_at_run_time_is_another_key(patched: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Libraries' code is read by what their classes' methods name, not followed: a module-level function patched
+    (as kernel libraries patch Hugging Face's) or a method patched is another key."""
+    from transformers.models.llama import modeling_llama
+    make, ids = models.factory(models.llama, layers=1), torch.arange(16).reshape(2, 8) % 90
+    EXPORTS.kept.clear()
+    capture(make(), (ids,))
+    owner, name, patch = {"apply_rotary_pos_emb": (modeling_llama, "apply_rotary_pos_emb", _no_rotation),
+                          "LlamaMLP.forward": (modeling_llama.LlamaMLP, "forward", lambda self, x: x)}[patched]
+    monkeypatch.setattr(owner, name, patch)
+    model = make()
+    got = capture(model, (ids,))
+    torch.testing.assert_close(_run(got, model, (ids,))[0], model(ids).logits, rtol=0, atol=0)
