@@ -6,8 +6,9 @@ running job after job. ``export_key`` fingerprints what the export reads and not
 
 - the model's modules in order: class (so its code), every attribute (Hugging Face's config, flags,
   ``training``), the names, shapes, strides, dtypes, devices and ``requires_grad`` of parameters and buffers,
-  and the value of any plain tensor attribute (it would become a constant of the graph). Parameter and buffer
-  values are not read: the export sees them as fake tensors, so no value can shape the graph;
+  which of them are tied (one tensor under two names), and the value of any plain tensor attribute (it would
+  become a constant of the graph). Parameter and buffer values are not read: the export sees them as fake
+  tensors, so no value can shape the graph;
 - what the code of the model's classes and of the loss reads (``_reads``): class attributes, the closures and
   defaults of methods, module-level values its functions name and the functions they call, followed in turn;
   the code of torch, Python and installed packages is not followed: a class of theirs is keyed by its functions
@@ -49,6 +50,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.core.graph import tied_aliases
 from autopar.passes.lazy_module import lazy
 
 ENTRIES = 64  # exports kept (least recently used dropped first)
@@ -199,7 +201,7 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
         names.setdefault(id(m), name)
     token = _MODULE_NAMES.set(names)  # (a module an attribute refers to: by its name in the model)
     try:
-        modules = _modules(model)
+        modules = (_modules(model), tuple(tied_aliases(model).items()))  # (tied: one placeholder, both uses)
         held = [v for m in model.modules() for v in vars(m).values() if callable(v)]  # (``self.act = f``)
         code = _reads([*dict.fromkeys(type(m) for m in model.modules()), *held, loss_fn])
         return (modules, code, _value(inputs, fake=True), _strides(inputs), _aliases(inputs), _loss(loss_fn),

@@ -218,6 +218,24 @@ def test_a_0d_tensor_a_module_holds_is_keyed_by_its_value() -> None:
     _check_second(scaled(2.0), scaled(3.0), X)
 
 
+class Tied(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, dtype=torch.float64)
+        self.head = torch.nn.Linear(4, 10, bias=False, dtype=torch.float64)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_tied_parameters_are_in_the_key() -> None:
+    """The export of a tied model reads one placeholder for both uses: a model of the same shapes, untied, must
+    not get it."""
+    _check_second(lambda: Tied(True), lambda: Tied(False), torch.arange(6).reshape(2, 3))
+
+
 def test_negative_zero_is_not_zero() -> None:
     _check_second(lambda: Activated(functools.partial(torch.mul, other=0.0)),
                   lambda: Activated(functools.partial(torch.mul, other=-0.0)), X)
