@@ -269,7 +269,7 @@ def _attributes(m: torch.nn.Module) -> tuple:
 
 def _tensors(m: torch.nn.Module) -> tuple:
     def spec(t: torch.Tensor | None) -> Any:
-        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device.type, t.requires_grad)
+        return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
     return (tuple((k, spec(t)) for k, t in m._parameters.items()),
             tuple((k, spec(t), k in m._non_persistent_buffers_set) for k, t in m._buffers.items()))
 
@@ -283,7 +283,8 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if v is None or isinstance(v, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
         return (type(v), v)
     if isinstance(v, torch.Tensor):
-        spec = ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
+        # (the device with its index: the graph holds it, ``arange(..., device=cuda:1)``)
+        spec = ("tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad)
         if fake or v.device.type == "meta":
             return spec
         if type(v) not in (torch.Tensor, torch.nn.Parameter):  # (a subclass: a fake tensor an export left behind)

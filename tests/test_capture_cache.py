@@ -93,3 +93,15 @@ def test_a_target_passed_as_the_input_itself_is_another_export() -> None:
     apart = capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=other)
     inputs = [n for n, slot in zip(apart.gm.graph.nodes, apart.slots) if slot.kind.name == "INPUT"]
     assert len(inputs) == 2 and all(n.users for n in inputs)  # the ids and the target, each read
+
+
+def test_the_key_holds_the_devices_index() -> None:
+    """The export writes the device into the graph (``arange(..., device=cuda:0)``), and a model captured on cuda:1
+    is moved from cuda:1 (``Program.move_to``): one on cuda:0 must not answer it. (Fake CUDA tensors: no GPU.)"""
+    def on(device: str) -> object:
+        model = torch.nn.Linear(2, 2)
+        with FakeTensorMode():
+            model.weight = torch.nn.Parameter(torch.empty(2, 2, device=device))
+            x = torch.empty(1, 2, device=device)
+        return export_key(model, ((x,), {}, None), None, with_loss=False, output_dtype=None)
+    assert on("cuda:0") is not None and on("cuda:0") != on("cuda:1")
