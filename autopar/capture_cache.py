@@ -343,7 +343,7 @@ def _function(f: Any, depth: int = 0) -> Any:
         return ("method", _function(f.__func__, depth), _value(f.__self__, depth))
     if not hasattr(f, "__code__"):
         raise _Unknown(type(f).__name__)
-    cells = tuple(_value(c.cell_contents, depth + 1) for c in (f.__closure__ or ()))
+    cells = tuple(_value(c, depth + 1) for c in _cells(f))
     return (f, cells, _value(f.__defaults__, depth + 1), _value(f.__kwdefaults__, depth + 1))
 
 

@@ -105,3 +105,16 @@ def test_the_key_holds_the_devices_index() -> None:
             x = torch.empty(1, 2, device=device)
         return export_key(model, ((x,), {}, None), None, with_loss=False, output_dtype=None)
     assert on("cuda:0") is not None and on("cuda:0") != on("cuda:1")
+
+
+def test_a_loss_whose_closure_has_an_empty_cell_is_keyed() -> None:
+    """A cell not yet assigned (a function the loss calls, defined after it) holds nothing: keyed as None."""
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return scale(F.mse_loss(out, target))
+    x = torch.ones(1, 2)
+    before = export_key(torch.nn.Linear(2, 2), ((x,), {}, x), loss, with_loss=True, output_dtype=None)
+
+    def scale(v: torch.Tensor) -> torch.Tensor:
+        return v
+    assert before is not None and before != export_key(torch.nn.Linear(2, 2), ((x,), {}, x), loss, with_loss=True,
+                                                       output_dtype=None)
