@@ -14,15 +14,17 @@ strides, storage offset, dtype, device and ``requires_grad``, and read back as a
 attribute or a graph below, an object pickle cannot hold) is used as exported, and not shared.
 
 The key's digest (``digest``) reads what ``capture_cache.export_key`` holds: values by type and value, classes by
-module, name and the size and time of change of the module's file (and, for a class defined inside a function,
-the code of its methods), functions by module, name and code; and the size and time of change of every file of
-autopar, so that a directory kept from one version to the next is not read across them. A key holding anything
-else (an object identified by its address) is not shared.
+module, name, the size and time of change of the module's file and their bases (and, for a class defined inside
+a function, the code of its methods), functions by module, name and code (what a function's closure holds and
+the values its code reads are values of the key: ``capture_cache._reads``); and the size and time of change of
+every file of autopar, so that a directory kept from one version to the next is not read across them. A key
+holding anything else is not shared.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import io
 import pickle
 import sys
@@ -169,11 +171,15 @@ def _feed(h: Any, v: Any) -> None:
             _feed(sub, x)
             parts.append(sub.digest())
         _feed(h, sorted(parts))
-    elif v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+    elif v is None or v is Ellipsis or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype,
+                                                      torch.device, torch.Size)):
         h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, slice):  # (constants of code: ``x[..., 1:]``)
+        _feed(h, ["slice", v.start, v.stop, v.step])
     elif isinstance(v, type):
         h.update(f"class {v.__module__}.{v.__qualname__};".encode())
         _feed(h, _file_stamp(sys.modules.get(v.__module__)))
+        _feed(h, list(v.__bases__))  # (``type("Act", (nn.Tanh,), {})``: the same name for another class)
         if "<locals>" in v.__qualname__:  # (a class made inside a function: its methods' code as well)
             _feed(h, [(k, x) for k, x in sorted(vars(v).items()) if isinstance(x, types.FunctionType)])
     elif isinstance(v, types.FunctionType):
@@ -187,11 +193,16 @@ def _feed(h: Any, v: Any) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _autopar_files() -> tuple:
-    """The size and time of change of every file of autopar: an export written by other code is not read."""
-    root = Path(__file__).parent
-    return tuple((str(p.relative_to(root)), *_stamp(p)) for p in sorted(root.rglob("*.py")))
+    """The size and time of change of every file of autopar, ``passes`` and ``runtime`` included (in a source
+    checkout they lie beside the package, not in it): an export written by other code is not read."""
+    package = Path(__file__).parent
+    roots = [package, *(Path(p) for name in ("autopar.passes", "autopar.runtime")
+                        for p in importlib.util.find_spec(name).submodule_search_locations
+                        if package not in Path(p).parents)]
+    return tuple((str(p.relative_to(root.parent)), *_stamp(p)) for root in roots for p in sorted(root.rglob("*.py")))
 
 
+@functools.lru_cache(maxsize=None)
 def _file_stamp(module: types.ModuleType | None) -> tuple:
     """The size and time of change of a module's file (a class's code: a library upgraded, a file edited)."""
     path = getattr(module, "__file__", None)
@@ -204,10 +215,17 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _feed_code(h: Any, code: types.CodeType) -> None:
-    h.update(code.co_code)
+    h.update(_code_digest(code))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digest(code: types.CodeType) -> bytes:
+    """A code object's bytes, names and constants, hashed once (a key names hundreds of library functions)."""
+    h = hashlib.blake2b(code.co_code, digest_size=20)
     _feed(h, [code.co_filename, code.co_firstlineno, code.co_names, code.co_varnames, code.co_freevars])
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             _feed_code(h, c)
         else:
             _feed(h, c)
+    return h.digest()

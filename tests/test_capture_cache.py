@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models
 from autopar.capture import capture
@@ -48,6 +49,10 @@ def test_what_it_cannot_hold_exactly_is_not_remembered() -> None:
     odd = models.factory(models.gpt2, layers=1)()
     odd.transformer.extra = __import__("threading").Lock()  # an attribute of a type the key cannot fingerprint
     assert key(odd) is None
+    odd = models.factory(models.gpt2, layers=1)()
+    with FakeTensorMode():
+        odd.transformer.extra = torch.zeros(2)  # a fake tensor left on the model by an export: not a value
+    assert key(odd) is None
 
 
 def test_a_tensor_attribute_is_keyed_by_its_value() -> None:
@@ -88,3 +93,28 @@ def test_a_target_passed_as_the_input_itself_is_another_export() -> None:
     apart = capture(make(), (IDS,), with_loss=True, loss_fn=models.lm_loss, target=other)
     inputs = [n for n, slot in zip(apart.gm.graph.nodes, apart.slots) if slot.kind.name == "INPUT"]
     assert len(inputs) == 2 and all(n.users for n in inputs)  # the ids and the target, each read
+
+
+def test_the_key_holds_the_devices_index() -> None:
+    """The export writes the device into the graph (``arange(..., device=cuda:0)``), and a model captured on cuda:1
+    is moved from cuda:1 (``Program.move_to``): one on cuda:0 must not answer it. (Fake CUDA tensors: no GPU.)"""
+    def on(device: str) -> object:
+        model = torch.nn.Linear(2, 2)
+        with FakeTensorMode():
+            model.weight = torch.nn.Parameter(torch.empty(2, 2, device=device))
+            x = torch.empty(1, 2, device=device)
+        return export_key(model, ((x,), {}, None), None, with_loss=False, output_dtype=None)
+    assert on("cuda:0") is not None and on("cuda:0") != on("cuda:1")
+
+
+def test_a_loss_whose_closure_has_an_empty_cell_is_keyed() -> None:
+    """A cell not yet assigned (a function the loss calls, defined after it) holds nothing: keyed as None."""
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return scale(F.mse_loss(out, target))
+    x = torch.ones(1, 2)
+    before = export_key(torch.nn.Linear(2, 2), ((x,), {}, x), loss, with_loss=True, output_dtype=None)
+
+    def scale(v: torch.Tensor) -> torch.Tensor:
+        return v
+    assert before is not None and before != export_key(torch.nn.Linear(2, 2), ((x,), {}, x), loss, with_loss=True,
+                                                       output_dtype=None)

@@ -13,7 +13,7 @@ import models
 from autopar import capture as capture_module
 from autopar.capture import _export, capture
 from autopar.capture_cache import EXPORTS, Export, export_key
-from autopar.export_files import decode, digest, encode
+from autopar.export_files import _autopar_files, decode, digest, encode
 from harness.shared_dir import shared_dir
 
 
@@ -75,9 +75,13 @@ def test_a_key_names_classes_and_functions_by_their_code() -> None:
     assert key(first) == key(first) is not None
     assert key(first) != key(second)  # (one qualified name and line, two functions)
     assert key(first) != key(models.mse)
-    held = models.mlp((3, 4))
-    held.__dict__["other"] = held[0]  # a module held outside ``_modules``: named by its address, not shared
-    assert key(first, held) is None
+    assert key(first, models.fused_slice()) is not None  # (its code holds ``...`` and slices: shared too)
+    held, other = models.mlp((3, 4, 4)), models.mlp((3, 4, 4))
+    held.__dict__["other"], other.__dict__["other"] = held[0], other[1]  # (held outside ``_modules``)
+    assert key(first, held) is not None and key(first, held) != key(first, other)  # named by their place
+    outside = models.mlp((3, 4))
+    outside.__dict__["other"] = models.mlp((3, 4))  # a module outside the model: its tensors would be constants
+    assert key(first, outside) is None
 
 
 def _rank_captures(folder: str, log: str) -> str:
@@ -103,3 +107,16 @@ def test_the_ranks_of_a_job_export_a_model_once(launcher, tmp_path: Path) -> Non
     codes = launcher(_rank_captures, 3, str(tmp_path), str(log))
     assert len(log.read_text().split()) == 1  # one rank exported; the others read its bytes
     assert codes[0] == codes[1] == codes[2]
+
+
+def test_the_digest_stamps_every_file_of_autopar_passes_and_runtime_included() -> None:
+    """In a source checkout ``passes/`` and ``runtime/`` lie beside ``autopar/``: an export written by another
+    version of ``passes/lazy_module.py`` must not be read."""
+    import autopar.passes
+    import autopar.runtime
+    stamped = {name for name, *_ in _autopar_files()}
+    for package in (autopar.passes, autopar.runtime):
+        for root in map(Path, package.__path__):
+            files = [str(p.relative_to(root.parent)) for p in root.rglob("*.py")]
+            missing = [f for f in files if not any(s == f or s.endswith("/" + f) for s in stamped)]
+            assert files and not missing, missing[:3]
