@@ -18,7 +18,8 @@ from torch.fx import config as fx_config
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.capture_cache import EXPORTS, Export, export_key, split_outputs
+from autopar.capture_cache import EXPORTS, Export, split_outputs
+from autopar.export_key import export_key
 from autopar.core.errors import CaptureError
 from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
 from autopar.experts import loop_over_all_experts

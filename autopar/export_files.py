@@ -13,10 +13,10 @@ strides, storage offset, dtype, device and ``requires_grad``, and read back as a
 ``FakeTensorMode`` per export; an operator by its name. An export that cannot be written so (a symbolic size, an
 attribute or a graph below, an object pickle cannot hold) is used as exported, and not shared.
 
-The key's digest (``digest``) reads what ``capture_cache.export_key`` holds: values by type and value, classes by
+The key's digest (``digest``) reads what ``export_key.export_key`` holds: values by type and value, classes by
 module, name, the size and time of change of the module's file and their bases (and, for a class defined inside
 a function, the code of its methods), functions by module, name and code (what a function's closure holds and
-the values its code reads are values of the key: ``capture_cache._reads``); and the size and time of change of
+the values its code reads are values of the key: ``export_key._reads``); and the size and time of change of
 every file of autopar, so that a directory kept from one version to the next is not read across them. A key
 holding anything else is not shared.
 """

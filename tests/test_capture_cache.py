@@ -1,4 +1,4 @@
-"""A process remembers exports only under a key that holds everything the export reads (autopar/capture_cache.py)."""
+"""A process remembers exports only under a key that holds everything the export reads (autopar/export_key.py)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models
 from autopar.capture import capture
-from autopar.capture_cache import EXPORTS, export_key
+from autopar.capture_cache import EXPORTS
+from autopar.export_key import export_key
 
 IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
 

@@ -12,7 +12,8 @@ from torch.export.graph_signature import InputKind
 import models
 from autopar import capture as capture_module
 from autopar.capture import _export, capture
-from autopar.capture_cache import EXPORTS, Export, export_key
+from autopar.capture_cache import EXPORTS, Export
+from autopar.export_key import export_key
 from autopar.export_files import _autopar_files, decode, digest, encode
 from harness.shared_dir import shared_dir
 

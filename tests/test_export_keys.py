@@ -1,6 +1,6 @@
 """Two models whose exports differ never share one: each case captures one model, then another that the export of
 the first would answer wrongly, and checks the second's graph against the model itself (float64, eager) and a
-fresh export (autopar/capture_cache.py ``export_key``, autopar/export_files.py ``digest``)."""
+fresh export (autopar/export_key.py, autopar/export_files.py ``digest``)."""
 from __future__ import annotations
 
 import contextlib
