@@ -56,6 +56,22 @@ def test_expert_parallel_is_exact(launcher, make, mesh: Mesh, optimizer) -> None
     _exact(make, mesh, optimizer, launcher, ids=IDS8, target=TARGET8)
 
 
+def _global_norm() -> float:
+    pm = parallelize(LOOP(), Mesh(dp=2, ep=2), loss_fn=models.lm_loss, optimizer=models.sgd, max_grad_norm=1e9)
+    pm.step(IDS, target=TARGET)
+    return pm.grad_norm
+
+
+def test_the_global_norm_counts_each_expert_once(launcher) -> None:
+    """Mesh(dp=2, ep=2): each expert's gradient is held by one rank, the rest by both: the global norm is
+    the single-device one (the clipped runs below are -m slow)."""
+    model = LOOP()
+    models.lm_loss(model(IDS), TARGET).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for norm in launcher(_global_norm, 2):
+        assert norm == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.slow
 def test_gradient_clipping_counts_each_expert_once(launcher) -> None:
     """The global norm sums each expert's gradient over the ranks holding it once (a small bound: it clips)."""
