@@ -40,6 +40,13 @@ def test_mixtral_eager_trains_exactly_with_stacked_experts_split(launcher) -> No
     _exact(MIXTRAL, Mesh(dp=2, ep=2), models.adamw, launcher)
 
 
+def test_the_two_holders_of_each_expert_sum_their_gradients(launcher) -> None:
+    """Mesh(dp=4, ep=2): each expert lives on two ranks (its ep_replicate group), whose gradients of their own
+    tokens are all-reduced there; SGD, so an expert gradient that misses the other holder's tokens fails. (The
+    traffic on ep_replicate is counted in test_expert_compose.py; this is the numbers.)"""
+    _exact(LOOP, Mesh(dp=4, ep=2), models.sgd, launcher, ids=IDS8, target=TARGET8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("make, mesh, optimizer", [
     (LOOP, Mesh(dp=2, ep=2), models.adamw),
