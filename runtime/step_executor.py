@@ -257,6 +257,7 @@ class Executor:
     def _backward(ctx: _Ctx, stage: StageGraph, key: tuple[int, int], m: int) -> None:
         if stage.is_last:
             (ctx.losses[key[1]] / m).backward()
+            ctx.losses[key[1]] = ctx.losses[key[1]].detach()  # (its graph would keep the received inputs alive)
             return
         outs = [o for o, b in zip(ctx.outputs[key], stage.send) if b.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, ctx.grads.pop(key)) if o.requires_grad]

@@ -40,6 +40,13 @@ def test_mixtral_eager_trains_exactly_with_stacked_experts_split(launcher) -> No
     _exact(MIXTRAL, Mesh(dp=2, ep=2), models.adamw, launcher)
 
 
+def test_the_two_holders_of_each_expert_sum_their_gradients(launcher) -> None:
+    """Mesh(dp=4, ep=2): each expert lives on two ranks (its ep_replicate group), whose gradients of their own
+    tokens are all-reduced there; SGD, so an expert gradient that misses the other holder's tokens fails. (The
+    traffic on ep_replicate is counted in test_expert_compose.py; this is the numbers.)"""
+    _exact(LOOP, Mesh(dp=4, ep=2), models.sgd, launcher, ids=IDS8, target=TARGET8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("make, mesh, optimizer", [
     (LOOP, Mesh(dp=2, ep=2), models.adamw),
@@ -54,6 +61,22 @@ def test_mixtral_eager_trains_exactly_with_stacked_experts_split(launcher) -> No
         "mixtral-ep4", "qwen3-ep2", "qwen3-ep4-sgd"])
 def test_expert_parallel_is_exact(launcher, make, mesh: Mesh, optimizer) -> None:
     _exact(make, mesh, optimizer, launcher, ids=IDS8, target=TARGET8)
+
+
+def _global_norm() -> float:
+    pm = parallelize(LOOP(), Mesh(dp=2, ep=2), loss_fn=models.lm_loss, optimizer=models.sgd, max_grad_norm=1e9)
+    pm.step(IDS, target=TARGET)
+    return pm.grad_norm
+
+
+def test_the_global_norm_counts_each_expert_once(launcher) -> None:
+    """Mesh(dp=2, ep=2): each expert's gradient is held by one rank, the rest by both: the global norm is
+    the single-device one (the clipped runs below are -m slow)."""
+    model = LOOP()
+    models.lm_loss(model(IDS), TARGET).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for norm in launcher(_global_norm, 2):
+        assert norm == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -148,3 +148,25 @@ def test_memory_follows_the_formulas_over_the_shard_size_and_collectives_run_on_
                 per_step["zero_all_gather@dp_shard"] += 1
             assert per_step == planned, (rank, stage, calls, planned)
             assert planned["zero_all_reduce@dp_replicate"] == (LAYERS if stage == 3 else 1)  # a flat group each
+
+
+def _replica_bytes() -> dict:
+    """Bytes per collective of a step under precision="bf16" (fp32 shard gradients), by reduce_dtype."""
+    x, y = torch.randn(32, WIDTH), torch.randn(32, WIDTH)
+    out = {}
+    for reduce_dtype in ("fp32", "bf16"):
+        pm = parallelize(models.mlp((WIDTH,) * 3, dtype=torch.float32), HSDP, loss_fn=models.mse, zero=3,
+                         optimizer=models.sgd, precision="bf16", reduce_dtype=reduce_dtype, example_inputs=(x,),
+                         example_target=y)
+        pm.step(x, target=y)
+        out[reduce_dtype] = pm.communication()
+    return out
+
+
+def test_the_all_reduce_across_replicas_runs_in_reduce_dtype(launcher) -> None:
+    """Counted at run time: with reduce_dtype="bf16" the all-reduce over dp_replicate moves half the bytes of
+    fp32's, as the reduce-scatters over dp_shard do (the shard gradients stay fp32)."""
+    for rank, out in enumerate(launcher(_replica_bytes, 4)):
+        fp32, bf16 = out["fp32"], out["bf16"]
+        for key in ("zero_all_reduce@dp_replicate", "zero_reduce_scatter@dp_shard"):
+            assert fp32[key] > 0 and fp32[key] == 2 * bf16[key], (rank, key, fp32, bf16)

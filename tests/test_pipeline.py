@@ -104,3 +104,34 @@ def test_bad_pipeline_input(kwargs: dict, message: str) -> None:
     x = torch.randn(8, widths[0] if widths else 6, dtype=torch.float64)
     with pytest.raises(ValueError, match=message):
         parallelize(model, kwargs.pop("mesh"), example_inputs=(x,), **kwargs)
+
+
+ROWS, WIDTH = 32, 128  # rows per microbatch; a message is ROWS * WIDTH float64s (32 KiB)
+
+
+def _step_peaks() -> dict[int, int]:
+    """Per number of microbatches (of ROWS rows each), the most bytes a 1F1B step on pp=2 allocates and holds at
+    once (after a first step has made the gradients and optimizer state)."""
+    from autopar.runtime.memory import NewStorages
+
+    out = {}
+    for m in (2, 8):
+        torch.manual_seed(0)
+        x, y = torch.randn(m * ROWS, WIDTH, dtype=torch.float64), torch.randn(m * ROWS, WIDTH, dtype=torch.float64)
+        pm = parallelize(models.mlp((WIDTH,) * 5), Mesh(pp=2), loss_fn=models.mse, optimizer=models.sgd,
+                         schedule="1f1b", microbatches=m)
+        pm.step(x, target=y)
+        with NewStorages() as mode:
+            pm.step(x, target=y)
+        out[m] = mode.peak
+    return out
+
+
+def test_a_1f1b_step_holds_what_its_microbatches_in_flight_need(launcher) -> None:
+    """A stage frees a microbatch's received inputs and their gradients once it has sent the gradients back (the
+    last stage's loss, kept for the step's mean, no longer holds them through its graph), so six more
+    microbatches raise a rank's peak by at most the step's copies of their inputs and targets (two messages
+    each), not by what it received. Numbers cannot show a stage that keeps them to the step's end."""
+    message = ROWS * WIDTH * 8
+    for rank, peaks in enumerate(launcher(_step_peaks, 2)):
+        assert peaks[8] - peaks[2] < (8 - 2) * 2 * message + message, (rank, peaks, message)

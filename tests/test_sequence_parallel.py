@@ -117,8 +117,8 @@ def test_activation_memory_is_lower_by_the_predicted_amount(launcher) -> None:
     assert replicated - sharded == pytest.approx(predicted[1] - predicted[0], rel=0.10)
 
 
-def _gathers_per_step() -> tuple[dict, dict]:
-    pm = parallelize(models.gpt2(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
+def _gathers_per_step(name: str) -> tuple[dict, dict]:
+    pm = parallelize(getattr(models, name)(d=64), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
                      sequence_parallel=True)
     pm.step(IDS, target=TARGET)
     before = pm.communication(calls=True)
@@ -128,11 +128,13 @@ def _gathers_per_step() -> tuple[dict, dict]:
     return calls, planned
 
 
-def test_backward_gathers_the_kept_shards_again(launcher) -> None:
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_backward_gathers_the_kept_shards_again(launcher, name: str) -> None:
     """Each column-parallel input is kept as its shard and gathered again in backward (Megatron-LM's sequence
     parallelism): one backward all-gather per forward one, beyond the reduce-scatters' own; the plan counts
-    the calls the runtime makes."""
-    for calls, planned in launcher(_gathers_per_step, 2):
+    the calls the runtime makes. LLaMA's query, key and value projections (and gate and up) read one gathered
+    value: its handles share one backward gather."""
+    for calls, planned in launcher(_gathers_per_step, 2, name):
         forward = planned[("all_gather", "forward")]
         assert forward > 0
         assert planned[("all_gather", "backward")] == planned[("reduce_scatter", "forward")] + forward

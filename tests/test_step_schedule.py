@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import models
 from autopar import Mesh, parallelize
 from autopar.core.schedule import (
-    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, REDUCE_GRAD, REDUCE_SHARED, RESHARD, UNSHARD, Action,
-    Schedule, looped_placement, parse_program,
+    B, BROADCAST_LOSS, BROADCAST_OUTPUTS, F, OPTIMIZER, RECV_B, RECV_F, REDUCE_GRAD, REDUCE_SHARED, RESHARD, SEND_B,
+    SEND_F, UNSHARD, Action, Schedule, looped_placement, parse_program,
 )
 from autopar.core.schedules import make_schedule
 from autopar.core.simulate import ScheduleError, simulate
@@ -135,3 +135,60 @@ def test_the_executor_runs_the_whole_step(launcher) -> None:
         assert train[-4:] == ["REDUCE_GRAD", "REDUCE_SHARED", "OPTIMIZER", "BROADCAST_LOSS"]  # tied embeddings
         assert forward[0] == f"{pp}UNSHARD" and forward[-1] == "BROADCAST_OUTPUTS"
         assert not any(Action.parse(a).kind == B for a in forward)
+
+
+class _Waited:
+    """A send's work that notes the index of the action running when it is waited for."""
+
+    def __init__(self, work, note) -> None:
+        self.work, self.note = work, note
+
+    def wait(self, *args) -> bool:
+        self.note()
+        return self.work.wait(*args)
+
+
+def _message_posts() -> tuple[list[str], dict[int, set[int]], list[int]]:
+    """The actions of a 1F1B step on pp=2; per action index the messages (tags) whose receives were posted
+    while it ran; the action indices at which each send was waited for."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pm = parallelize(models.mlp((6, 16, 16, 6)), Mesh(pp=2), loss_fn=models.mse, optimizer=models.sgd,
+                     schedule="1f1b", microbatches=4)
+    pm.step(x, target=y)  # (compiles; the runtime and its executor exist from here)
+    posts: dict[int, set[int]] = {}
+    waits: list[int] = []
+    irecv, isend = dist.irecv, dist.isend
+
+    def running() -> int:
+        return len(pm.runtime.executor.timeline)
+
+    def posting(tensor: torch.Tensor, src: int, *args, tag: int = 0, **kwargs):
+        posts.setdefault(running(), set()).add(tag // 64)  # (one tag per message; tensors add ``i < 64``)
+        return irecv(tensor, src, *args, tag=tag, **kwargs)
+
+    def sending(*args, **kwargs):
+        return _Waited(isend(*args, **kwargs), lambda: waits.append(running()))
+
+    dist.irecv, dist.isend = posting, sending
+    try:
+        pm.step(x, target=y)
+    finally:
+        dist.irecv, dist.isend = irecv, isend
+    return [a for a, _, _ in pm.timeline()], posts, waits
+
+
+def test_receives_are_posted_one_ahead_and_sends_complete_at_the_steps_end(launcher) -> None:
+    """Numbers cannot show either: a RECV action finds its message's receive already posted (by the RECV
+    before it, which posts the program's next one before it waits), and a SEND does not wait for its transfer
+    (``isend``, completed before the step's first collective)."""
+    for rank, (actions, posts, waits) in enumerate(launcher(_message_posts, 2)):
+        receives = [i for i, a in enumerate(actions) if Action.parse(a).kind in (RECV_F, RECV_B)]
+        sends = [i for i, a in enumerate(actions) if Action.parse(a).kind in (SEND_F, SEND_B)]
+        assert len(receives) == len(sends) == 4, (rank, actions)
+        assert set(posts) == set(receives[:-1]), (rank, actions, posts)  # the last RECV finds nothing to post
+        assert [len(posts[i]) for i in receives[:-1]] == [2, 1, 1], (rank, posts)  # the first posts its own too
+        collective = next(i for i, a in enumerate(actions) if a in ("REDUCE_GRAD", "BROADCAST_LOSS"))
+        assert len(waits) == 4 and set(waits) == {collective}, (rank, actions, waits)

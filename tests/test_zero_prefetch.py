@@ -83,11 +83,14 @@ def test_every_microbatch_overlaps(runs) -> None:
 
 
 def test_the_timeline_orders_zero_events_among_the_actions(runs) -> None:
-    """Layer events fall inside the step's actions: forward gathers in F, backward's in B, and the last
-    reductions before the optimizer."""
+    """Layer events fall inside the step's actions: the first layer's gather in UNSHARD (started before the
+    graph runs), the other forward gathers in F, backward's in B, and the last reductions before the optimizer."""
     events, actions_only = runs[0][1, 1]
     actions = {what: (start, end) for what, start, end in events if " " not in what}
     forward, backward, optimizer = actions["0F0"], actions["0B0"], actions["OPTIMIZER"]
+    unshard = actions["0UNSHARD"]
+    first = next((what, start) for what, start, _ in events if what.startswith("gather "))
+    assert first[0] == "gather transformer.wte" and unshard[0] <= first[1] <= unshard[1], (first, unshard)
     for what, start, end in events:
         kind = what.split(" ")[0]
         if kind == "backward":

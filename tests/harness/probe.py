@@ -113,7 +113,8 @@ class Probe:
     ``W`` actions computed and the operators recomputed in backward."""
 
     actions: list[list[str]] = field(default_factory=list)
-    weight_gradients: int = 0
+    weight_gradients: int = 0  # computed by ``W`` actions
+    outside_w: Counter = field(default_factory=Counter)  # recorded weight gradients computed by other actions
     recomputed: Counter = field(default_factory=Counter)
 
     def kinds(self) -> set[str]:
@@ -124,16 +125,31 @@ class Probe:
 def _probed_rank(fn: Callable, *args: Any) -> Any:
     probe = Probe()
     step, run = ParallelModel.step, weight_grad.WeightGradients.run
+    stepping: list[ParallelModel] = []  # the model whose step runs
+    computed: list[tuple[int, int]] = []  # this step's (index of the running action, weight gradients computed)
 
     def probed_step(self: ParallelModel, *a: Any, **k: Any) -> Any:
-        with StepProbe() as mode:
-            loss = step(self, *a, **k)
-        probe.actions.append([action for action, _, _ in self.timeline()])
+        stepping.append(self)
+        try:
+            with StepProbe() as mode:
+                loss = step(self, *a, **k)
+        finally:
+            stepping.pop()
+        actions = [action for action, _, _ in self.timeline()]
+        probe.actions.append(actions)
         probe.recomputed.update(mode.recomputed)
+        for index, count in computed:  # the action running is the one after those the executor has timed
+            kind = Action.parse(actions[index]).kind
+            if kind == W:
+                probe.weight_gradients += count
+            else:
+                probe.outside_w[actions[index]] += count
+        computed.clear()
         return loss
 
     def probed_run(self: weight_grad.WeightGradients, *a: Any, **k: Any) -> None:
-        probe.weight_gradients += len(self.pending)
+        if stepping:
+            computed.append((len(stepping[-1].runtime.executor.timeline), len(self.pending)))
         run(self, *a, **k)
 
     ParallelModel.step, weight_grad.WeightGradients.run = probed_step, probed_run
@@ -146,11 +162,14 @@ def _probed_rank(fn: Callable, *args: Any) -> Any:
 
 
 def assert_split_backward_ran(runs: list[Any]) -> None:
-    """Every rank of a ``probed`` run executed ``W`` actions, and they computed weight gradients."""
+    """Every rank of a ``probed`` run executed ``W`` actions, they computed weight gradients, and no other action
+    computed a recorded one (a ``B`` that runs its weight gradients at once leaves ``W`` nothing to defer)."""
     for rank, run in enumerate(runs):
         assert W in run.probe.kinds() and run.probe.weight_gradients > 0, (
             f"rank {rank} ran {sorted(run.probe.kinds())} and W computed {run.probe.weight_gradients} weight "
             "gradients: the split backward did not run")
+        assert not run.probe.outside_w, (
+            f"rank {rank} computed recorded weight gradients outside W: {dict(run.probe.outside_w)}")
 
 
 def probed(launcher: Callable) -> Callable:
