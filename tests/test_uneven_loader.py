@@ -3,6 +3,7 @@ rank, naming the ranks and their counts, at the batch where they differ: no rank
 that has left the loop."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
@@ -44,12 +45,16 @@ def test_loaders_of_one_length_run_every_batch(launcher) -> None:
     assert launcher(_train, 2, [3, 3], False) == [(3, None), (3, None)]
 
 
-def test_a_loader_that_ends_early_is_named_on_every_rank(launcher) -> None:
-    results = launcher(_train, 2, [3, 2], False)
+@pytest.mark.parametrize("counts, ended, going", [([3, 2], 1, 0), ([2, 3], 0, 1)], ids=["rank1-ends", "rank0-ends"])
+def test_a_loader_that_ends_early_is_named_on_every_rank(launcher, counts: list[int], ended: int,
+                                                         going: int) -> None:
+    """Whichever rank's loader ends first (rank 0's too: no rank decides alone for the others)."""
+    results = launcher(_train, 2, counts, False)
     for steps, error in results:  # every rank stops at the third batch, with the same error
         assert steps == 2
-        assert error.startswith("the loaders of rank 1 ended after 2 batches, while those of rank 0 yielded a "
-                                "batch 3; every rank must yield the same number of batches"), error
+        assert error is not None and error.startswith(
+            f"the loaders of rank {ended} ended after 2 batches, while those of rank {going} yielded a "
+            "batch 3; every rank must yield the same number of batches"), error
 
 
 def test_loaders_of_different_lengths_are_named_before_the_first_step(launcher) -> None:
