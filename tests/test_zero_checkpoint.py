@@ -20,13 +20,13 @@ Y = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_se
 WIDTHS = (6, 7, 5, 3)
 
 
-def _train(zero: int, path: str, steps: int, *, load: bool, save: bool, seed: int = 0, kill_in_save: bool = False,
+def _train(zero: int, path: str, steps: int, *, load: bool, save: bool, seed: int = 0, kill_in_save: str = "",
            dp: int = 2) -> dict:
     """``steps`` steps (after loading ``path`` when asked), then a save; a scheduler's state rides in ``extra``."""
     pm = parallelize(models.mlp(WIDTHS, seed=seed), Mesh(dp=dp), loss_fn=models.mse, optimizer=models.adamw, zero=zero,
                      example_inputs=(X,), example_target=Y)
-    if kill_in_save and dist.get_rank() == 0:
-        _die_after_writing_data()  # only the save writes: the load and the steps run as usual
+    if kill_in_save and dist.get_rank() == 0:  # only the save writes: the load and the steps run as usual
+        {"data": _die_after_writing_data, "commit": _die_when_replacing_latest}[kill_in_save]()
     losses = scheduled_steps(pm, (X,), Y, steps, path=path, load=load, save=save)
     return {"losses": losses, "state": pm.state_dict()}
 
@@ -60,14 +60,29 @@ def test_resuming_gives_the_losses_of_an_uninterrupted_run(launcher, tmp_path, z
             assert torch.equal(run["state"][k], v), k
 
 
-@pytest.mark.parametrize("zero", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(launcher, tmp_path, zero: int) -> None:
+def _die_when_replacing_latest() -> None:
+    """The commit kills this process as it is about to replace LATEST (every rank's data and LATEST.tmp written)."""
+    replace = os.replace
+
+    def die_at_latest(src: str, dst: str, *args: object, **kwargs: object) -> None:
+        if os.path.basename(str(dst)) == checkpoint.LATEST:
+            os.kill(os.getpid(), signal.SIGKILL)
+        replace(src, dst, *args, **kwargs)
+
+    os.replace = die_at_latest
+
+
+@pytest.mark.parametrize("zero, where", [(2, "data"), pytest.param(3, "data", marks=pytest.mark.slow), (2, "commit")])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(launcher, tmp_path, zero: int,
+                                                                     where: str) -> None:
+    """Killed once its shards are written, or in the commit just before LATEST is replaced (older versions are
+    deleted only after that)."""
     path = str(tmp_path / "ckpt")
     straight = launcher(_job(load=False, save=False), 2, zero, path, 4)[0]
     launcher(_job(load=False, save=True), 2, zero, path, 2)
     committed = open(os.path.join(path, checkpoint.LATEST)).read()
     with pytest.raises(RankError):
-        launcher(_job(load=True, save=True, kill_in_save=True), 2, zero, path, 1)
+        launcher(_job(load=True, save=True, kill_in_save=where), 2, zero, path, 1)
     versions = sorted(os.listdir(path))
     assert open(os.path.join(path, checkpoint.LATEST)).read() == committed
     assert len([v for v in versions if v.startswith(checkpoint.PREFIX)]) == 2  # the torn one is there, unnamed
