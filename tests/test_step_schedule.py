@@ -148,42 +148,69 @@ class _Waited:
         return self.work.wait(*args)
 
 
+def _refuse_blocking(program: list[str], running: int) -> None:
+    """Fails the rank at once where a send would wait for its transfer within the pipeline's actions: that
+    wait needs the peer's receive, which 1F1B posts only after the peer's own send (a deadlock that gloo ends
+    only after its 300 s timeout)."""
+    action = program[running] if running < len(program) else "the step's end"
+    if action not in ("REDUCE_GRAD", "BROADCAST_LOSS", "BROADCAST_OUTPUTS", "the step's end"):
+        raise AssertionError(f"a pipeline send waits for its transfer at action {running} ({action})")
+
+
 def _message_posts() -> tuple[list[str], dict[int, set[int]], list[int]]:
     """The actions of a 1F1B step on pp=2; per action index the messages (tags) whose receives were posted
-    while it ran; the action indices at which each send was waited for."""
+    while it ran; the action indices at which each send was waited for. From the first step on, a send waited
+    for within the pipeline's actions fails the rank at once (``_refuse_blocking``)."""
     import torch.distributed as dist
+
+    from autopar.runtime.step_executor import Executor
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pm = parallelize(models.mlp((6, 16, 16, 6)), Mesh(pp=2), loss_fn=models.mse, optimizer=models.sgd,
                      schedule="1f1b", microbatches=4)
-    pm.step(x, target=y)  # (compiles; the runtime and its executor exist from here)
-    posts: dict[int, set[int]] = {}
+    posts: dict[int, set[int]] = {}  # (of the last step run)
     waits: list[int] = []
-    irecv, isend = dist.irecv, dist.isend
+    now: dict = {}  # the running executor and its program
+    run, irecv, isend, send = Executor.run, dist.irecv, dist.isend, dist.send
 
     def running() -> int:
-        return len(pm.runtime.executor.timeline)
+        return len(now["executor"].timeline)
+
+    def traced(executor: Executor, program, *args, **kwargs):
+        posts.clear(), waits.clear()
+        now.update(executor=executor, program=[str(a) for a in program])
+        return run(executor, program, *args, **kwargs)
 
     def posting(tensor: torch.Tensor, src: int, *args, tag: int = 0, **kwargs):
         posts.setdefault(running(), set()).add(tag // 64)  # (one tag per message; tensors add ``i < 64``)
         return irecv(tensor, src, *args, tag=tag, **kwargs)
 
-    def sending(*args, **kwargs):
-        return _Waited(isend(*args, **kwargs), lambda: waits.append(running()))
+    def waited() -> None:
+        waits.append(running())
+        _refuse_blocking(now["program"], waits[-1])
 
-    dist.irecv, dist.isend = posting, sending
+    def sending(*args, **kwargs):
+        return _Waited(isend(*args, **kwargs), waited)
+
+    def blocking(*args, **kwargs):
+        _refuse_blocking(now["program"], running())
+        return send(*args, **kwargs)
+
+    Executor.run, dist.irecv, dist.isend, dist.send = traced, posting, sending, blocking
     try:
+        pm.step(x, target=y)  # (compiles)
         pm.step(x, target=y)
     finally:
-        dist.irecv, dist.isend = irecv, isend
+        Executor.run, dist.irecv, dist.isend, dist.send = run, irecv, isend, send
     return [a for a, _, _ in pm.timeline()], posts, waits
 
 
 def test_receives_are_posted_one_ahead_and_sends_complete_at_the_steps_end(launcher) -> None:
     """Numbers cannot show either: a RECV action finds its message's receive already posted (by the RECV
     before it, which posts the program's next one before it waits), and a SEND does not wait for its transfer
-    (``isend``, completed before the step's first collective)."""
+    (``isend``, completed before the step's first collective; a send that waits within the pipeline's actions
+    fails at once, where a deadlock would end only by gloo's 300 s timeout)."""
     for rank, (actions, posts, waits) in enumerate(launcher(_message_posts, 2)):
         receives = [i for i, a in enumerate(actions) if Action.parse(a).kind in (RECV_F, RECV_B)]
         sends = [i for i, a in enumerate(actions) if Action.parse(a).kind in (SEND_F, SEND_B)]
