@@ -242,3 +242,14 @@ def test_window_under_mixed_precision(launcher, precision: str) -> None:
     mixed-precision bounds of one device running the same policy (SGD: per parameter too)."""
     assert_mixed(models.factory(models.mistral, dtype=torch.float32), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
                  models.sgd, 3, launcher, precision)
+
+
+def test_the_mask_rows_are_computed_once_for_every_layer() -> None:
+    """Mistral computes its sliding-window mask once for both layers: the rank's graph computes its rows of it
+    once, and both ring attentions read that one value (op counts of the rank's graph, no run needed)."""
+    pm = autopar.parallelize(models.mistral(), Mesh(cp=2), loss_fn=models.lm_loss, optimizer=models.adamw)
+    pm.compile((IDS,), {}, TARGET)
+    graph = pm.graph(0).graph
+    rings = [n for n in graph.nodes if n.target is torch.ops.autopar.ring_attention.default]
+    masks = {n.args[-1] for n in rings}
+    assert len(rings) == 2 and len(masks) == 1 and None not in masks, [n.args[-1] for n in rings]
