@@ -199,3 +199,25 @@ def test_a_device_mesh_is_accepted(launcher) -> None:
     for run in launcher(_from_device_mesh, 2):
         worst, what = relative_errors(ref, run)
         assert worst <= 1e-12, (worst, what)
+
+
+def _bucket_traffic(bucket_mb: float) -> tuple[list[tuple[int, int]], dict[str, int], dict[str, int]]:
+    """The plan's dp collectives (count, bytes) per step, and the calls and bytes of two steps."""
+    pm = parallelize(models.mlp((8,) * 6), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd,
+                     bucket_mb=bucket_mb)
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    for _ in range(2):
+        pm.step(x, target=y)
+    planned = [(c.count, c.bytes) for c in pm.plan.collectives if c.axis == "dp"]
+    return planned, pm.communication(calls=True), pm.communication()
+
+
+@pytest.mark.parametrize("bucket_mb, buckets", [(25.0, 1), (1e-3, 3)])
+def test_the_plan_counts_the_buckets_a_step_all_reduces(launcher, bucket_mb: float, buckets: int) -> None:
+    """Five 8x8 layers (2,880 bytes of gradients, no tensor over 512 bytes): one bucket, or 1,048-byte buckets
+    (1,152 + 1,152 + 576 bytes as the tensors fall; the plan cuts 1,048 + 1,048 + 784). The plan's count and
+    bytes per step are what each step all-reduces on dp. (The plan cuts tensors anywhere: where one tensor is
+    larger than a bucket, it counts more buckets than run.)"""
+    for planned, calls, sent in launcher(_bucket_traffic, 2, bucket_mb):
+        assert planned == [(buckets, 5 * (8 * 8 + 8) * 8)], planned
+        assert (calls["all_reduce@dp"], sent["all_reduce@dp"]) == (2 * buckets, 2 * planned[0][1])
