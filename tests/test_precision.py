@@ -197,9 +197,10 @@ def test_zero3_moves_half_the_bytes_in_its_gathers(launcher) -> None:
     assert fp32[scatter] == bf16[scatter] == 2 * both[scatter]
 
 
-def _bucket_dtypes(reduce_dtype: str | None) -> tuple[set, set]:
-    pm = parallelize(models.gpt2(dtype=FP32), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
-                     precision="bf16", reduce_dtype=reduce_dtype, example_inputs=(IDS,), example_target=TARGET)
+def _bucket_dtypes(reduce_dtype: str | None, mesh: Mesh = Mesh(dp=2)) -> tuple[set, set]:
+    pm = parallelize(models.gpt2(dtype=FP32), mesh, loss_fn=models.lm_loss, optimizer=models.sgd,
+                     precision="bf16", reduce_dtype=reduce_dtype, example_inputs=(IDS,), example_target=TARGET,
+                     microbatches=2 if mesh.pp > 1 else 1)
     grads = []
     pm.optimizer.register_step_pre_hook(lambda opt, *_: grads.extend(p.grad.dtype for p in pm.parameters()))
     pm.step(IDS, target=TARGET)
@@ -209,6 +210,11 @@ def _bucket_dtypes(reduce_dtype: str | None) -> tuple[set, set]:
 def test_dp_buckets_reduce_in_reduce_dtype_into_fp32_gradients(launcher) -> None:
     assert launcher(_bucket_dtypes, 2, None)[0] == ({FP32}, {FP32})
     assert launcher(_bucket_dtypes, 2, "bf16")[0] == ({torch.bfloat16}, {FP32})
+
+
+def test_dp_buckets_reduce_in_reduce_dtype_on_every_pipeline_rank(launcher) -> None:
+    """dp=2 x pp=2: each pipeline rank's dp buckets are bf16 too, its optimizer reading fp32 gradients."""
+    assert launcher(_bucket_dtypes, 4, "bf16", Mesh(dp=2, pp=2)) == [({torch.bfloat16}, {FP32})] * 4
 
 
 # --- options and bad input ----------------------------------------------------------------------------------
