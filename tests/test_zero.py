@@ -277,3 +277,26 @@ def test_an_optimizer_of_unknown_state_is_refused_with_the_fix() -> None:
     assert state_elements(Declared([torch.nn.Parameter(torch.zeros(1))])) == 3
     assert state_elements(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)) == 1
     assert state_elements(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], amsgrad=True)) == 3
+
+
+def _zero_calls(stages: tuple[int, ...], microbatches: int) -> dict[int, tuple[dict, dict]]:
+    """Per stage: the plan's ZeRO collective counts per step on dp, and the calls of two steps."""
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    out = {}
+    for stage in stages:
+        pm = parallelize(models.mlp((8,) * 4), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd, zero=stage,
+                         microbatches=microbatches)
+        for _ in range(2):
+            pm.step(x, target=y)
+        planned = {f"zero_{c.op}@{c.axis}": c.count for c in pm.plan.collectives}
+        out[stage] = planned, {k: v for k, v in pm.communication(calls=True).items() if k.startswith("zero_")}
+    return out
+
+
+def test_the_plan_counts_each_microbatchs_reduce_scatters(launcher) -> None:
+    """Two microbatches: stage 2 reduce-scatters each flat group in every microbatch's backward, stage 1 once
+    after the last; the plan's counts per step are the calls each of two steps runs."""
+    for rank, out in enumerate(launcher(_zero_calls, 2, (1, 2), 2)):
+        for stage, (planned, calls) in out.items():
+            assert {k: v / 2 for k, v in calls.items()} == planned, (rank, stage, planned, calls)
+        assert out[2][0]["zero_reduce_scatter@dp"] == 2 * out[1][0]["zero_reduce_scatter@dp"], out
