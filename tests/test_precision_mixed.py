@@ -91,16 +91,17 @@ def test_memory_per_rank_is_the_zero_papers_two_two_twelve(launcher) -> None:
         assert got["state"] == {FP32}  # state_dict() returns the masters
 
 
-def _resume(path: str, mesh: dict, stage: int, save: bool) -> dict:
+def _resume(path: str, mesh: dict, stage: int, save: bool, steps_before: int = 1) -> dict:
     torch.manual_seed(0)
     pm = parallelize(models.gpt2(layers=2, dtype=FP32), Mesh(**mesh), loss_fn=models.lm_loss,
                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), zero=stage, precision="mixed",
                      microbatches=2, example_inputs=(IDS,), example_target=TARGET)
-    pm.step(IDS, target=TARGET)
+    for _ in range(steps_before):
+        pm.step(IDS, target=TARGET)
     if save:
         pm.save(path)
     else:
-        pm.load(path)  # replaces the parameters and the optimizer state of the step above
+        pm.load(path)  # replaces the parameters and the optimizer state of the steps above
     state = pm.state_dict()
     return {"state": state, "losses": [pm.step(IDS, target=TARGET) for _ in range(2)]}
 
@@ -113,6 +114,8 @@ def test_a_checkpoint_keeps_the_masters_and_resumes_exactly(launcher, tmp_path) 
     straight = launcher(_resume, 2, path, dict(dp=2), 1, True)[0]
     resumed = launcher(_resume, 2, path, dict(dp=2), 1, False)[0]
     assert resumed["losses"] == straight["losses"]
+    # from a run two steps on, whose bf16 weights are not the saved ones': the load sets them from the masters
+    assert launcher(_resume, 2, path, dict(dp=2), 1, False, 2)[0]["losses"] == straight["losses"]
     for mesh, stage in [(dict(tp=2), 0), (dict(dp=2), 3), (dict(pp=2), 0)]:
         loaded = launcher(_resume, 2, path, mesh, stage, False)[0]["state"]
         assert loaded.keys() == straight["state"].keys()
