@@ -25,10 +25,13 @@ class Rows(IterableDataset):
             yield row[:4], row[4:]
 
 
-def _train(counts: list[int], with_length: bool) -> tuple[int, str | None]:
-    """Trains on this rank's loader of ``counts[rank]`` batches of 1; the steps done and the error, if any."""
+def _train(counts: list[int], with_length: bool | list[bool]) -> tuple[int, str | None]:
+    """Trains on this rank's loader of ``counts[rank]`` batches of 1 (with a length: ``with_length``, or its
+    item for this rank); the steps done and the error, if any."""
     pm = parallelize(models.mlp((4, 2)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.sgd, batch="local")
     n = counts[dist.get_rank()]
+    if isinstance(with_length, list):
+        with_length = with_length[dist.get_rank()]
     loader = DataLoader(Rows(n), batch_size=1) if not with_length else [(DATA[i:i + 1, :4], DATA[i:i + 1, 4:])
                                                                         for i in range(n)]
     steps = 0
@@ -41,8 +44,11 @@ def _train(counts: list[int], with_length: bool) -> tuple[int, str | None]:
     return steps, None
 
 
-def test_loaders_of_one_length_run_every_batch(launcher) -> None:
-    assert launcher(_train, 2, [3, 3], False) == [(3, None), (3, None)]
+@pytest.mark.parametrize("with_length", [False, [True, False]], ids=["no-lengths", "one-length"])
+def test_loaders_of_one_length_run_every_batch(launcher, with_length: bool | list[bool]) -> None:
+    """Also where only some ranks' loaders have a length: lengths are compared among those that have one, the
+    others checked batch by batch."""
+    assert launcher(_train, 2, [3, 3], with_length) == [(3, None), (3, None)]
 
 
 @pytest.mark.parametrize("counts, ended, going", [([3, 2], 1, 0), ([2, 3], 0, 1)], ids=["rank1-ends", "rank0-ends"])
