@@ -18,7 +18,6 @@ from torch.distributed.tensor import Placement, Shard
 
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
-from autopar.core.buckets import bucket_sizes
 from autopar.core.errors import UnsupportedError
 from autopar.core.graph import SlotKind, StageGraph
 from autopar.core.mesh import Mesh
@@ -38,8 +37,8 @@ from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.program import (
     Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported,
-    initial_plan, optimizer_state_factor, rank_expert_bytes, rank_parameter_bytes, split_backward, step_schedule,
-    whole_graph_stage,
+    initial_plan, optimizer_state_factor, rank_expert_bytes, rank_gradient_buckets, rank_parameter_bytes,
+    split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
 from autopar.runtime.batch import cp_shard, sequence_length
@@ -247,10 +246,15 @@ def _memory_and_dp(c: Compilation) -> None:
     params, grads = per_rank[worst]
     program.plan.memory = memory({"parameters": params, "gradients": grads, "optimizer": factor * grads}, worst)
     routed = rank_expert_bytes(program, c.mesh, worst)  # over ep_replicate, not dp
+    order = [n for n, _ in c.model.named_parameters()]
+
+    def buckets(experts: bool) -> int:  # (tensors whole, as the runtime's buckets hold them)
+        return rank_gradient_buckets(program, c.mesh, worst, order, options.bucket_bytes, routed=experts)
+
     program.plan.collectives = [
-        Collective(x.axis, x.op, len(bucket_sizes(grads - routed, options.bucket_bytes)), grads - routed, x.what)
-        if x.axis == "dp" else x for x in program.plan.collectives
-    ] + ([Collective("ep_replicate", "all_reduce", len(bucket_sizes(routed, options.bucket_bytes)), routed,
+        Collective(x.axis, x.op, buckets(False), grads - routed, x.what) if x.axis == "dp" else x
+        for x in program.plan.collectives
+    ] + ([Collective("ep_replicate", "all_reduce", buckets(True), routed,
                      "routed experts' gradient buckets among the ranks holding the same experts")]
          if routed and c.mesh["ep_replicate"] > 1 else [])
 

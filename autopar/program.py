@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
-from autopar.core.buckets import bucket_sizes
+from autopar.core.buckets import assign_buckets, bucket_sizes
 from autopar.core.errors import UnsupportedError
 from autopar.core.layout import Interleave
 from autopar.core.graph import StageGraph
@@ -281,6 +281,17 @@ def rank_expert_bytes(program: Program, mesh: Mesh, rank: int) -> int:
     """Bytes of the trainable routed experts' parameters ``rank`` holds (its ep index's experts)."""
     sizes = _rank_sizes(program, mesh, rank)
     return sum(b for n, b in sizes.items() if n in program.trainable and n in program.plan.expert_params)
+
+
+def rank_gradient_buckets(program: Program, mesh: Mesh, rank: int, order: list[str], bucket_bytes: int,
+                          routed: bool = False) -> int:
+    """How many buckets the trainable gradients ``rank`` holds (the routed experts' with ``routed``, else the
+    others) make as ``runtime.grad_sync`` lays them out: in reverse ``order`` (the model's parameter order),
+    each tensor whole (``core.buckets.assign_buckets``; one dtype); 1 where it holds none."""
+    sizes = _rank_sizes(program, mesh, rank)
+    names = [n for n in reversed(order) if n in sizes and n in program.trainable
+             and (n in program.plan.expert_params) == routed]
+    return len(assign_buckets([sizes[n] for n in names], [0] * len(names), bucket_bytes)) or 1
 
 
 def _rank_sizes(program: Program, mesh: Mesh, rank: int) -> dict[str, int]:

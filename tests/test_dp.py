@@ -212,12 +212,13 @@ def _bucket_traffic(bucket_mb: float) -> tuple[list[tuple[int, int]], dict[str, 
     return planned, pm.communication(calls=True), pm.communication()
 
 
-@pytest.mark.parametrize("bucket_mb, buckets", [(25.0, 1), (1e-3, 3)])
+@pytest.mark.parametrize("bucket_mb, buckets", [(25.0, 1), (1e-3, 3), (2e-4, 5)])
 def test_the_plan_counts_the_buckets_a_step_all_reduces(launcher, bucket_mb: float, buckets: int) -> None:
     """Five 8x8 layers (2,880 bytes of gradients, no tensor over 512 bytes): one bucket, or 1,048-byte buckets
-    (1,152 + 1,152 + 576 bytes as the tensors fall; the plan cuts 1,048 + 1,048 + 784). The plan's count and
-    bytes per step are what each step all-reduces on dp. (The plan cuts tensors anywhere: where one tensor is
-    larger than a bucket, it counts more buckets than run.)"""
+    (1,152 + 1,152 + 576 bytes as the tensors fall), or 209-byte buckets, which each 512-byte weight overfills
+    (bias and weight of a layer per bucket: five). The plan's count and bytes per step are what each step
+    all-reduces on dp: it lays the tensors out whole, as the runtime does (cut anywhere, 209-byte buckets
+    would count 14)."""
     for planned, calls, sent in launcher(_bucket_traffic, 2, bucket_mb):
         assert planned == [(buckets, 5 * (8 * 8 + 8) * 8)], planned
         assert (calls["all_reduce@dp"], sent["all_reduce@dp"]) == (2 * buckets, 2 * planned[0][1])
