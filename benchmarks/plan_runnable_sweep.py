@@ -89,6 +89,30 @@ def run_one(launch, name: str, c) -> str:
     return "ok"
 
 
+def memory_check(pool: WorkerPool, name: str, devices: int, cands: list) -> int:
+    """One candidate of each (hybrid, cp attention, ep, schedule, ZeRO stage) of ``name``: every rank's predicted
+    parameter, gradient and optimizer bytes against ``pm.memory()`` after one step, within 10%; the mismatches."""
+    from test_planner import _run_meshes
+
+    pick: dict = {}
+    for c in cands:
+        k = c.config
+        pick.setdefault((k.dp_shard, k.cp_attention if k.cp > 1 else "", k.ep, k.schedule if k.pp > 1 else "",
+                         k.zero, k.tp > 1), c)
+    chosen = list(pick.values())
+    runs = pool.launch(_run_meshes, devices, MODELS[name][0], (BATCH, SEQ, 96), [c.parallelism for c in chosen], 0)
+    bad = 0
+    for i, c in enumerate(chosen):
+        off = [(rank, key, runs[rank][i][1][key], round(float(want)))
+               for rank in range(devices) for key, want in c.estimate.per_rank[c.mesh.coords(rank).pp].items()
+               if key in ("parameters", "gradients", "optimizer")
+               and abs(runs[rank][i][1][key] - float(want)) > 0.10 * max(float(want), 1.0)]
+        bad += bool(off)
+        print(f"memory {name} {devices} {c.config.describe()}: {'ok' if not off else f'MISMATCH {off[:4]}'}",
+              flush=True)
+    return bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=40)
@@ -96,12 +120,21 @@ def main() -> None:
     ap.add_argument("--devices", default="2,4")
     ap.add_argument("--memory", type=float, default=None, help="device memory (bytes) to plan for")
     ap.add_argument("--layers", type=int, default=2, help="transformer layers of every model")
+    ap.add_argument("--sequence-parallel", action="store_true", help="only candidates with sequence parallelism")
+    ap.add_argument("--memory-check", action="store_true",
+                    help="compare predicted state bytes with pm.memory() instead of training against one device")
     ap.add_argument("--runnable", type=int, default=1, help="1: sample the runnable ones; 0: the others")
     args = ap.parse_args()
     for name, (make, precisions) in MODELS.items():
         MODELS[name] = (functools.partial(make, layers=args.layers), precisions)
     cands = [x for x in candidates(args.models.split(","), [int(d) for d in args.devices.split(",")], args.memory)
-             if x[2].runnable == bool(args.runnable)]
+             if x[2].runnable == bool(args.runnable) and (x[2].config.sequence_parallel or not args.sequence_parallel)]
+    if args.memory_check:
+        with WorkerPool(4) as pool:
+            bad = sum(memory_check(pool, name, dev, [c for n, d, c in cands if (n, d) == (name, dev)])
+                      for name, dev in dict.fromkeys((n, d) for n, d, _ in cands))
+        print(f"{bad} memory mismatches")
+        return
     chosen = covering(cands, args.limit)
     print(f"{len(cands)} candidates, {len(chosen)} chosen", flush=True)
     failures = 0
