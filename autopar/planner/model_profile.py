@@ -62,6 +62,7 @@ from autopar.planner.profile_formulas import (b_sym, entering_elements, export_s
                                               ring_elements,
                                               numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)
+from autopar.passes.context_parallel import BATCHED_MATMULS, SOFTMAXES
 from autopar.passes.saved import saved_tensors
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
@@ -138,6 +139,7 @@ class ModelProfile:
     experts: ExpertProfile | None = None  # routed-experts layers (``autopar/planner/expert_cost.py``), None: none
     attention_heads: int = 0  # the heads every attention's query, key and value divide into (their gcd); 0: none
     masked_attention: bool = False  # some attention takes a mask tensor (padding, windows, biases)
+    eager_attention: str = ""  # a node relating the sequence to itself outside scaled_dot_product_attention ("": none)
 
     def sequence(self) -> list[Segment]:
         """Segments as they run: the head, every layer (repeats expanded), the tail."""
@@ -211,7 +213,8 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
                         total_params=sum(p.numel() for p in params.values()),
                         dtype=next(iter(params.values())).dtype if params else torch.float32,
                         has_sequence=sequence, notes=notes, experts=expert_profile(model),
-                        attention_heads=attention_heads(analysis.gm), masked_attention=masked_attention(analysis.gm))
+                        attention_heads=attention_heads(analysis.gm), masked_attention=masked_attention(analysis.gm),
+                        eager_attention=eager_attention(analysis.gm) if sequence else "")
 
 
 def attention_heads(gm: torch.fx.GraphModule) -> int:
@@ -227,6 +230,21 @@ def masked_attention(gm: torch.fx.GraphModule) -> bool:
     ``attn_mask``)."""
     return any(isinstance(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), torch.fx.Node)
                for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def eager_attention(gm: torch.fx.GraphModule) -> str:
+    """The first softmax over the sequence or batched matmul giving a (..., sequence, sequence) value (Hugging
+    Face's eager matmul-softmax-matmul), named with its module; "" without one. Context parallelism rewrites
+    ``scaled_dot_product_attention`` only (``passes/context_parallel._check_no_sequence_square``)."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.target not in SOFTMAXES | BATCHED_MATMULS or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        a, b = val.shape[-2:]
+        if isinstance(b, torch.SymInt) and (n.target in SOFTMAXES or str(a) == str(b)):
+            where = ([("", "")] + list(n.meta.get("nn_module_stack", {}).values()))[-1][0]
+            return f"{n.target} {tuple(val.shape)}" + (f" in {where}" if where else "")
+    return ""
 
 
 class _Analysis:

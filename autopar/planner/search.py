@@ -455,10 +455,14 @@ def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfi
 def context_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
     """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=, pp=, tp=)``
     composes with ZeRO 1-3, bf16/mixed precision and recomputation (``program.check_context_parallel``; hybrid
-    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis; usp runs
+    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis; it rewrites
+    ``scaled_dot_product_attention`` only (an eager matmul-softmax-matmul attention is refused); usp runs
     attentions without a mask tensor only."""
     if "cp" not in MESH_AXES:
         return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
+    if profile.eager_attention:
+        return (f"context parallelism (cp={config.cp}) rewrites scaled_dot_product_attention only, and this model "
+                f"computes attention eagerly ({profile.eager_attention}); load it with attn_implementation='sdpa'")
     if config.cp_attention == "usp" and profile.masked_attention:
         return ("cp_attention='usp' runs attentions without a mask tensor only, and this model's attention takes "
                 "one; the ring and the all-to-all run it")
