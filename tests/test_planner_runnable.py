@@ -54,6 +54,21 @@ def test_cp_stays_runnable_for_sdpa_attention() -> None:
     _compile(models.gpt2, ring[0])
 
 
+def _llama_eager() -> torch.nn.Module:
+    model = models.llama()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def test_cp_stays_runnable_for_an_eager_attention_the_runtime_rewrites() -> None:
+    """LLaMA's eager matmul-softmax-matmul is the chain ``passes/context_eager.py`` rewrites to
+    scaled_dot_product_attention before context parallelism: its ring candidate is runnable and compiles."""
+    cands = _cp_candidates(_llama_eager)
+    ring = [c for c in cands if c.config.cp_attention == "ring"]
+    assert ring and all(c.runnable for c in ring), [c.not_runnable for c in ring]
+    _compile(_llama_eager, ring[0])
+
+
 @pytest.mark.slow
 def test_a_covering_sample_of_runnable_candidates_trains_as_one_device(launcher) -> None:
     import plan_runnable_sweep as sweep

@@ -62,6 +62,7 @@ from autopar.planner.profile_formulas import (b_sym, entering_elements, export_s
                                               ring_elements,
                                               numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)
+from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import BATCHED_MATMULS, SOFTMAXES
 from autopar.passes.saved import saved_tensors
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
@@ -233,9 +234,12 @@ def masked_attention(gm: torch.fx.GraphModule) -> bool:
 
 
 def eager_attention(gm: torch.fx.GraphModule) -> str:
-    """The first softmax over the sequence or batched matmul giving a (..., sequence, sequence) value (Hugging
-    Face's eager matmul-softmax-matmul), named with its module; "" without one. Context parallelism rewrites
-    ``scaled_dot_product_attention`` only (``passes/context_parallel._check_no_sequence_square``)."""
+    """The first softmax over the sequence or batched matmul giving a (..., sequence, sequence) value that is
+    left once the eager attention chains the runtime rewrites to ``scaled_dot_product_attention`` are
+    (``passes/context_eager.sdpa_from_eager``: Hugging Face's eager matmul-softmax-matmul of GPT-2, LLaMA, BERT),
+    named with its module; "" without one. Context parallelism refuses such an attention (Gemma-2's soft-capped
+    one; ``passes/context_parallel._check_no_sequence_square``)."""
+    gm, _ = sdpa_from_eager(gm)
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.target not in SOFTMAXES | BATCHED_MATMULS or not isinstance(val, torch.Tensor) or val.dim() < 2:
