@@ -64,7 +64,7 @@ def export_key(model: torch.nn.Module, inputs: Any, loss_fn: Any, *, with_loss: 
         modules = (_modules(model), tuple(tied_aliases(model).items()))  # (tied: one placeholder, both uses)
         held = [v for m in model.modules() for v in vars(m).values() if callable(v)]  # (``self.act = f``)
         code = _reads([*dict.fromkeys(type(m) for m in model.modules()), *held, loss_fn])
-        return (modules, code, _value(inputs, fake=True), _strides(inputs), _aliases(inputs), _loss(loss_fn),
+        return (modules, code, _value(inputs, fake=True), _aliases(inputs), _loss(loss_fn),
                 with_loss, output_dtype, torch.is_grad_enabled(), torch.get_default_dtype(),
                 torch.get_default_device(), _autocast())
     except _Unknown:
@@ -106,11 +106,6 @@ def _loss(f: Any) -> Any:
     return _function(f)
 
 
-def _strides(inputs: Any) -> tuple:
-    """The strides of the input tensors: a model may branch on ``x.is_contiguous()`` (fake tensors keep them)."""
-    return tuple(x.stride() for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))
-
-
 def _aliases(inputs: Any) -> tuple:
     """For each tensor among the inputs, the first that is the same tensor and the first that shares its storage:
     a target passed as the input itself is one placeholder of the export, which the model then reads."""
@@ -143,14 +138,15 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if v is None or isinstance(v, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
         return (type(v), v)
     if isinstance(v, torch.Tensor):
-        # (the device with its index: the graph holds it, ``arange(..., device=cuda:1)``)
-        spec = ("tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad)
+        # (the device with its index: the graph holds it, ``arange(..., device=cuda:1)``; the strides: a model may
+        # branch on ``x.is_contiguous()``, and fake tensors keep them)
+        spec = ("tensor", tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
         if fake or v.device.type == "meta":
             return spec
         if type(v) not in (torch.Tensor, torch.nn.Parameter):  # (a subclass: a fake tensor an export left behind)
             raise _Unknown(type(v).__name__)
         data = v.detach().cpu().reshape(-1)  # (a constant of the graph; flat: a 0-d tensor has no view in bytes)
-        return (*spec, v.stride(), hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest())
+        return (*spec, hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"").hexdigest())
     if isinstance(v, (list, tuple)):
         return (type(v), tuple(_value(x, depth + 1, fake) for x in v))
     if isinstance(v, dict):
