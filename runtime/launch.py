@@ -8,7 +8,10 @@ the process group's backend and where the ranks compute (``runtime/groups.py``
 decides the defaults: NCCL with a GPU per rank where CUDA is available, else
 gloo on the CPU; ``backend="gloo", device="cuda"`` lets ranks share GPUs). If any
 rank raises or its process dies, every worker of the job is stopped and a
-``RankError`` naming the rank and carrying its traceback is raised.
+``RankError`` naming the rank and carrying its traceback is raised. A job whose
+ranks failed to connect to each other (gloo's full-mesh connect, now and then on
+a loaded machine) before any ran the job's function is started again on fresh
+workers, up to ``JOIN_ATTEMPTS`` times, with a warning.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable
@@ -48,12 +52,18 @@ copyreg.pickle(type(torch.ops), _reduce_ops)
 copyreg.pickle(torch._ops._OpNamespace, _reduce_namespace)
 
 GRACE_S = 2.0
+JOIN_ATTEMPTS = 3  # gloo's full-mesh connect fails now and then on a loaded machine (pytorch/pytorch#53270)
 PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")
 
 
 def _is_consequence(detail: str) -> bool:
     """A failure that only reports another rank's failure (a collective whose peer went away)."""
     return any(text in detail for text in PEER_FAILURE)
+
+
+def _is_transient(detail: str) -> bool:
+    """A failure to connect that starting the job again may not meet (not, say, a missing network interface)."""
+    return "connectFullMesh" in detail or "Connect timeout" in detail or _is_consequence(detail)
 
 
 def free_port() -> int:
@@ -77,17 +87,20 @@ def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str], en
         )
         if "OMP_NUM_THREADS" not in os.environ:  # ranks share the machine's cores, as torchrun assumes
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        phase = "prepare"  # a rank that fails to "connect" to the others says so: the parent may start the job again
         try:
             device = rank_device(backend, rank, device)
             os.environ[DEVICE_ENV] = device.type  # what join() reads: the ranks compute where the job was started
             fn, args = cloudpickle.loads(payload)
+            phase = "connect"
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)  # the parent holds the port
             start_job(backend, device, store=dist.PrefixStore(f"job{job}", store), rank=rank, world_size=world)
+            phase = "run"
             out = fn(*args)
             dist.destroy_process_group()  # not on failure: peers would see a closed connection, not the cause
-            results.send((job, rank, True, cloudpickle.dumps(out)))
+            results.send((job, rank, True, cloudpickle.dumps(out), phase))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops the job
-            results.send((job, rank, False, traceback.format_exc()))
+            results.send((job, rank, False, traceback.format_exc(), phase))
 
 
 PRELOAD = ("torch", "torch.distributed", "autopar.parallel", "autopar.compiler", "autopar.runtime.launch")
@@ -159,6 +172,17 @@ class WorkerPool:
         if not 1 <= nprocs <= self.size:
             raise ValueError(f"nprocs={nprocs} must be between 1 and the pool size {self.size}")
         rank_device(self.backend, nprocs - 1, self.device)  # (NCCL: a GPU for every rank)
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            try:
+                return self._run(fn, nprocs, args)
+            except _NotJoined as e:
+                if attempt == JOIN_ATTEMPTS:
+                    raise RankError(e.rank, f"{e.detail}\n(the ranks failed to connect {attempt} times)") from None
+                warnings.warn(f"rank {e.rank} failed to connect to the others; starting the job's "
+                              f"{nprocs} processes again:\n{e.detail.strip().splitlines()[-1]}", stacklevel=2)
+        raise AssertionError("unreachable")
+
+    def _run(self, fn: Callable[..., Any], nprocs: int, args: tuple) -> list[Any]:
         workers = self._ready(nprocs)
         self._jobs += 1
         # the parent serves the rendezvous store, so its port stays taken for the whole job (no race for it)
@@ -177,13 +201,14 @@ class WorkerPool:
     def _collect(self, job: int, workers: list[_Worker], store: Any) -> list[Any]:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        unjoined: set[int] = set()  # ranks that failed to join the job's process group (before running fn)
         deadline = None  # once a rank fails, wait briefly for the others to report, then pick the cause
         pending = {w.results: rank for rank, w in enumerate(workers)}
         while pending and (deadline is None or time.monotonic() < deadline):
             for conn in wait(list(pending), timeout=0.2):
                 rank = pending[conn]
                 try:
-                    got_job, _, ok, data = conn.recv()
+                    got_job, _, ok, data, phase = conn.recv()
                 except (EOFError, OSError):  # the process is gone
                     del pending[conn]
                     workers[rank].process.join(timeout=GRACE_S)
@@ -196,6 +221,8 @@ class WorkerPool:
                     results[rank] = cloudpickle.loads(data)
                 else:
                     failures[rank] = data
+                    if phase == "connect":
+                        unjoined.add(rank)
             if results and pending and not failures:  # a rank still inside a call that one whose job returned skipped
                 failures.update(_stranded(store, set(pending.values()), set(results)))
                 for rank in failures:
@@ -204,6 +231,8 @@ class WorkerPool:
                 deadline = time.monotonic() + GRACE_S
         if failures:
             rank = min(failures, key=lambda r: (_is_consequence(failures[r]), r))
+            if not results and set(failures) <= unjoined and _is_transient(failures[rank]):  # no rank ran fn
+                raise _NotJoined(rank, failures[rank])
             raise RankError(rank, failures[rank])
         return [results[r] for r in range(len(workers))]
 
@@ -229,6 +258,14 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _NotJoined(Exception):
+    """The job's ranks failed to connect to each other before any ran the job's function."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(rank, detail)
+        self.rank, self.detail = rank, detail
 
 
 def _reason(store: Any) -> str | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 import models
 from autopar import Mesh, RankError, launch, parallelize
+import autopar.runtime.launch as launch_module
 from autopar.runtime.launch import WorkerPool, free_port
 from harness.nodes import run_nodes
 
@@ -91,6 +93,41 @@ def _rank0_dies() -> None:
 def test_a_dying_rank_stops_the_job_and_is_named(own_pool) -> None:
     with pytest.raises(RankError, match="rank 0 failed:\nthe process died with exit code 3"):
         own_pool.launch(_rank0_dies, 2)
+
+
+def _counts_and_raises(path: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{dist.get_rank()}\n")
+    raise RuntimeError("Connection closed by peer")  # (a connect failure's words, but raised by the job's code)
+
+
+def test_a_job_whose_ranks_fail_to_connect_is_started_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """gloo's full-mesh connect fails now and then on a loaded machine: a job none of whose ranks ran is started
+    again on fresh processes, with a warning; a failure to connect that comes again (a missing network
+    interface) is not retried, nor is a failure inside the job's function, whatever its words."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "autopar-missing0")  # every rank fails inside init_process_group
+    with WorkerPool(2, device="cpu") as pool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no retry)
+            with pytest.raises(RankError, match="Unable to find address for: autopar-missing0"):
+                pool.launch(_rank_and_sum, 2)
+        calls = []
+
+        def transient_once(detail: str) -> bool:  # the parent's judgement, made once transient; the retry is real
+            calls.append(detail)
+            monkeypatch.delenv("GLOO_SOCKET_IFNAME")  # the restarted workers start with the parent's environment
+            return True
+
+        monkeypatch.setattr(launch_module, "_is_transient", transient_once)
+        with pytest.warns(UserWarning, match="failed to connect to the others; starting the job's 2 processes again"):
+            assert pool.launch(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]
+        assert len(calls) == 1 and "Unable to find address" in calls[0]
+        log = tmp_path / "calls"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RankError, match="Connection closed by peer"):
+                pool.launch(_counts_and_raises, 2, str(log))
+        assert sorted(log.read_text().split()) == ["0", "1"] and len(calls) == 1  # ran once, not judged
 
 
 def _wrong_world() -> None:
