@@ -62,3 +62,43 @@ def test_a_described_cluster_equals_the_preset_it_describes() -> None:
     assert Cluster.from_dict(dataclasses.asdict(A100)) == A100
     assert A100.updated({"memory": 40e9, "inter.bandwidth": 12.5e9}) == A100.replace(
         memory=40e9, inter=Link(12.5e9, A100.inter.latency))
+
+
+def test_a_ring_spanning_nodes_pays_the_network_latency_only_between_nodes() -> None:
+    """NCCL's ring model (src/graph/tuning.cc): of a ring's n - 1 steps, one per node boundary crosses the network;
+    the others run on NVLink. The bandwidth is the network's, the ring's slowest link."""
+    intra, inter = A100.intra.latency, A100.inter.latency
+    assert A100.link(8, 8) == A100.intra and A100.link(16) == A100.inter
+    assert A100.link(16 * 8, 16) == A100.inter  # stride 8: one rank per node, every step crosses the network
+    two_nodes = A100.link(16, 16)
+    assert two_nodes.bandwidth == A100.inter.bandwidth
+    assert two_nodes.latency * 15 == pytest.approx(14 * intra + 1 * inter)
+    assert A100.link(32, 16).latency * 15 == pytest.approx(12 * intra + 3 * inter)  # stride 2: 4 ranks in each of 4
+    assert A100.link(1536, 1536).latency * 1535 == pytest.approx(1344 * intra + 191 * inter)  # 192 nodes
+
+
+def test_zeros_collectives_over_nodes_are_priced_on_that_ring() -> None:
+    """ZeRO-3 over 16 ranks in two nodes: each gather's 15 steps take NVLink's latency 14 times; with one rank in
+    each node (pp=8 between them) all 15 take the network's."""
+    import dataclasses
+
+    from autopar.planner import gpt
+    from autopar.planner.cost_model import PRECISIONS, Config, CostModel
+    from autopar.planner.model_profile import profile_model
+    from autopar.planner.step_sim import Kind
+
+    profile = profile_model(gpt(8, 256, 8, vocab=1024), tp_sizes=(1,))
+    flat = A100.replace(intra=dataclasses.replace(A100.intra, latency=A100.inter.latency))  # every step the same
+    saved = 14 * (A100.inter.latency - A100.intra.latency)
+    for config, per_call in ((Config(dp=16, zero=3, microbatch_size=1), saved),
+                             (Config(dp=16, pp=8, zero=3, microbatch_size=1), 0.0)):
+        seconds = [[(e.seconds, e.stream) for e in CostModel(profile, cluster, PRECISIONS["mixed"], seq_len=256)
+                    .step_program(config) if e.kind in (Kind.GATHER, Kind.REDUCE_SCATTER)] for cluster in (A100, flat)]
+        assert seconds[0] and len(seconds[0]) == len(seconds[1])
+        for (got, stream), (steps_alike, _) in zip(*seconds):
+            assert stream == "inter" and got == pytest.approx(steps_alike - per_call, rel=1e-9)
+    hybrid = Config(dp=16, zero=3, dp_shard=4, microbatch_size=1)  # replicas 4 ranks apart: 2 in each of 2 nodes
+    across = [[e.seconds for e in CostModel(profile, cluster, PRECISIONS["mixed"], seq_len=256).step_program(hybrid)
+               if e.kind is Kind.REPLICATE] for cluster in (A100, flat)]
+    assert across[0] and all(got == pytest.approx(alike - 2 * 2 * (A100.inter.latency - A100.intra.latency), rel=1e-9)
+                             for got, alike in zip(*across))  # an all-reduce: 2 x 3 steps, 2 x 2 of them in a node

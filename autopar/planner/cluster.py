@@ -125,9 +125,20 @@ class Cluster:
         """Peak FLOP/s for a precision's name: the bf16 units for "mixed", "bf16" (and "half"), else fp32."""
         return self.peak_flops if precision in ("mixed", "bf16", "half") else self.peak_flops_fp32
 
-    def link(self, span: int) -> Link:
-        """The link of a group whose ranks spread over ``span`` consecutive ranks (stride x size)."""
-        return self.intra if span <= self.devices_per_node else self.inter
+    def link(self, span: int, size: int | None = None) -> Link:
+        """The link of a group whose ranks spread over ``span`` consecutive ranks (stride x size). Given the
+        group's ``size``, a group spanning nodes with several ranks in each has a ring whose steps inside a node
+        take the intra link's latency, only the steps between nodes the inter link's (NCCL's ring model:
+        ``src/graph/tuning.cc``, ``(nsteps - nInterSteps) * intraLat + nInterSteps * interLat``); its bandwidth
+        is the inter link's, the ring's slowest."""
+        if span <= self.devices_per_node:
+            return self.intra
+        if size is None or size < 2:
+            return self.inter
+        per_node = max(1, self.devices_per_node // max(1, span // size))  # the group's ranks in one node
+        nodes = -(-size // per_node)
+        latency = ((size - nodes) * self.intra.latency + (nodes - 1) * self.inter.latency) / (size - 1)
+        return self.inter if per_node == 1 else dataclasses.replace(self.inter, latency=latency)
 
     def axis_cost(self, span: int) -> LinkCost:
         """The collective cost of a mesh axis whose groups spread over ``span`` consecutive ranks (stride x size)."""

@@ -238,8 +238,7 @@ class CostModel(MemoryAccount, ContextExpertCosts):
         accumulate = [3 * adds * t * self.precision.grad / cl.memory_bandwidth for t in trainable]
         numeric = not isinstance(ranks[0][0][0].flops, sympy.Basic)  # every segment is at one b
         shared = bool(cl.cores) and numeric
-        spans = (c.tp, c.tp * c.pp, c.devices)
-        links = [cl.link(span) for span in spans]
+        links = [cl.link(c.tp), cl.link(c.tp * c.pp), self._whole_link(c)]
         per_rank = [self._rank_seconds(c, stages, *links[:2]) for stages in ranks]
         compute, tp, p2p_t, forward, backward, redo = max(per_rank, key=lambda t: number(t[0] + t[1] + t[2]))
         m = c.microbatches
@@ -286,14 +285,19 @@ class CostModel(MemoryAccount, ContextExpertCosts):
         tp_link = self.cluster.link(config.tp)
         units = [t for st in ranks[rank] for t in self._unit_seconds(config, st, tp_link)]
         shard, streams = self._dp_links(config)
-        return ranks[rank], units, (shard, self.cluster.link(config.devices)), streams
+        return ranks[rank], units, (shard, self._whole_link(config)), streams
 
     def _dp_links(self, c: Config) -> tuple[Any, tuple[str, ...]]:
         """The link ZeRO's (or DDP's) collectives run on (a shard group spreads over ``zero_ranks * pp * tp``
         consecutive ranks: inside a node where that fits), and the names of that link, the tp link and the link of
         all of dp (hybrid sharding's all-reduce across replicas)."""
         span = c.zero_ranks * c.pp * c.tp
-        return self.cluster.link(span), (self._stream(span), self._stream(c.tp), self._stream(c.devices))
+        return self.cluster.link(span, c.zero_ranks), (self._stream(span), self._stream(c.tp), self._stream(c.devices))
+
+    def _whole_link(self, c: Config) -> Any:
+        """The link of all of dp: the loss's all-reduce, and hybrid sharding's across replicas (a group of
+        ``replicas`` ranks a shard group apart)."""
+        return self.cluster.link(c.devices, c.replicas if c.replicas > 1 else c.dp_cp)
 
     def _stream(self, span: int) -> str:
         """The link a group of ranks spread over ``span`` consecutive ranks runs on: inside a node, or between."""
