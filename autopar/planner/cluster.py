@@ -19,6 +19,7 @@ the DGX presets they are fitted to published Megatron-LM results
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -136,9 +137,7 @@ class Cluster:
         if size is None or size < 2:
             return self.inter
         per_node = max(1, self.devices_per_node // max(1, span // size))  # the group's ranks in one node
-        nodes = -(-size // per_node)
-        latency = ((size - nodes) * self.intra.latency + (nodes - 1) * self.inter.latency) / (size - 1)
-        return self.inter if per_node == 1 else dataclasses.replace(self.inter, latency=latency)
+        return self.inter if per_node == 1 else _ring_link(self.intra, self.inter, size, -(-size // per_node))
 
     def axis_cost(self, span: int) -> LinkCost:
         """The collective cost of a mesh axis whose groups spread over ``span`` consecutive ranks (stride x size)."""
@@ -229,6 +228,14 @@ def _refuse_overlap(source: str, d: dict[str, Any]) -> None:
                          "free; the planner simulates the step program and charges compute beside a collective "
                          f"with contention (the share of compute a collective takes, default {CONTENTION}); remove "
                          "overlap (no overlap at all is contention=1)")
+
+
+@functools.lru_cache(maxsize=None)  # one object per ring: the cost model keys its caches by the link's id
+def _ring_link(intra: Link, inter: Link, size: int, nodes: int) -> Link:
+    """The inter link of a ring of ``size`` ranks over ``nodes`` nodes: ``nodes - 1`` of its ``size - 1`` steps
+    cross the network, the others NVLink."""
+    latency = ((size - nodes) * intra.latency + (nodes - 1) * inter.latency) / (size - 1)
+    return dataclasses.replace(inter, latency=latency)
 
 
 def _link(source: str, name: str, fields: dict[str, Any]) -> Link:
