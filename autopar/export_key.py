@@ -158,6 +158,8 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     if isinstance(v, types.BuiltinFunctionType) and (v.__self__ is None or isinstance(v.__self__, types.ModuleType)):
         return ("builtin", v)  # a function of a C module (F.gelu): stateless
     if isinstance(v, torch.nn.Module):
+        if id(v) not in _MODULE_NAMES.get() and not _holds_tensors(v):  # a function wrapped as a module
+            return ("outside", tuple((name, _class_of(type(m)), _attributes(m)) for name, m in v.named_modules()))
         return ("module", _module_name(v))
     if isinstance(v, enum.Enum):
         return (type(v), v.value)
@@ -172,10 +174,36 @@ def _value(v: Any, depth: int = 0, fake: bool = False) -> Any:
     raise _Unknown(type(v).__name__)
 
 
+def _class_of(cls: type) -> Any:
+    """A module's class: by itself, with what its code reads (``_reads``); a class defined inside a function
+    (made anew at each call: Hugging Face's kernel hub makes one per wrapped function and model) by its module,
+    name and methods' code, with what their closures and defaults hold."""
+    if "<locals>" not in cls.__qualname__:
+        return (cls, _reads([cls]))
+    methods = [(k, f) for k, f in sorted(vars(cls).items()) if isinstance(f, types.FunctionType)]
+    return (cls.__module__, cls.__qualname__, tuple(map(_class_of, cls.__bases__)),
+            tuple((k, f.__code__, _value([_imported(c) for c in _cells(f)]), _value(f.__defaults__))
+                  for k, f in methods),
+            _reads([c for _, f in methods for c in _cells(f) if callable(c)]))
+
+
+def _imported(v: Any) -> Any:
+    """A library's module (``torch`` in a closure) by its name; anything else as it is."""
+    return ("import", v.__name__) if isinstance(v, types.ModuleType) and _library(v) else v
+
+
+def _holds_tensors(module: torch.nn.Module) -> bool:
+    """Whether a module or any of its submodules holds a tensor (a parameter, a buffer, an attribute). One that
+    holds none (Hugging Face's kernel hub wraps a function so: ``_kernel_funcs``) is read by its class and
+    attributes wherever it is held."""
+    return any(m._parameters or m._buffers or any(isinstance(x, torch.Tensor) for x in vars(m).values())
+               for m in module.modules())
+
+
 def _module_name(m: torch.nn.Module) -> str:
     """A module an attribute refers to, by its name in the model (fingerprinted in its own place there); not by
-    its address, which another module may take once this one is gone. A module outside the model raises: its
-    tensors would be constants of the graph."""
+    its address, which another module may take once this one is gone. A module outside the model that holds
+    tensors raises: they would be constants of the graph."""
     name = _MODULE_NAMES.get().get(id(m))
     if name is None:
         raise _Unknown(f"a {type(m).__name__} outside the model")

@@ -195,6 +195,33 @@ def test_a_module_held_outside_the_model_is_not_keyed_by_its_address() -> None:
     torch.testing.assert_close(_run(got, model, (X,))[0], model(X), rtol=0, atol=0)
 
 
+def _wrapped(fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """A function as a module of no tensors, held outside the model (Hugging Face's kernel hub does so)."""
+    class Func(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn(x)
+    return Func()
+
+
+class HoldsFunc(torch.nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.funcs = {"act": _wrapped(fn)}  # a plain dict: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.funcs["act"](x) * 2
+
+
+def test_a_function_wrapped_as_a_module_outside_the_model_is_read_by_its_code() -> None:
+    """A new wrapper of the same function each time: the export is reused; of another function: it is not."""
+    EXPORTS.kept.clear()
+    capture(HoldsFunc(torch.tanh), (X,))
+    hits = EXPORTS.hits
+    capture(HoldsFunc(torch.tanh), (X,))
+    assert EXPORTS.hits == hits + 1
+    _check_second(lambda: HoldsFunc(torch.tanh), lambda: HoldsFunc(torch.sigmoid), X)
+
+
 def _not_installed(name: str) -> Any:
     raise ImportError(f"{name} needs a package that is not installed")
 
