@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import models
+from autopar import Mesh, parallelize
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel
 from autopar.planner.expert_cost import ExpertProfile, routed
 from autopar.planner.model_profile import b_sym, profile_model, s_sym
 
-BATCH, SEQ, LAYERS = 8, 16, 2
+BATCH, SEQ, LAYERS = 8, 16, 1
 FP32 = 4  # bytes per element
 
 
@@ -89,3 +90,21 @@ def test_expert_flops_on_a_tp_rank_are_whole(cost) -> None:
     for tp in (1, 2):
         values = cost.values(layer, tp, 1)
         assert cost._routed(values, 2, 1).flops == pytest.approx(values.flops, rel=1e-12)
+
+
+# --- against a run: pm.memory() on 4 gloo ranks -----------------------------------------------------------------
+
+def _measured(zero: int) -> dict[str, int]:
+    ids = torch.randint(3, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    pm = parallelize(_mixtral(), Mesh(dp=2, tp=2, ep=2), loss_fn=models.lm_loss, optimizer=models.adamw, zero=zero)
+    pm.step(ids, target=ids)
+    return pm.memory()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_planned_state_at_dp2_ep2_tp2_is_the_measured_one(cost, launcher, zero: int) -> None:
+    """Parameter, gradient and AdamW bytes per rank within 5% of ``pm.memory()`` on every rank."""
+    planned = _state(cost, 2, 2, 2, zero)
+    for rank, memory in enumerate(launcher(_measured, 4, zero)):
+        for key, want in planned.items():
+            assert memory[key] == pytest.approx(want, rel=0.05), (rank, key, memory, planned)
