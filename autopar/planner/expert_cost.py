@@ -14,7 +14,11 @@ routed ones: ``2 k P_e`` per token, ``P_e`` one expert's parameters. What runs d
   times ``imbalance`` on the busiest rank (uneven routing: the most loaded rank over the mean).
 
 Under ep each rank stores ``1 / ep`` of the expert parameters (and so of their gradients and optimizer
-state, and of the bytes their gradient reduction moves), and each layer adds four all-to-alls per microbatch
+state, and of the bytes their gradient reduction moves), whole on every tp rank: the expert-parallel op is
+one node to the tp solver with every input replicated (``passes/sharding.py``), so a rank holds its ``E / ep``
+experts unsharded, not the tp shard the graph profile has at ep = 1, and runs them on all its rows (the FLOPs
+above, repeated on the tp ranks, as the profile counts the grouped matmul at any tp). Each layer adds four
+all-to-alls per microbatch
 (``autopar/core/expert_ops.py``): the tokens dispatched to their experts and combined back, forward, and the
 same two in backward, each sending ``T k H`` activation elements per rank (``T`` tokens of the microbatch,
 the rank's own rows included), plus the exchange of ``ep x E / ep`` row counts (8-byte integers).
@@ -47,10 +51,16 @@ class ExpertLayerProfile:
     hidden: int
     params: int  # elements of all ``E`` experts
     form: str  # "eager": a loop over the experts (dense dispatch at ep=1); "grouped": one grouped matmul
+    tensors: tuple[tuple[str, int], ...]  # each parameter's path and elements, all ``E`` experts
 
     @property
     def per_expert(self) -> int:
         return self.params // self.experts
+
+    def held(self, param: str, ep: int) -> int:
+        """Elements of ``param`` (one of this module's) a rank holds at ``ep > 1``: its ``E / ep`` experts'
+        rows of the stacked tensor, whole whatever the tp size (the module doc)."""
+        return dict(self.tensors)[param] // ep
 
     def flops_per_token(self, ep: int, imbalance: float) -> float:
         """Forward FLOPs of this layer's experts per token on the busiest rank (see the module doc)."""
@@ -106,8 +116,9 @@ def _stacked(name: str, module: torch.nn.Module) -> ExpertLayerProfile | None:
     transposed = getattr(module, "is_transposed", False)
     hidden = getattr(module, "hidden_dim", None) or down.shape[2 if transposed else 1]
     form = "eager" if getattr(config, "_experts_implementation", None) == "eager" else "grouped"
+    tensors = tuple((f"{name}.{n}", p.numel()) for n, p in module.named_parameters(recurse=False))
     return ExpertLayerProfile(name=name, experts=down.shape[0], top_k=int(top_k), hidden=int(hidden),
-                              params=sum(p.numel() for p in module.parameters(recurse=False)), form=form)
+                              params=sum(e for _, e in tensors), form=form, tensors=tensors)
 
 
 class grouped_while_profiling:
@@ -129,13 +140,14 @@ class grouped_while_profiling:
 
 def routed(values: SegmentValues, experts: ExpertProfile, ep: int, imbalance: float, tokens: object) -> SegmentValues:
     """``values`` (a segment at one tp size and microbatch of ``tokens`` tokens) as it runs at ``ep``: the
-    expert FLOPs of the form and degree, each expert parameter's elements divided by ``ep``."""
+    expert FLOPs of the form and degree; at ``ep > 1`` each expert parameter as a rank holds it
+    (``ExpertLayerProfile.held``: ``1 / ep`` of it, whole on every tp rank)."""
     layers = layers_in(values, experts)
     if not layers or (ep == 1 and all(layer.form == "grouped" for layer in layers)):
         return values
     extra = sum(layer.extra_flops_per_token(ep, imbalance) for layer in layers) * tokens
-    params = {k: (e // ep if experts.layer_of(k) is not None else e) for k, e in values.params.items()}
-    return dataclasses.replace(values, flops=values.flops + extra, params=params)
+    held = {k: layer.held(k, ep) for k in values.params if ep > 1 and (layer := experts.layer_of(k)) is not None}
+    return dataclasses.replace(values, flops=values.flops + extra, params={**values.params, **held})
 
 
 def all_to_all_bytes(values: SegmentValues, experts: ExpertProfile, tokens: object, act_bytes: int) -> object:
@@ -179,7 +191,7 @@ def all_to_all_seconds(units: list[SegmentValues], experts: ExpertProfile, c: Co
 
 def expert_elements(units: list[SegmentValues], experts: ExpertProfile) -> tuple[int, int]:
     """(parameter, trainable parameter) elements of routed experts stored for ``units`` (each layer instance's,
-    as ``units`` hold them: divided by ep after ``routed``)."""
+    as ``units`` hold them: after ``routed``, a rank's ``1 / ep`` of them, whole on every tp rank)."""
     owned = [(e, k in u.trainable) for u in units for k, e in u.params.items() if experts.layer_of(k) is not None]
     return sum(e for e, _ in owned), sum(e for e, t in owned if t)
 
