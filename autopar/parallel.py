@@ -302,7 +302,8 @@ def parallelize(
         from autopar.planner import auto_choice
 
         mesh = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                           optimizer=optimizer, precision=precision, recompute=recompute).parallelism
+                           optimizer=optimizer, precision=precision, recompute=recompute,
+                           batch=batch).parallelism
     if isinstance(mesh, Parallelism):
         chosen, mesh = mesh, mesh.mesh
         zero, schedule, microbatches = chosen.zero, chosen.schedule, chosen.microbatches

@@ -211,3 +211,21 @@ def test_routing_imbalance_scales_the_busiest_ranks_expert_work_and_all_to_alls(
     with pytest.raises(ValueError, match="expert_imbalance=0.5"):
         plan(None, 8, cluster=_fast_node(), global_batch=64, seq_len=2048, profile=big_profile,
              expert_imbalance=0.5, **ONLY_DP)
+
+
+def test_the_bounded_plan_keeps_the_best_of_each_ep_degree(big_profile) -> None:
+    """The plan's candidates hold the best of every ep degree, as timing every configuration would (the expert
+    benchmark's table and the explanation read them)."""
+    args = dict(cluster=_fast_node(), global_batch=64, seq_len=2048, precision="mixed", profile=big_profile,
+                tp=(1,), recompute=("none",))
+    fast, full = plan(None, 8, top=1, **args), plan(None, 8, top=None, **args)
+
+    def best_by_ep(result) -> dict:
+        best: dict = {}
+        for c in result.candidates:
+            if c.fits:
+                best.setdefault(c.config.ep, (c.config, c.step_time))
+        return best
+
+    assert len(best_by_ep(full)) > 2 and best_by_ep(fast) == best_by_ep(full)
+    assert fast.timed < full.timed

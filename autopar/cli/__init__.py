@@ -154,7 +154,10 @@ def plan(argv: list[str]) -> int:
                    "(Cluster's fields; intra and inter as {\"bandwidth\": ..., \"latency\": ...})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="change a figure of the cluster, e.g. --set memory=40e9 --set inter.bandwidth=12.5e9")
-    p.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per device)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, help="sequences per step (default: 2 per device)")
+    batch.add_argument("--local-batch", type=int, help="sequences per data-parallel rank per step (batch='local'): "
+                       "each configuration trains this times its dp, and is ranked by the time per local batch")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (models with a sequence dim)")
     p.add_argument("--precision", default="mixed", choices=["mixed", "bf16", "fp32"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd-momentum", "sgd"])
@@ -166,6 +169,7 @@ def plan(argv: list[str]) -> int:
     args = p.parse_args(argv)
     for option, value, what in (("--devices", args.devices, "devices of the job"),
                                 ("--global-batch", args.global_batch, "sequences per step"),
+                                ("--local-batch", args.local_batch, "sequences per data-parallel rank"),
                                 ("--seq", args.seq, "tokens per sequence"), ("--top", args.top, "rows to print")):
         if value is not None and value < 1:
             raise ValueError(f"{option} {value}: must be an integer >= 1 ({what})")
@@ -173,7 +177,9 @@ def plan(argv: list[str]) -> int:
     with torch.device("meta"):  # planning needs shapes, not weights
         built = load_factory(args.factory)()
     model, inputs = (built[0], tuple(built[1])) if isinstance(built, tuple) else (built, None)
-    result = make_plan(model, args.devices, cluster=cluster, global_batch=args.global_batch or 2 * args.devices,
+    rows = {"local_batch": args.local_batch} if args.local_batch else \
+        {"global_batch": args.global_batch or 2 * args.devices}
+    result = make_plan(model, args.devices, cluster=cluster, **rows,
                        seq_len=args.seq if sequence_of(inputs, model) else None, precision=args.precision,
                        optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable,
                        expert_imbalance=args.expert_imbalance, top=max(args.top, 20))

@@ -25,11 +25,14 @@ from autopar.planner.search import Candidate, evaluate, plan
 
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
-                optimizer: Callable | None, precision: str = "fp32", recompute: object = None) -> Candidate:
+                optimizer: Callable | None, precision: str = "fp32", recompute: object = None,
+                batch: str = "global") -> Candidate:
     """The best configuration autopar runs for the job's world size (``parallelize(model, "auto")``).
 
     ``recompute``: the user's choice; a mode is planned as given, a per-layer choice as "none" (it applies as
-    given), and ``None`` lets the planner choose among "none", "selective" and "full".
+    given), and ``None`` lets the planner choose among "none", "selective" and "full". ``batch``: as
+    ``parallelize``'s; under "local" the example's batch is each data-parallel rank's, and configurations are
+    ranked by the time per local batch (``plan(local_batch=)``).
 
     Every rank plans the same way; under a running job rank 0's choice is
     broadcast so that all ranks agree even if two plans tie.
@@ -37,7 +40,7 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     if spec != "auto":
         raise ValueError(f"mesh {spec!r} is not a Mesh; pass autopar.Mesh(...) or the string 'auto'")
     if example_inputs is None:
-        raise ValueError("parallelize(model, 'auto') needs example_inputs=(...) (a global batch) to plan for its "
+        raise ValueError(f"parallelize(model, 'auto') needs example_inputs=(...) (a {batch} batch) to plan for its "
                          "batch and sequence sizes")
     devices = _world_size()
     first = next((a for a in example_inputs if isinstance(a, torch.Tensor)), None)
@@ -49,7 +52,8 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
                                                                                    example_kwargs or {}))
     states = _optimizer_states(optimizer)
     cluster = _local_cluster(devices)
-    result = plan(model, devices, cluster=cluster, global_batch=first.shape[0], seq_len=seq,
+    rows = {"local_batch" if batch == "local" else "global_batch": first.shape[0]}
+    result = plan(model, devices, cluster=cluster, **rows, seq_len=seq,
                   precision=PRECISIONS[precision] if precision in ("bf16", "mixed")
                   else precision_of(next(model.parameters()).dtype),
                   optimizer=states,

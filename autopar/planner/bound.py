@@ -5,7 +5,7 @@ what fits, and by how much the others do not, is needed of each. Their step
 time costs more (the zero-bubble schedules' bubble and the pipeline's
 transfers are simulated, ZeRO-3's collectives counted per flat group) and only a few of them are read: the best
 ``top`` that fit (the table), the best of each mesh (the explanation compares
-the best with every other tp and pp size and with the best with or without
+the best with every other tp and pp size, ep degree and with the best with or without
 hybrid sharding; the measured checks run each mesh's best) and the best that
 autopar runs. ``timed_candidates`` bounds each fitting configuration's step
 time from below (``CostModel.step_time_bound``: the step
@@ -30,10 +30,10 @@ SLACK = 1e-9  # a bound is summed in another order than the step time: it may ex
 
 
 def rank_key(c: Candidate) -> tuple:
-    """How candidates are ranked: fitting first, fastest first; at the same time to three significant digits the
+    """How candidates are ranked: fitting first, fastest first (``Candidate.pace``); at the same time to three significant digits the
     lower ZeRO stage, then less recomputation (its time is measured to exceed the model's where the model calls it
     negligible), then less memory. A candidate that does not fit is ranked by its memory."""
-    return (not c.fits, rounded(c.step_time if c.fits else c.total_memory), c.config.zero, c.config.recompute_order,
+    return (not c.fits, rounded(c.pace if c.fits else c.total_memory), c.config.zero, c.config.recompute_order,
             c.total_memory)
 
 
@@ -48,7 +48,7 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
     if top is None:
         return fitting
     top = max(top, 1)
-    bounds = sorted((c.cost.step_time_bound(c.config), i) for i, c in enumerate(fitting))
+    bounds = sorted((_paced(c, c.cost.step_time_bound(c.config)), i) for i, c in enumerate(fitting))
     # where the bound is the step time itself (nothing simulated), it counts before its candidate is timed
     exact = [(b * (1 + SLACK), fitting[i]) for b, i in bounds if fitting[i].cost.exact_bound(fitting[i].config)]
     leaders = [-rounded(t) for t, _ in exact[:top]]  # the best ``top`` rounded step times known, negated (a max-heap)
@@ -65,7 +65,7 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
         if len(leaders) >= top and rounded(low) > -leaders[0] and \
                 all(rounded(low) > rounded(best.get(g, math.inf)) for g in groups):
             continue  # cannot be among the best ``top``, nor beat or tie (``rank_key``) the best of any of its groups
-        t = c.step_time
+        t = c.pace
         out.append(c)
         if not c.cost.exact_bound(c.config):  # (an exact one is among the leaders already, if it leads)
             heapq.heappush(leaders, -rounded(t))
@@ -76,9 +76,20 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
     return out
 
 
+def measure(best: Candidate) -> str:
+    """What the explanation's ratios compare (``Candidate.pace``)."""
+    return "the time per local batch" if best.per_sample else "the step time"
+
+
+def _paced(c: Candidate, seconds: float) -> float:
+    """``seconds`` of ``c``'s step as ``Candidate.pace`` counts them."""
+    return seconds / c.config.dp if c.per_sample else seconds
+
+
 def _groups(c: Candidate) -> list[tuple]:
     """The groups whose best the plan reports: its tp size, its pp size, hybrid sharding or not, its cp size
-    (1 without context parallelism), and the configurations autopar runs."""
+    (1 without context parallelism), its ep degree (1 without expert parallelism), and the configurations autopar
+    runs."""
     cfg = c.config
-    return [("tp", cfg.tp), ("pp", cfg.pp), ("hybrid", cfg.dp_shard > 0), ("cp", cfg.cp)] \
+    return [("tp", cfg.tp), ("pp", cfg.pp), ("hybrid", cfg.dp_shard > 0), ("cp", cfg.cp), ("ep", cfg.ep)] \
         + [("runnable",)] * c.runnable

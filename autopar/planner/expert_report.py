@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from autopar.planner.bound import measure
 from autopar.planner.cluster import gb
 from autopar.planner.config import Config
 
@@ -48,7 +49,7 @@ def _experts_line(result: PlanResult) -> str:
 def _compare(result: PlanResult, other: Candidate, best: Candidate) -> str:
     """``ep=<other>`` against the best: step time, expert compute, all-to-all, expert state, runnable."""
     o, b = other.config, best.config
-    verdict = "does not fit" if not other.fits else f"{other.step_time / best.step_time:.2f}x the step time"
+    verdict = "does not fit" if not other.fits else f"{other.pace / best.pace:.2f}x {measure(best)}"
     calls, nbytes = result.cost.expert_all_to_all(o if o.ep > 1 else b)
     ep = o if o.ep > 1 else b
     span = ep.ep * ep.pp * ep.tp

@@ -15,6 +15,7 @@ import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from autopar.planner.bound import measure
 from autopar.planner.cluster import gb
 from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
 from autopar.planner.context_report import context_reasons
@@ -76,10 +77,16 @@ def _ep(cfg: Config) -> str:
     return (f" ep{cfg.ep}" if cfg.ep > 1 else "") + (f" cp{cfg.cp}" if cfg.cp > 1 else "")
 
 
+def _batch(result: PlanResult) -> str:
+    if result.local_batch:
+        return f"local batch {result.local_batch} per data-parallel rank"
+    return f"global batch {result.global_batch}"
+
+
 def render_plan(result: PlanResult, top: int = 10) -> str:
     """The header, the ranked table (``top`` rows) and the explanation."""
     lines = [f"autopar plan: {result.model} ({_count(result.profile.total_params)} parameters) on {result.devices} x "
-             f"{result.cluster.name}; global batch {result.global_batch} x {result.seq_len} tokens, "
+             f"{result.cluster.name}; {_batch(result)} x {result.seq_len} tokens, "
              f"{result.precision.name} precision",
              f"  {result.considered} configurations planned in {result.seconds:.1f} s ({result.timed} timed, the "
              f"others' lower bounds could not rank), {result.fitting} fit "
@@ -99,7 +106,7 @@ def explain(result: PlanResult) -> list[str]:
     cands = result.candidates
     best = cands[0]
     prec, mem = result.precision, result.cluster.memory
-    out = [_largest_layer(result)]
+    out = [_largest_layer(result)] + _local_batch(result)
     for axis in ("tp", "pp"):
         out += _axis_reasons(result, axis)
     out += [f"note: {note}" for note in result.profile.notes if "not analyzed" in note]
@@ -141,6 +148,14 @@ def explain(result: PlanResult) -> list[str]:
     return out
 
 
+def _local_batch(result: PlanResult) -> list[str]:
+    if not result.local_batch:
+        return []
+    return [f"planned for a local batch of {result.local_batch} per data-parallel rank (batch='local'): a "
+            f"configuration with dp ranks trains dp x {result.local_batch} samples per step, so each is ranked, and "
+            f"compared below, by its step time over dp (the time per local batch)"]
+
+
 def _links(best: Candidate) -> list[str]:
     """Per mesh axis of the best: its link, how busy the step keeps it, and what of it compute hid (simulated)."""
     e = best.estimate
@@ -165,7 +180,7 @@ def _margin(result: PlanResult) -> list[str]:
     best, following = result.candidates[0], result.candidates[1:2]
     if not following or not following[0].fits:
         return []
-    lead = following[0].step_time / best.step_time - 1
+    lead = following[0].pace / best.pace - 1
     if lead >= HELD_OUT_ERROR:
         return []
     return [f"the best leads the next ({following[0].config.describe()}) by {lead:.1%}, within the calibration's "
@@ -202,10 +217,10 @@ def _axis_reasons(result: PlanResult, axis: str) -> list[str]:
             out.append(f"with {axis}={size} nothing fits: the smallest need is {gb(smallest.total_memory)} per device "
                        f"({smallest.config.describe()}) > {gb(result.cluster.memory)} -> {axis}={chosen}")
         elif best.fits:
-            fastest = min(fitting, key=lambda c: c.step_time)
+            fastest = min(fitting, key=lambda c: c.pace)
             worse = _biggest_difference(fastest, best)
             out.append(f"{axis}={size} fits but its best ({fastest.config.describe()}) takes "
-                       f"{_seconds(fastest.step_time)} per step, {fastest.step_time / best.step_time:.2f}x the best"
+                       f"{_seconds(fastest.step_time)} per step, {fastest.pace / best.pace:.2f}x the best"
                        + (f" ({worse})" if worse else ""))
     if axis == "tp" and chosen > 1:
         span = result.cluster.devices_per_node
@@ -236,7 +251,7 @@ def _zero_reason(result: PlanResult) -> list[str]:
         twin = result.candidate(dataclasses.replace(c, zero=z, dp_shard=c.dp_shard if z else 0))
         if twin is None:
             continue
-        verdict = "does not fit" if not twin.fits else f"{twin.step_time / best.step_time:.2f}x the step time"
+        verdict = "does not fit" if not twin.fits else f"{twin.pace / best.pace:.2f}x {measure(best)}"
         if z == 3 and twin.fits and c.schedule in ZERO_BUBBLE and c.pp > 1:
             verdict += f" ({_repeats(result, twin.config)})"
         out.append(f"zero={z} instead of {c.zero}: parameters+gradients+optimizer {gb(state(twin))} vs "
@@ -265,7 +280,7 @@ def _hybrid_reason(result: PlanResult) -> list[str]:
     how = (f"dp=({c.replicas}, {c.dp_shard}) shards ZeRO-{c.zero} over {c.dp_shard} ranks {where} and all-reduces "
            f"each shard's gradients across the {c.replicas} replicas beside backward, {_seconds(busy)} of them, "
            f"{_seconds(exposed)} exposed (docs/zero.md)")
-    ratio = other.step_time / best.step_time
+    ratio = other.pace / best.pace
     worse = _biggest_difference(other, best)
     if hybrid:
         return [f"hybrid sharding wins: {how}; the best without it ({other.config.describe()}) takes "
@@ -290,7 +305,7 @@ def _recompute_reason(result: PlanResult) -> list[str]:
         out += (f": {gb(best.total_memory)} per device fits {gb(result.cluster.memory)}, where {c.recompute} on "
                 f"every layer needs {gb(base.total_memory)}")
     if full is not None:
-        out += f"; full on every layer takes {_seconds(full.step_time)} ({full.step_time / best.step_time:.2f}x)"
+        out += f"; full on every layer takes {_seconds(full.step_time)} ({full.pace / best.pace:.2f}x)"
     return [out]
 
 

@@ -48,6 +48,7 @@ class Candidate:
     recompute: str | dict[str, str] = "none"  # what parallelize(recompute=...) takes (a mix: layer -> mode)
     known: Estimate | None = field(default=None, repr=False)  # memory only (time None) until the time is asked
     cost: CostModel | None = field(default=None, repr=False, compare=False)
+    per_sample: bool = field(default=False, compare=False)  # planned for a local batch: ranked by ``pace``
 
     @property
     def estimate(self) -> Estimate:
@@ -84,6 +85,12 @@ class Candidate:
     @property
     def step_time(self) -> float:
         return float(self.estimate.step_time)
+
+    @property
+    def pace(self) -> float:
+        """What the plan ranks by: the step time; planned for a local batch (``per_sample``), where a configuration
+        with dp ranks trains dp local batches per step, the step time over dp (seconds per local batch)."""
+        return self.step_time / self.config.dp if self.per_sample else self.step_time
 
     @property
     def parallelism(self) -> Parallelism:
@@ -130,7 +137,7 @@ class PlanResult:
     devices: int
     cluster: Cluster
     precision: Precision
-    global_batch: int
+    global_batch: int  # 0 when planned for a local batch (each candidate's is ``local_batch`` x its dp)
     seq_len: int
     candidates: list[Candidate]
     explanation: list[str]
@@ -141,6 +148,7 @@ class PlanResult:
     top: int | None = None  # the candidates' first ``top`` are the best ``top`` (None: every one is ranked)
     fitting: int = 0  # configurations that fit, ranked or bounded out
     every: dict[Config, Candidate] = field(default_factory=dict, repr=False)  # each configuration searched
+    local_batch: int = 0  # planned for this batch per data-parallel rank (``batch="local"``); 0: a global batch
 
     def candidate(self, config: Config) -> Candidate | None:
         """The candidate of ``config`` if the search had it (bounded out or not), else None."""
@@ -187,6 +195,7 @@ class PlanResult:
         return json.dumps({
             "model": self.model, "parameters": self.profile.total_params, "devices": self.devices,
             "cluster": self.cluster.name, "precision": self.precision.name, "global_batch": self.global_batch,
+            "local_batch": self.local_batch,
             "seq_len": self.seq_len, "considered": self.considered, "timed": self.timed, "seconds": self.seconds,
             "candidates": [c.as_dict() for c in self.candidates[:top]], "explanation": self.explanation,
         }, indent=2)
@@ -197,7 +206,7 @@ def plan(
     devices: int,
     *,
     cluster: Cluster | str = "dgx-a100",
-    global_batch: int,
+    global_batch: int | None = None,
     seq_len: int | None = None,
     precision: str | Precision = "mixed",
     optimizer: str = "adam",
@@ -218,6 +227,7 @@ def plan(
     cp: tuple[int, ...] | None = None,
     profile: ModelProfile | None = None,
     top: int | None = 20,
+    local_batch: int | None = None,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
 
@@ -252,13 +262,21 @@ def plan(
     tp and each pp size and the best autopar runs; the step time of a
     configuration whose lower bound shows it can be none of those is not
     estimated (``autopar/planner/bound.py``). None: estimate and rank every one.
+    ``local_batch`` (instead of ``global_batch``): plan for each data-parallel rank passing this many samples
+    (``parallelize(batch="local")``), so that each configuration's global batch is ``local_batch`` x its dp;
+    cp is not searched (the runtime's cp takes a global batch).
     """
     start = time.perf_counter()
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
     prec = PRECISIONS[precision] if isinstance(precision, str) else precision
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
-    _check_positive(devices=devices, global_batch=global_batch, max_microbatch=max_microbatch)
+    if (global_batch is None) == (local_batch is None):
+        raise ValueError(f"plan needs exactly one of global_batch= and local_batch=, got global_batch={global_batch} "
+                         f"and local_batch={local_batch}")
+    batch, local = (local_batch, True) if local_batch is not None else (global_batch, False)
+    _check_positive(devices=devices, **{"local_batch" if local else "global_batch": batch},
+                    max_microbatch=max_microbatch)
     if profile is None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"plan needs an nn.Module (on the meta device is fine) or profile=..., "
@@ -270,11 +288,11 @@ def plan(
                      overlap_grad_sync=overlap_grad_sync, scatter_gather=scatter_gather,
                      recompute_collectives=recompute_collectives, expert_imbalance=expert_imbalance)
     node = cluster.devices_per_node if hybrid else 0
-    evaluated = [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
+    evaluated = [c for config in search_space(profile, devices, batch, zero=zero, schedules=schedules,
                                               recompute=recompute, tp=tp, pp=pp, max_microbatch=max_microbatch,
-                                              node=node)
+                                              node=node, local=local)
                  if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
-    if seq_len and profile.has_sequence and (cp or (cp is None and (
+    if seq_len and profile.has_sequence and not local and (cp or (cp is None and (
             seq_len >= LONG_SEQUENCE or (evaluated and not any(c.fits for c in evaluated))))):
         for n in context_sizes(devices, seq_len, cp):
             evaluated += [c for config in search_space(profile, devices, global_batch, zero=zero, schedules=schedules,
@@ -283,11 +301,14 @@ def plan(
                           if (c := evaluate(cost, config, cluster, prec, profile)) is not None]
     evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
     evaluated += sequence_parallel(cost, evaluated, cluster, prec, profile)
+    for c in evaluated:
+        c.per_sample = local
     if not evaluated:
         layers = sum(seg.count for seg in profile.layers)
-        raise ValueError(f"no configuration of {devices} devices applies: global batch {global_batch} must divide by "
-                         f"dp x microbatches, and pp x stages per rank must not exceed the {layers} layers; "
-                         "change the batch or the device count")
+        whole = f"local batch {batch} must divide by microbatches" if local else \
+            f"global batch {batch} must divide by dp x microbatches"
+        raise ValueError(f"no configuration of {devices} devices applies: {whole}, and pp x stages per rank must "
+                         f"not exceed the {layers} layers; change the batch or the device count")
     candidates = [c for c in evaluated if c.runnable or not runnable_only]
     if not candidates:
         raise ValueError(f"none of the {len(evaluated)} configurations is one autopar runs today (e.g. "
@@ -297,9 +318,10 @@ def plan(
     ranked = timed_candidates(fitting, top) + [c for c in candidates if not c.fits]
     ranked.sort(key=rank_key)
     result = PlanResult(model=profile.name, devices=devices, cluster=cluster, precision=prec,
-                        global_batch=global_batch, seq_len=seq_len or 1, candidates=ranked, explanation=[],
+                        global_batch=0 if local else batch, seq_len=seq_len or 1, candidates=ranked, explanation=[],
                         considered=len(evaluated), seconds=0.0, profile=profile, cost=cost, top=top,
-                        fitting=len(fitting), every={c.config: c for c in candidates})
+                        fitting=len(fitting), every={c.config: c for c in candidates},
+                        local_batch=batch if local else 0)
     result.explanation = explain(result)
     result.seconds = time.perf_counter() - start
     return result
@@ -309,8 +331,9 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
                  schedules: tuple[str, ...] = SCHEDULE_NAMES,
                  recompute: tuple[str | bool, ...] = ("none", "selective", "full"), tp: tuple[int, ...] | None = None,
                  pp: tuple[int, ...] | None = None, max_microbatch: int = 16, node: int = 0,
-                 cp: int = 1) -> Iterator[Config]:
-    """Every configuration of ``devices`` devices that splits ``global_batch`` evenly; with ``node`` (devices per
+                 cp: int = 1, local: bool = False) -> Iterator[Config]:
+    """Every configuration of ``devices`` devices that splits ``global_batch`` evenly (with ``local``, that
+    splits it as each data-parallel rank's batch, whatever dp is); with ``node`` (devices per
     node), at ZeRO 1-3 also hybrid sharding over each shard size whose group of ``shard * pp * tp`` consecutive
     ranks stays inside a node (``Config.dp_shard``); for a model with routed experts, without hybrid sharding,
     also each expert-parallel degree (``Config.ep``: a divisor of dp that divides every layer's expert count).
@@ -332,12 +355,12 @@ def search_space(profile: ModelProfile, devices: int, global_batch: int, *, zero
             if p > max(layers, 1) or (pp is not None and p not in pp):
                 continue
             dp = devices // (t * p)
-            if global_batch % dp:
+            if not local and global_batch % dp:
                 continue
-            local = global_batch // dp
+            rows = global_batch if local else global_batch // dp
             eps = [1] + (profile.experts.ep_sizes(dp) if profile.experts is not None and cp == 1 else [])
-            for b in [d for d in _divisors(local) if d <= max_microbatch]:
-                m = local // b
+            for b in [d for d in _divisors(rows) if d <= max_microbatch]:
+                m = rows // b
                 for sched, v in _schedules(schedules, p, m, layers):
                     for z in [z for z in zero if dp * cp > 1 or z == 0]:
                         for shard in [0] + [s for s in _divisors(dp)[1:-1] if s * p * t <= node] * (z > 0):
