@@ -61,3 +61,15 @@ def test_a_bounded_out_configuration_is_still_found_and_timed_on_demand(profile)
     assert skipped.step_time == pytest.approx(float(result.cost.estimate(skipped.config).step_time), rel=1e-12)
     assert skipped.timed and skipped.step_time >= result.best.step_time
     assert f"({result.timed} timed, the others' lower bounds could not rank)" in str(result)
+
+
+def test_branch_and_bound_ranks_a_local_batch_as_the_exhaustive_search(profile) -> None:
+    """Under a local batch candidates rank by the time per local batch (``Candidate.pace``); the bound is
+    divided by dp alike."""
+    args = dict(cluster="dgx-a100", local_batch=4, seq_len=4096, profile=profile)
+    fast, full = plan(None, 64, top=TOP, **args), plan(None, 64, top=None, **args)
+    assert len({c.config.dp for c in full.candidates if c.fits}) > 2  # configurations of different work per step
+    assert [(c.config, c.pace) for c in fast.candidates[:TOP]] == [(c.config, c.pace) for c in full.candidates[:TOP]]
+    assert fast.explanation == full.explanation and fast.timed < full.timed
+    for axis in ("tp", "pp"):
+        assert _best_by(fast.candidates, axis) == _best_by(full.candidates, axis)
