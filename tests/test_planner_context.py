@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from autopar.planner import plan, search
+from autopar.planner import plan, runnable
 from autopar.planner.cluster import Cluster
 from autopar.planner.comm_time import p2p
 from autopar.planner.config import Config
@@ -122,14 +122,14 @@ def test_ring_exposure_is_what_the_blocks_do_not_hide(profile):
 def test_runnable_is_what_the_cp_runtime_accepts(monkeypatch, profile):
     """``Mesh(dp=, cp=, pp=, tp=)`` runs with ZeRO 1-3, bf16/mixed precision and recomputation
     (``program.check_context_parallel``). Without a runtime cp axis nothing with cp is runnable."""
-    monkeypatch.setattr(search, "MESH_AXES", ("dp", "cp", "pp", "tp"))
+    monkeypatch.setattr(runnable, "MESH_AXES", ("dp", "cp", "pp", "tp"))
     composed = [Config(dp=2, cp=2, microbatches=2), Config(dp=1, cp=2, tp=2), Config(dp=1, cp=2, pp=2),
                 Config(dp=2, cp=2, zero=3), Config(dp=2, cp=2, recompute="selective")]
     for cfg in composed:
         for prec in ("fp32", "mixed"):
-            assert search.context_parallel_refused(cfg, PRECISIONS[prec], profile) == "", (cfg, prec)
-    monkeypatch.setattr(search, "MESH_AXES", ("dp", "pp", "tp"))
-    assert "cp mesh axis" in search.context_parallel_refused(Config(dp=2, cp=2), PRECISIONS["fp32"], profile)
+            assert runnable.context_parallel_refused(cfg, PRECISIONS[prec], profile) == "", (cfg, prec)
+    monkeypatch.setattr(runnable, "MESH_AXES", ("dp", "pp", "tp"))
+    assert "cp mesh axis" in runnable.context_parallel_refused(Config(dp=2, cp=2), PRECISIONS["fp32"], profile)
 
 
 def test_runnable_only_never_picks_what_the_runtime_refuses(profile):

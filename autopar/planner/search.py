@@ -23,17 +23,17 @@ from typing import Any, Iterator
 import sympy
 import torch
 
-from autopar.core.mesh import AXES as MESH_AXES, Mesh
+from autopar.core.mesh import Mesh
 from autopar.options import Parallelism
 from autopar.planner.bound import rank_key, timed_candidates
 from autopar.planner.cluster import Cluster, gb
 from autopar.core.dualpipe import min_microbatches
 from autopar.planner.config import MIXED_WITH, SCHEDULE_NAMES
 from autopar.planner.context_cost import LONG_SEQUENCE, context_sizes
-from autopar.planner.cost_model import (OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision,
-                                        precision_of)
+from autopar.planner.cost_model import OPTIMIZER_STATES, PRECISIONS, Config, CostModel, Estimate, Precision
 from autopar.planner.model_profile import ModelProfile, profile_model
 from autopar.planner.report import explain, render_plan, render_table
+from autopar.planner.runnable import not_runnable
 
 
 @dataclass
@@ -446,51 +446,9 @@ def sequence_parallel(cost: CostModel, candidates: list[Candidate], cluster: Clu
                                profile)) is not None]
 
 
-def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why autopar's runtime cannot run ``config`` today ("" when it can)."""
-    if config.ep > 1 and (why := expert_parallel_refused(config, prec, profile)):
-        return why
-    if config.cp > 1 and (why := context_parallel_refused(config, prec, profile)):
-        return why
-    if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
-        return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
-    if prec != precision_of(profile.dtype):
-        return (f"autopar runs the model in its own dtype ({profile.dtype}) or, for a float32 model, in bf16 with "
-                f"float32 masters (precision='bf16' or 'mixed'), not {prec.name} precision")
-    return ""
-
-
 # ---------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------
-
-def expert_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why ``config``'s expert parallelism is not offered ("" when it is): the runtime runs it with dp, pp, tp,
-    ZeRO 1-3, hybrid sharding, bf16/mixed precision and recomputation, on experts written as a loop or as Hugging
-    Face's grouped matmul (``passes/expert_parallel.check_composes``); the search does not weigh it with hybrid
-    sharding."""
-    if config.dp_shard:
-        return (f"the planner does not model expert parallelism (ep={config.ep}) with hybrid sharding; the runtime "
-                f"runs it when given the mesh, Mesh(dp=({config.replicas}, {config.dp_shard}), ep={config.ep})")
-    return ""
-
-
-def context_parallel_refused(config: Config, prec: Precision, profile: ModelProfile) -> str:
-    """Why the runtime refuses ``config``'s context parallelism ("" when it runs it): ``Mesh(dp=, cp=, pp=, tp=)``
-    composes with ZeRO 1-3, bf16/mixed precision and recomputation (``program.check_context_parallel``; hybrid
-    sharding and ep under cp are not configurations), and needs a runtime with the ``cp`` axis; it rewrites
-    ``scaled_dot_product_attention`` only (an eager matmul-softmax-matmul attention is refused); usp runs
-    attentions without a mask tensor only."""
-    if "cp" not in MESH_AXES:
-        return f"context parallelism (cp={config.cp}) needs a runtime with the cp mesh axis; this one has none"
-    if profile.eager_attention:
-        return (f"context parallelism (cp={config.cp}) rewrites scaled_dot_product_attention only, and this model "
-                f"computes attention eagerly ({profile.eager_attention}); load it with attn_implementation='sdpa'")
-    if config.cp_attention == "usp" and profile.masked_attention:
-        return ("cp_attention='usp' runs attentions without a mask tensor only, and this model's attention takes "
-                "one; the ring and the all-to-all run it")
-    return ""
-
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n < 10_000 else \
