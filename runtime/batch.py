@@ -78,6 +78,7 @@ def cp_shard(tree: Any, cp: int, index: int) -> Any:
             f"cp={cp} ranks two of {2 * cp} equal chunks (a head and a tail, to balance causal attention); pad "
             f"the sequences to a multiple of {2 * cp} (e.g. {-(-length // (2 * cp)) * 2 * cp}, labels padded "
             f"with ignore_index) or choose a cp for which 2 x cp divides {length}")
+    _check_sequence_in_dim_one(tree, length, cp)
     pos = positions(length // cp, cp, index)
 
     def cut(x: Any) -> Any:
@@ -85,6 +86,20 @@ def cp_shard(tree: Any, cp: int, index: int) -> Any:
             return x.index_select(1, pos.to(x.device))
         return x
     return pytree.tree_map(cut, tree)
+
+
+def _check_sequence_in_dim_one(tree: Any, length: int, cp: int) -> None:
+    """Refuses an input that holds the sequence in a later dim but not in dim 1, e.g. a (batch, 1, sequence,
+    sequence) attention mask: cp cuts dim 1 only, so it would reach one rank's chunks whole."""
+    paths, _ = pytree.tree_flatten_with_path(tree)
+    for path, x in paths:
+        if isinstance(x, torch.Tensor) and x.dim() > 2 and x.shape[1] != length and length in x.shape[2:]:
+            raise UnsupportedError(
+                f"the input at {pytree.keystr(path)} of shape {tuple(x.shape)} holds the sequence length {length} in dim "
+                f"{list(x.shape).index(length, 2)} but not in dim 1: context parallelism (cp={cp}) cuts every "
+                f"input's sequence along dim 1 only, so this input would reach each rank's chunks whole; pass the "
+                f"padding as a (batch, sequence) mask and let the model build its (query, key) mask, or put the "
+                f"sequence in dim 1")
 
 
 def shift_left(flat: list[Any], shifted: dict[int, float]) -> list[Any]:

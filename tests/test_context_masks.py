@@ -152,6 +152,14 @@ def test_mask_from_an_op_without_a_rule_is_refused() -> None:
         _compile(MaskedAttention(_one_future_token), Mesh(cp=2), IDS, TARGET)
 
 
+def test_a_query_by_key_mask_passed_in_is_refused_with_the_fix() -> None:
+    """cp cuts inputs along dim 1: a (batch, 1, sequence, sequence) mask would reach a rank's chunks whole."""
+    mask = torch.ones(IDS.shape[0], 1, IDS.shape[1], IDS.shape[1], dtype=torch.bool).tril()
+    with pytest.raises(UnsupportedError, match=r"\['attention_mask'\] of shape \(\d+, 1, 8, 8\) holds the sequence "
+                       r"length 8 in dim 2 but not in dim 1.*\(batch, sequence\) mask"):
+        _compile(models.llama(), Mesh(cp=2), IDS, TARGET, attention_mask=mask)
+
+
 def _compile(model: torch.nn.Module, mesh: Mesh, ids: torch.Tensor, target: torch.Tensor, **kwargs: object) -> None:
     pm = autopar.parallelize(model, mesh, loss_fn=models.lm_loss, optimizer=models.adamw)
     pm.compile((ids,), kwargs, target)
