@@ -15,7 +15,11 @@ Backward reaches the layers in the reverse of the order the forward finished
 with them. A layer's backward begins at its first handle: the layer is
 re-gathered (from its prefetch when one is in flight) after the gathers of the
 ``prefetch`` layers backward reaches next have been started, so that layer L
-arrives while layer L+1 computes, as FSDP2's pre-backward prefetch does. The
+arrives while layer L+1 computes, as FSDP2's pre-backward prefetch does. A
+recomputed layer (``core/recompute_modes.py``) saves no gathered parameter: its
+backward begins when backward recomputes its region, which gathers it again;
+the region was registered in forward (``on_sharded_region``), so the layers
+before it prefetch it and its recomputation prefetches the next ones alike. The
 copy is freed once the autograd node that used its last handle has run, or once
 the gradients of the layer's parameters are complete (before they are
 concatenated and reduce-scattered), whichever comes first. Then a pre-hook on
@@ -35,16 +39,19 @@ parameters; only where the parameter bytes live changes.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
 from autopar.core.collectives import bound
+from autopar.core.recompute_modes import on_sharded_region
 from autopar.runtime import regather
 from autopar.runtime.zero_group import FlatShard
 from autopar.runtime.zero_trace import Span, ZeroEvent
@@ -96,6 +103,7 @@ class _ForwardRun:
         self.outstanding: Counter[FlatShard] = Counter()  # handles saved and not yet used
         self.regathered: dict[FlatShard, torch.Tensor] = {}
         self.computing: dict[FlatShard, Span] = {}  # layers whose backward has begun and not yet completed
+        self.recomputed: set[FlatShard] = set()  # layers a recomputation gathers again, its backward not begun
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def track(self, group: FlatShard, full: torch.Tensor) -> None:
@@ -182,8 +190,45 @@ class _ForwardRun:
         if group not in self.finished:
             return []
         before = self.finished[: self.finished.index(group)]
-        waiting = [g for g in reversed(before) if self.outstanding[g] > 0 and g not in self.regathered]
+        waiting = [g for g in reversed(before)
+                   if (self.outstanding[g] > 0 or g in self.recomputed) and g not in self.regathered]
         return waiting[: self.prefetch]
+
+    @contextlib.contextmanager
+    def recomputation(self, groups: tuple[FlatShard, ...]) -> Iterator[None]:
+        """Backward recomputes a region that gathers ``groups`` (a recomputed layer's backward begins): their
+        gathers (from a prefetch when one is in flight), then those of the ``prefetch`` layers backward reaches
+        next, are started before the region runs; its gradient completes the layer's backward span."""
+        self.recomputed.difference_update(groups)
+        for group in groups:
+            group.prefetch(self.gather_dtype.get(group), ZeroEvent.REGATHER)
+        last = min((g for g in groups if g in self.finished), key=self.finished.index, default=None)
+        for ahead in self.next_in_backward(last) if last is not None else ():
+            ahead.prefetch(self.gather_dtype.get(ahead), ZeroEvent.REGATHER)
+        for group in groups:
+            if group.trace is not None and group not in self.computing:
+                self.computing[group] = group.trace.open(ZeroEvent.BACKWARD, group.spec.name)
+        outer, _ACTIVE.recomputing = getattr(_ACTIVE, "recomputing", None), self
+        try:
+            yield
+        finally:
+            _ACTIVE.recomputing = outer
+
+
+def _sharded_region(shards: tuple[torch.Tensor, ...]) -> Any:
+    """``on_sharded_region``'s hook: in forward, a recomputed region gathers ``shards``' layers; they are
+    re-gathered when backward recomputes it (``_ForwardRun.recomputation``)."""
+    run, binding = _current(), bound()
+    if run is None or binding is None:
+        return None
+    groups = tuple(g for s in shards if isinstance(g := binding.shards.get(id(s)), FlatShard))
+    if not groups:
+        return None
+    run.recomputed.update(groups)
+    return functools.partial(run.recomputation, groups)
+
+
+on_sharded_region(_sharded_region)
 
 
 def _stack() -> list[_ForwardRun]:
@@ -231,7 +276,7 @@ def zero_all_gather(shard: torch.Tensor, axis: str, ranks: list[int],
 
 def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.group = owner(*inputs[:3])
-    ctx.run = _current()
+    ctx.run = _current() or getattr(_ACTIVE, "recomputing", None)  # (a recomputation's gather: its run's)
     ctx.set_materialize_grads(False)  # the body never reads the gradient: _ReduceFirst has taken it
     ctx.register_prehook(_ReduceFirst(ctx.run, ctx.group, output))
 

@@ -3,7 +3,7 @@
 For layers L below L+1 (backward reaches L+1 first): layer L's re-gather is issued while L+1's backward
 computes (``zero_prefetch`` layers ahead), and L's backward starts before L+1's gradient reduce-scatter is
 waited for (that wait comes when L's own gradient is reduced, or at the end of the step): one reduction is in
-flight at a time.
+flight at a time. The same holds for recomputed layers, whose backward begins with their recomputation.
 """
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ LAYERS = 4
 IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1))
 
 
-def _events(prefetch: int, microbatches: int) -> tuple[list, list]:
+def _events(prefetch: int, microbatches: int, recompute: str = "none") -> tuple[list, list]:
     """The last step's ``pm.timeline(layers=True)`` and ``pm.timeline()``."""
     torch.manual_seed(0)
     pm = parallelize(models.gpt2(layers=LAYERS, d=32), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
-                     zero=3, zero_prefetch=prefetch, microbatches=microbatches)
+                     zero=3, zero_prefetch=prefetch, microbatches=microbatches, recompute=recompute)
     for _ in range(2):
         pm.step(IDS, target=IDS)
+    if recompute != "none":  # every block, the last one too, is recomputed
+        assert {la for la, mode in pm.plan.recompute.modes if mode == recompute} == \
+            {f"transformer.h.{i}" for i in range(LAYERS)}, pm.plan.recompute.modes
     return pm.timeline(layers=True), pm.timeline()
 
 
@@ -62,7 +65,8 @@ def _check(events: list[tuple[str, float, float]], prefetch: int, microbatch: in
 
 
 def _runs() -> dict:
-    return {(p, m): _events(p, m) for p, m in ((0, 1), (1, 1), (2, 1), (1, 2))}
+    runs = {(p, m): _events(p, m) for p, m in ((0, 1), (1, 1), (2, 1), (1, 2))}
+    return runs | {(p, "full"): _events(p, 1, "full") for p in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,14 @@ def runs(launcher) -> list[dict]:
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_backward_gathers_ahead_and_does_not_wait_for_the_previous_reduction(runs, prefetch: int) -> None:
     for events, _ in (r[prefetch, 1] for r in runs):
+        _check(events, prefetch, 0)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_recomputed_layers_are_gathered_ahead_too(runs, prefetch: int) -> None:
+    """Under full recomputation each block's backward begins with its recomputation, which gathers it again:
+    that gather is prefetched while the block above computes, as without recomputation."""
+    for events, _ in (r[prefetch, "full"] for r in runs):
         _check(events, prefetch, 0)
 
 

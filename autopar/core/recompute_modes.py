@@ -24,16 +24,20 @@ backward, K/V exchanges included, as Megatron-LM's full recomputation does.
 An operator that draws random numbers is never kept (a fused attention with
 dropout is recomputed), so the recomputation draws the same numbers in the same
 order. ZeRO-3's parameter all-gather is recomputed: backward gathers the layer
-again, as ZeRO-3 does without recomputation. The recomputation runs on the
+again, as ZeRO-3 does without recomputation; the ZeRO-3 runtime is told of each
+region with shards in forward and wraps its recomputation in backward
+(``on_sharded_region``), so that it prefetches the layer and the next ones in
+backward's order, as for a layer that is not recomputed. The recomputation runs on the
 binding the forward ran under (``core/collectives.py``), on whichever thread
 backward runs.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.fx as fx
@@ -179,6 +183,17 @@ def keep_contexts(mode: str) -> tuple[_Keep, _Reuse]:
     return _Keep(mode, kept), _Reuse(mode, kept)
 
 
+# -- ZeRO-3's view of the regions ---------------------------------------------------------------------
+ShardedRegion = Callable[[tuple[torch.Tensor, ...]], Callable[[], ContextManager] | None]
+_SHARDED_REGION: list[ShardedRegion] = []  # at most one: the ZeRO-3 runtime's (``runtime/zero_kernels.py``)
+
+
+def on_sharded_region(hook: ShardedRegion) -> None:
+    """Sets what a region that gathers ZeRO-3 shards calls in forward: ``hook(shards)`` returns None, or a
+    function whose context manager backward enters around the region's recomputation."""
+    _SHARDED_REGION[:] = [hook]
+
+
 # -- the region wrapper --------------------------------------------------------------------------------
 class _Ref:
     """A tensor handed to the checkpoint by reference: its saved inputs keep the object itself, so attributes
@@ -212,16 +227,22 @@ class Recompute(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is kept for a backward that will not run
             return self.region(*args)
+        recomputing = None
         if self.by_reference:
+            if _SHARDED_REGION:
+                recomputing = _SHARDED_REGION[0](tuple(args[i] for i in sorted(self.by_reference)))
             args = tuple(_Ref(a) if i in self.by_reference else a for i, a in enumerate(args))
         kwargs = {}
         if self.policy:
             kwargs["context_fn"] = functools.partial(keep_contexts, self.mode)
-        run = functools.partial(self._run, bound())  # the recomputation runs on the forward's binding
+        # the recomputation runs on the forward's binding, inside what ZeRO-3 asked for (not the first run: forward)
+        run = functools.partial(self._run, bound(), recomputing, [False])
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
-    def _run(self, binding: Binding | None, *args: Any) -> Any:
-        with bind(binding):
+    def _run(self, binding: Binding | None, recomputing: Callable[[], ContextManager] | None, ran: list[bool],
+             *args: Any) -> Any:
+        again, ran[0] = ran[0], True
+        with bind(binding), (recomputing() if again and recomputing is not None else contextlib.nullcontext()):
             return self.region(*(a.value if isinstance(a, _Ref) else a for a in args))
 
     def extra_repr(self) -> str:
