@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid sharding: R replicas of ranks/R shards (autopar Mesh(dp=(R, S)), FSDP2's 2-D mesh)")
     p.add_argument("--prefetch", type=int, default=1,
                    help="zero_prefetch: layers autopar gathers ahead; FSDP2's explicit prefetch depth too")
+    p.add_argument("--recompute", default="none", choices=["none", "full"],
+                   help="full: every block recomputed in backward (autopar recompute='full'; FSDP2 with torch's "
+                   "composable checkpoint on each block before fully_shard, as torchtitan applies it)")
     p.add_argument("--fsdp2-async", action="store_true",
                    help="also time FSDP2 with asynchronous all-gathers (unshard_async_op), as 'fsdp2-async'")
 
@@ -93,6 +96,11 @@ class FSDP2Step:
             init_device_mesh("cpu", (args.replicas, args.ranks // args.replicas), mesh_dim_names=("replicate", "shard"))
         extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
         blocks = list(self.model.transformer.h)
+        if getattr(args, "recompute", "none") == "full":
+            from torch.distributed._composable import checkpoint
+
+            for block in blocks:
+                checkpoint(block)
         for block in blocks:
             fully_shard(block, mesh=mesh, **extra)
         fully_shard(self.model, mesh=mesh, **extra)

@@ -6,6 +6,7 @@ Prints the median step time of each and the ratio autopar / FSDP2, and the peak 
 their ratio (targets <= 1.0 on both); how they are measured is in ``fsdp2_compare.py``. The losses of both
 are printed side by side.
 Run: python benchmarks/zero3_vs_fsdp2.py [--steps 20] [--layers 4] [--width 256] [--ranks 2] [--replicas 1]
+     [--recompute full]
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from fsdp2_compare import AutoparStep, batch, compare, dp_mesh, fsdp2_steps, los
 def _rank(args: argparse.Namespace) -> dict:
     ids = batch(args)
     pm = autopar.parallelize(make_model(args), dp_mesh(args), loss_fn=loss_fn, optimizer=optimizer,
-                             zero=3, zero_prefetch=args.prefetch)
+                             zero=3, zero_prefetch=args.prefetch, recompute=args.recompute)
     out = compare({"autopar": AutoparStep(pm, ids), **fsdp2_steps(args, ids)}, args)
     return {**out, "account": pm.memory()}
 
 
 if __name__ == "__main__":
-    main(_rank, __doc__, "autopar zero=3 (prefetch {prefetch}) vs FSDP2 per block")
+    main(_rank, __doc__, "autopar zero=3 (prefetch {prefetch}, recompute {recompute}) vs FSDP2 per block")
