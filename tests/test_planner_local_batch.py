@@ -10,6 +10,7 @@ import torch
 
 import models
 from autopar.cli import main
+from autopar import parallelize
 from autopar.planner import auto_choice, plan
 
 
@@ -50,3 +51,24 @@ def test_the_cli_plans_a_local_batch(capsys) -> None:
     assert all(c["tokens_per_s"] > 0 for c in out["candidates"])
     with pytest.raises(SystemExit):
         main(["plan", "autopar.planner:gpt(2, 64, 4)", "--devices", "4", "--global-batch", "8", "--local-batch", "2"])
+
+
+def _auto_local_step() -> tuple[str, float]:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[dist.get_rank():][:1]  # one sample per rank: as a global batch it would allow no dp
+    pm = parallelize(models.llama(layers=2, d=32), "auto", loss_fn=models.lm_loss, optimizer=models.sgd,
+                     batch="local", example_inputs=(mine,), example_target=mine)
+    return repr(pm.mesh), float(pm.step(mine, target=mine))
+
+
+def test_parallelize_auto_with_local_batches_trains_the_concatenated_batch(launcher) -> None:
+    """On 2 ranks each passing one sample, "auto" plans dp=2 and the first loss is one device's on both."""
+    results = launcher(_auto_local_step, 2)
+    assert {mesh for mesh, _ in results} == {"Mesh(dp=2)"}, results
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = float(models.lm_loss(models.llama(layers=2, d=32)(ids), ids))
+    assert all(loss == pytest.approx(expected, rel=1e-12) for _, loss in results), (results, expected)
