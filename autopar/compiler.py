@@ -18,7 +18,7 @@ from torch.distributed.tensor import Placement, Shard
 
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
-from autopar.core.errors import UnsupportedError
+from autopar.core.errors import CaptureError, UnsupportedError
 from autopar.core.graph import SlotKind, StageGraph
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
@@ -41,7 +41,7 @@ from autopar.program import (
     split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
-from autopar.runtime.batch import cp_shard, sequence_length
+from autopar.runtime.batch import cp_shard, later_sequence_dims, sequence_length
 from autopar.zero_compile import apply_zero
 
 CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
@@ -95,10 +95,29 @@ def _capture(c: Compilation) -> None:
     check_supported(c.mesh, c.options)
     check_model(c.model, c.options.policy)
     hits = EXPORTS.hits
-    c.captured = _export(c, c.local)
+    try:
+        c.captured = _export(c, c.local)
+    except CaptureError as e:
+        raise _cp_capture_error(c, e) from e
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
     c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+
+
+def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:
+    """``error``, and under cp the inputs that keep the whole sequence in a later dim (a likely cause)."""
+    length = sequence_length(c.whole) if c.whole is not None else None
+    held = later_sequence_dims(c.whole, length) if length is not None else []
+    if not held:
+        return error
+    local = sequence_length(c.local)
+    inputs = ", ".join(f"the input at {where} of shape {shape}" for where, shape in held)
+    return CaptureError(f"torch.export could not capture {type(c.model).__name__} on one cp rank's chunks",
+                        cause=error.cause or error,
+                        hint=f"under cp={c.mesh.cp} each rank is captured on its {local} of the {length} tokens of "
+                             f"every sequence (dim 1 of each input cut), but {inputs} also holds the sequence in a "
+                             f"later dim, which stays whole; pass a (batch, sequence) padding mask and let the model "
+                             f"build its (query, key) mask")
 
 
 def _export(c: Compilation, example: tuple[tuple, dict, Any]) -> Captured:

@@ -88,6 +88,14 @@ def cp_shard(tree: Any, cp: int, index: int) -> Any:
     return pytree.tree_map(cut, tree)
 
 
+def later_sequence_dims(tree: Any, length: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(where, shape) of each input of ``tree`` that holds the sequence length in a dim after dim 1 (cp leaves
+    those dims whole)."""
+    paths, _ = pytree.tree_flatten_with_path(tree)
+    return [(pytree.keystr(path), tuple(x.shape)) for path, x in paths
+            if isinstance(x, torch.Tensor) and x.dim() > 2 and length in x.shape[2:]]
+
+
 def _check_sequence_in_dim_one(tree: Any, length: int, cp: int) -> None:
     """Refuses an input that holds the sequence in a later dim but not in dim 1, e.g. a (batch, 1, sequence,
     sequence) attention mask: cp cuts dim 1 only, so it would reach one rank's chunks whole."""

@@ -15,7 +15,7 @@ import torch
 import autopar
 import models
 from autopar import Mesh
-from autopar.core.errors import UnsupportedError
+from autopar.core.errors import CaptureError, UnsupportedError
 from autopar.testing import assert_equivalent
 from harness.mixed import assert_mixed
 
@@ -157,6 +157,15 @@ def test_a_query_by_key_mask_passed_in_is_refused_with_the_fix() -> None:
     mask = torch.ones(IDS.shape[0], 1, IDS.shape[1], IDS.shape[1], dtype=torch.bool).tril()
     with pytest.raises(UnsupportedError, match=r"\['attention_mask'\] of shape \(\d+, 1, 8, 8\) holds the sequence "
                        r"length 8 in dim 2 but not in dim 1.*\(batch, sequence\) mask"):
+        _compile(models.llama(), Mesh(cp=2), IDS, TARGET, attention_mask=mask)
+
+
+def test_a_capture_that_fails_on_a_mask_kept_whole_names_it() -> None:
+    """A (batch, sequence, sequence) mask: dim 1 is cut, dim 2 stays whole, and the capture on one rank's chunks
+    fails; the error names the input and says what to pass instead."""
+    mask = torch.ones(IDS.shape[0], IDS.shape[1], IDS.shape[1], dtype=torch.bool).tril()
+    with pytest.raises(CaptureError, match=r"on one cp rank's chunks(.|\n)*hint: under cp=2 each rank is captured on "
+                       r"its 4 of the 8 tokens.*\['attention_mask'\] of shape \(2, 8, 8\)"):
         _compile(models.llama(), Mesh(cp=2), IDS, TARGET, attention_mask=mask)
 
 
