@@ -16,6 +16,8 @@ every input, because the folded mask never depended on one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
@@ -61,8 +63,12 @@ def _classify(mask: fx.Node) -> str:
         return "other"
     if val.shape[-1] != val.shape[-2] or val.device.type == "meta":
         return "other"
-    value = _evaluate(mask)
-    if value is None:
+    return mask_kind(evaluate_constant(mask))
+
+
+def mask_kind(value: torch.Tensor | None) -> str:
+    """"causal", "all" or "other" for a mask's value (None: not known, "other")."""
+    if value is None or value.dtype != torch.bool or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
         return "other"
     if bool(value.all()):
         return "all"
@@ -71,13 +77,24 @@ def _classify(mask: fx.Node) -> str:
     return "causal" if bool((value == causal).all()) else "other"
 
 
-def _evaluate(target: fx.Node) -> torch.Tensor | None:
-    """The value of ``target`` when it depends on no placeholder (None otherwise), by running its ancestors."""
+def evaluate_constant(target: fx.Node, sizes: Callable[[fx.Node], int | None] | None = None,
+                      device: torch.device | None = None) -> torch.Tensor | None:
+    """The value of ``target`` when it depends on no placeholder (None otherwise), by running its ancestors.
+
+    ``sizes``: the value of a node that is a symbolic size (an int: its example's), so that a graph exported with
+    symbolic shapes is evaluated at its example's; ``device``: where tensors are made (a meta graph's on the
+    CPU)."""
     order: list[fx.Node] = []
     seen: set[fx.Node] = set()
+    fixed: dict[fx.Node, int] = {}
 
     def visit(node: fx.Node) -> bool:
         if node in seen:
+            return True
+        size = sizes(node) if sizes is not None else None
+        if size is not None:
+            fixed[node] = size
+            seen.add(node)
             return True
         if node.op != "call_function" or _impure(node):
             return False
@@ -89,11 +106,18 @@ def _evaluate(target: fx.Node) -> torch.Tensor | None:
 
     if not visit(target):
         return None
-    env: dict[fx.Node, object] = {}
+    env: dict[fx.Node, object] = dict(fixed)
     for node in order:
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        env[node] = node.target(*args, **kwargs)
+        if device is not None and "device" in kwargs:
+            kwargs = {**kwargs, "device": device}
+        try:
+            env[node] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op that cannot run here (a meta or fake tensor): not known
+            return None
+        if isinstance(env[node], torch.Tensor) and env[node].device.type == "meta":
+            return None
     out = env[target]
     return out if isinstance(out, torch.Tensor) else None
 

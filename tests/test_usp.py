@@ -188,3 +188,19 @@ def test_the_planner_offers_usp_only_where_the_runtime_runs_it() -> None:
                              loss_fn=models.lm_loss, optimizer=models.adamw)
     with pytest.raises(UnsupportedError, match="mask"):
         pm.compile((IDS,), {}, TARGET)
+
+
+def test_a_causal_mask_built_from_shapes_alone_leaves_usp_runnable(launcher) -> None:
+    """GPT-2's symbolic capture builds its causal mask from the sequence length alone, which the runtime's
+    capture folds into ``is_causal``: the planner offers usp (evaluating that mask at the export's example
+    sizes), and the usp candidate it offers trains as one device."""
+    from autopar.planner import plan
+
+    result = plan(models.gpt2(heads=4, dtype=torch.float32), 4, cluster="cpu", global_batch=2, seq_len=16,
+                  precision="fp32", optimizer="adam", tp=(1,), pp=(1,), zero=(0,), recompute=("none",), cp=(4,),
+                  top=None, example_inputs=(IDS,))
+    assert not result.profile.masked_attention
+    usp = [c for c in result.every.values() if c.config.cp_attention == "usp"]
+    assert usp and all(c.runnable for c in usp), [c.not_runnable for c in usp]
+    assert_equivalent(models.factory(models.gpt2, heads=4), usp[0].mesh, (IDS,), TARGET, models.lm_loss,
+                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, cp_attention="usp")

@@ -62,6 +62,7 @@ from autopar.planner.profile_formulas import (b_sym, entering_elements, export_s
                                               ring_elements,
                                               numel_of, output_elements, s_sym, saved_elements, to_sympy,
                                               weight_width)
+from autopar.passes.constant_masks import evaluate_constant, mask_kind
 from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import BATCHED_MATMULS, SOFTMAXES
 from autopar.passes.saved import saved_tensors
@@ -227,10 +228,26 @@ def attention_heads(gm: torch.fx.GraphModule) -> int:
 
 
 def masked_attention(gm: torch.fx.GraphModule) -> bool:
-    """Whether a ``scaled_dot_product_attention`` of ``gm`` takes a mask tensor (its fourth argument or
-    ``attn_mask``)."""
-    return any(isinstance(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"), torch.fx.Node)
-               for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+    """Whether a ``scaled_dot_product_attention`` of ``gm`` takes a mask tensor the runtime keeps: one that reads
+    the inputs' values, or that is neither causal nor all-visible at the example's sizes. A mask built from
+    shapes alone that is causal or all-visible the runtime's capture folds away (``is_causal``,
+    ``passes/constant_masks.py``); here it is evaluated at the sizes the symbolic export was made with."""
+    for n in gm.graph.nodes:
+        if n.target is not torch.ops.aten.scaled_dot_product_attention.default:
+            continue
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        if isinstance(mask, torch.fx.Node) and \
+                mask_kind(evaluate_constant(mask, _example_size, torch.device("cpu"))) == "other":
+            return True
+    return False
+
+
+def _example_size(node: fx.Node) -> int | None:
+    """A symbolic size's value at the export's example (None: not a size)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt):
+        return val.node.hint
+    return val if isinstance(val, int) and not isinstance(val, bool) and node.op != "placeholder" else None
 
 
 def eager_attention(gm: torch.fx.GraphModule) -> str:
