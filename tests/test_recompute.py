@@ -120,31 +120,33 @@ def test_tensor_parallel_collectives_are_not_repeated_in_backward(launcher) -> N
     assert not got["none"][1] and got["selective"][1]["rsqrt"] and got["full"][1]["rsqrt"], got
 
 
-def _gathers(mode: str) -> int:
+def _gathers(mode: str, prefetch: int) -> int:
     from autopar.runtime.zero_group import FlatShard
 
     counted = [0]
-    gather = FlatShard.gather
+    start = FlatShard._start_gather
 
     def counting(self: FlatShard, *args: object, **kwargs: object) -> object:
         counted[0] += 1
-        return gather(self, *args, **kwargs)
+        return start(self, *args, **kwargs)
 
-    FlatShard.gather = counting
+    FlatShard._start_gather = counting  # every all-gather started, prefetched or not
     try:
         pm = parallelize(models.gpt2(), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.adamw, zero=3,
-                         zero_prefetch=0, recompute=mode)
+                         zero_prefetch=prefetch, recompute=mode)
         with StepProbe() as probe:
             pm.step(IDS, target=TARGET)
     finally:
-        FlatShard.gather = gather
+        FlatShard._start_gather = start
     return counted[0], probe.recomputed["native_layer_norm"]
 
 
-def test_zero3_gathers_each_layer_again_in_backward_once(launcher) -> None:
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_zero3_gathers_each_layer_again_in_backward_once(launcher, prefetch: int) -> None:
     """A recomputed layer's all-gather runs again in backward, where ZeRO-3 would re-gather it anyway: the same
-    gathers with each mode, while the layers did run again in backward."""
-    got = {mode: launcher(_gathers, 2, mode)[0] for mode in ("none", "full", "selective")}
+    gathers with each mode (prefetched ones included: none is wasted), while the layers did run again in
+    backward."""
+    got = {mode: launcher(_gathers, 2, mode, prefetch)[0] for mode in ("none", "full", "selective")}
     assert got["none"][0] == got["full"][0] == got["selective"][0], got
     assert got["none"][1] == 0 < got["full"][1] and got["selective"][1] > 0, got
 
