@@ -4,7 +4,7 @@
   the order the runtime's own timeline (``pm.timeline(layers=True)``) shows them on 2 gloo ranks, for
   ``zero_prefetch`` 0, 1 and 2 and two microbatches: the same order means the same collectives hidden behind
   compute and the same waits (with prefetch 0 every re-gather is issued when its layer's backward begins, so
-  backward waits for it; with prefetch 1 it is issued a layer ahead).
+  backward waits for it; with prefetch 1 it is issued a layer ahead); with every block recomputed too.
 - Simulating two and three microbatches and repeating the difference gives the whole program's simulation.
 - Nothing overlaps for free: a step is never shorter than its dp link is busy, and with ``contention`` 1 the
   overlapped step is as long as the serial one. The removed ``overlap`` figure is an error saying why.
@@ -25,19 +25,20 @@ from autopar.planner.step_sim import Kind, simulate
 
 LAYERS = 4
 IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1))
-RUNS = ((0, 1), (1, 1), (2, 1), (1, 2))  # (zero_prefetch, microbatches)
+RUNS = ((0, 1, "none"), (1, 1, "none"), (2, 1, "none"), (1, 2, "none"), (1, 1, "full"), (2, 1, "full"))
+# (zero_prefetch, microbatches, recompute)
 SHOWN = ("gather", "regather", "backward", "reduce_scatter")
 
 
 def _timelines() -> dict:
     out = {}
-    for prefetch, microbatches in RUNS:
+    for prefetch, microbatches, recompute in RUNS:
         torch.manual_seed(0)
         pm = parallelize(models.gpt2(layers=LAYERS, d=32), Mesh(dp=2), loss_fn=models.lm_loss, optimizer=models.sgd,
-                         zero=3, zero_prefetch=prefetch, microbatches=microbatches)
+                         zero=3, zero_prefetch=prefetch, microbatches=microbatches, recompute=recompute)
         for _ in range(2):
             pm.step(IDS, target=IDS)
-        out[prefetch, microbatches] = [what for what, _, _ in pm.timeline(layers=True)]
+        out[prefetch, microbatches, recompute] = [what for what, _, _ in pm.timeline(layers=True)]
     return out
 
 
@@ -58,10 +59,11 @@ def _blocks(whats: list[str]) -> list[str]:
     return [w for w in whats if w.split(" ")[0] in SHOWN and w.split(" ")[-1].startswith("transformer.h.")]
 
 
-def _simulated(small, prefetch: int, microbatches: int) -> list[str]:
+def _simulated(small, prefetch: int, microbatches: int, recompute: str = "none") -> list[str]:
     """The simulated program's events in issue order, named as the runtime's timeline names them."""
     profile, cost = small
-    config = Config(dp=2, zero=3, zero_prefetch=prefetch, microbatches=microbatches, microbatch_size=2)
+    config = Config(dp=2, zero=3, zero_prefetch=prefetch, microbatches=microbatches, microbatch_size=2,
+                    recompute=recompute)
     names = {f"unit {i}": name for i, name in enumerate(profile.layer_names()) if name is not None}
     out = []
     for e in cost.step_program(config):
@@ -74,12 +76,13 @@ def _simulated(small, prefetch: int, microbatches: int) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("prefetch, microbatches", RUNS)
-def test_the_simulated_zero3_order_is_the_runtimes(runtime, small, prefetch: int, microbatches: int) -> None:
-    want = _blocks(_simulated(small, prefetch, microbatches))
+@pytest.mark.parametrize("prefetch, microbatches, recompute", RUNS)
+def test_the_simulated_zero3_order_is_the_runtimes(runtime, small, prefetch: int, microbatches: int,
+                                                   recompute: str) -> None:
+    want = _blocks(_simulated(small, prefetch, microbatches, recompute))
     assert len(want) == microbatches * 4 * LAYERS  # each block: gather, regather, backward, reduce-scatter
     for timeline in runtime:
-        assert _blocks(timeline[prefetch, microbatches]) == want
+        assert _blocks(timeline[prefetch, microbatches, recompute]) == want
 
 
 def test_prefetch_decides_which_regathers_backward_waits_for(small) -> None:
