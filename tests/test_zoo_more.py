@@ -1,0 +1,43 @@
+"""More Hugging Face families, float64, exact: Qwen3, Gemma-3, OLMo-2, GPT-NeoX, Falcon, StableLM, Granite, RoBERTa,
+ModernBERT and the MoE models GPT-OSS (attention sinks), OLMoE and Qwen2-MoE (eager experts).
+
+Each run trains the model (tiny config, random weights) with AdamW for two steps and compares loss, output and
+every parameter with one device within 1e-12 relative (``assert_equivalent``) on tp=2, pp=2 (two microbatches,
+1F1B), dp=2 with ZeRO-3, and for the MoE models dp=2 x ep=2. Gemma-3 is run with its norms in the model's dtype
+(``models.gemma3_exact``): Hugging Face's multiply by ``1 + weight.float()``, a float32 sum over the batch, as
+Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under ``-m slow``.
+"""
+from __future__ import annotations
+
+import pytest
+
+import models
+from autopar import Mesh
+from autopar.testing import assert_equivalent
+from harness.exactness import IDS, TARGET
+
+MESHES = {
+    "tp2": (Mesh(tp=2), {}),
+    "pp2": (Mesh(pp=2), {"microbatches": 2, "schedule": "1f1b"}),
+    "zero3": (Mesh(dp=2), {"zero": 3}),
+    "ep2": (Mesh(dp=2, ep=2), {}),
+}
+DENSE = ["qwen3", "gemma3_exact", "olmo2", "gpt_neox", "falcon", "stablelm", "granite", "roberta", "modernbert"]
+MOE = ["gpt_oss", "olmoe", "qwen2_moe"]  # eager experts, no load-balancing loss (a statistic of the whole batch)
+FAST = {("qwen3", "tp2"), ("gemma3_exact", "pp2"), ("olmo2", "tp2"), ("roberta", "zero3"), ("gpt_oss", "ep2"),
+        ("qwen2_moe", "tp2")}
+GRID = [(name, mesh) for name in DENSE for mesh in ("tp2", "pp2", "zero3")] + \
+       [(name, mesh) for name in MOE for mesh in MESHES]
+
+
+def _exact(name: str, mesh_name: str, launcher) -> None:
+    mesh, options = MESHES[mesh_name]
+    assert_equivalent(models.factory(getattr(models, name)), mesh, (IDS,), TARGET, models.lm_loss, models.adamw,
+                      steps=2, rtol=1e-9, atol=1e-10, launcher=launcher, **options)
+
+
+@pytest.mark.parametrize("name, mesh_name", [
+    pytest.param(name, mesh, marks=() if (name, mesh) in FAST else pytest.mark.slow) for name, mesh in GRID])
+def test_family_is_exact(launcher, name: str, mesh_name: str) -> None:
+    _exact(name, mesh_name, launcher)
+
