@@ -28,7 +28,8 @@ mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and
 local length; an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
 Gemma-2's soft-capped one); any other slice or pad along a dim of the local length (a shift inside the
-sequence).
+sequence); a running sum (``cumsum``, ...) along it, or a pick of positions (``select``, ``index``): a chunk's
+running sum restarts, its position 0 is another token (RoBERTa's positions; BERT's pooler).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
@@ -153,6 +154,7 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     graph.eliminate_dead_code()
     _check_no_sequence_square(graph, local)
     _check_no_sequence_shift(graph, kinds, local)
+    _check_no_sequence_reads(graph, kinds, local)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
@@ -374,6 +376,40 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
                                     f"a shift inside the sequence, which crosses the cp ranks' chunks")
         elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
             raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
+
+
+SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+         aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
+PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
+
+
+def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
+    """No live running sum (or product, max, ...) along a sequence dim of the local length, and no pick of
+    positions along one: on the rank's chunks a running sum restarts at each chunk (e.g. RoBERTa's positions,
+    counted from a padding mask by ``cumsum``) and position ``i`` is another token (e.g. a classifier reading
+    each sequence's first token)."""
+    live = _live(graph)
+    for node in graph.nodes:
+        if node not in live or node.target not in SCANS | PICKS or _model_state(node.args[0], kinds):
+            continue
+        shape = tuple(node.args[0].meta["val"].shape)
+        dims = {d for d in sequence_dims(shape) if shape[d] == local}
+        if node.target is aten.index.Tensor:
+            picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
+            if picked:
+                raise refused(node, f"it indexes dim {picked[0]}, of the local sequence length {local}, with a "
+                                    f"tensor: on a cp rank's chunks those positions are other tokens; run without cp")
+            continue
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
+        if dim not in dims:
+            continue
+        if node.target is aten.select.int:
+            raise refused(node, f"it takes position {node.args[2]} along a dim of the local sequence length "
+                                f"{local} (such as a classifier reading each sequence's first token): on a cp "
+                                f"rank's chunks that is another token; run without cp")
+        raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
+                            f"the sequence, such as positions counted from a padding mask), which would restart at "
+                            f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
 
 
 def sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:

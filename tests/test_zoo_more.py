@@ -6,13 +6,20 @@ every parameter with one device within 1e-12 relative (``assert_equivalent``) on
 1F1B), dp=2 with ZeRO-3, and for the MoE models dp=2 x ep=2. Gemma-3 is run with its norms in the model's dtype
 (``models.gemma3_exact``): Hugging Face's multiply by ``1 + weight.float()``, a float32 sum over the batch, as
 Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under ``-m slow``.
+
+Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
+(a ``cumsum`` of the padding mask over the sequence) and a classifier's first token (BERT's pooler).
 """
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+import autopar
 import models
 from autopar import Mesh
+from autopar.core.errors import UnsupportedError
 from autopar.testing import assert_equivalent
 from harness.exactness import IDS, TARGET
 
@@ -41,3 +48,25 @@ def _exact(name: str, mesh_name: str, launcher) -> None:
 def test_family_is_exact(launcher, name: str, mesh_name: str) -> None:
     _exact(name, mesh_name, launcher)
 
+
+def _compile_cp(model: torch.nn.Module, target: torch.Tensor, loss_fn: object = models.lm_loss) -> None:
+    pm = autopar.parallelize(model, Mesh(cp=2), loss_fn=loss_fn, optimizer=models.adamw)
+    pm.compile((IDS,), {}, target)
+
+
+def test_positions_counted_over_the_sequence_are_refused_under_cp() -> None:
+    """RoBERTa counts positions with a cumsum of the padding mask: on a rank's chunks it restarted at each chunk
+    (trained silently wrong before); refused, naming the op and the way around it (pass ``position_ids``)."""
+    with pytest.raises(UnsupportedError, match=r"node cumsum .* accumulates along a dim of the local sequence "
+                                               r"length 4.*position_ids="):
+        _compile_cp(models.roberta(), TARGET)
+
+
+def test_a_classifier_reading_the_first_token_is_refused_under_cp() -> None:
+    """BERT's pooler takes each sequence's token 0: rank 1's local token 0 is another token (trained silently wrong
+    before, its loss twice one device's); refused, naming the op."""
+    def classify(out: object, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits, target)
+    labels = torch.randint(0, 3, (IDS.shape[0],), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(UnsupportedError, match=r"node select .* takes position 0 along a dim of the local sequence"):
+        _compile_cp(models.bert_classifier(), labels, classify)
