@@ -28,8 +28,10 @@ mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and
 local length; an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
 Gemma-2's soft-capped one); any other slice or pad along a dim of the local length (a shift inside the
-sequence); a running sum (``cumsum``, ...) along it, or a pick of positions (``select``, ``index``): a chunk's
-running sum restarts, its position 0 is another token (RoBERTa's positions; BERT's pooler).
+sequence); a running sum (``cumsum``, ...) along it, a reduction over it (``sum``, ``mean``, ``amax``, ...; not
+one over all dims, such as the loss's) or a pick of positions (``select``, ``index``): a chunk's running sum
+restarts, its sum covers the rank's tokens only, its position 0 is another token (RoBERTa's positions; mean
+pooling; BERT's pooler).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
@@ -381,16 +383,20 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
 SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
          aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
 PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
+              aten.min.dim, aten.prod.dim_int, aten.logsumexp.default, aten.argmax.default, aten.argmin.default,
+              aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim}  # (x, dim or dims, ...)
 
 
 def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
-    """No live running sum (or product, max, ...) along a sequence dim of the local length, and no pick of
-    positions along one: on the rank's chunks a running sum restarts at each chunk (e.g. RoBERTa's positions,
-    counted from a padding mask by ``cumsum``) and position ``i`` is another token (e.g. a classifier reading
-    each sequence's first token)."""
+    """No live running sum (or product, max, ...) along a sequence dim of the local length, no reduction over
+    one and no pick of positions along one: on the rank's chunks a running sum restarts at each chunk (e.g.
+    RoBERTa's positions, counted from a padding mask by ``cumsum``), a sum or mean covers the rank's tokens only
+    (e.g. a classifier's mean over the tokens) and position ``i`` is another token (a classifier reading each
+    sequence's first token). A reduction over all dims (the loss's sum and count) is the runtime's to combine."""
     live = _live(graph)
     for node in graph.nodes:
-        if node not in live or node.target not in SCANS | PICKS or _model_state(node.args[0], kinds):
+        if node not in live or node.target not in SCANS | PICKS | REDUCTIONS or _model_state(node.args[0], kinds):
             continue
         shape = tuple(node.args[0].meta["val"].shape)
         dims = {d for d in sequence_dims(shape) if shape[d] == local}
@@ -399,6 +405,15 @@ def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
             if picked:
                 raise refused(node, f"it indexes dim {picked[0]}, of the local sequence length {local}, with a "
                                     f"tensor: on a cp rank's chunks those positions are other tokens; run without cp")
+            continue
+        if node.target in REDUCTIONS:
+            reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])  # [] / None: all dims
+            over = [d % len(shape) for d in reduced if d % len(shape) in dims]
+            if over:
+                raise refused(node, f"it reduces over dim {over[0]}, of the local sequence length {local} (such as "
+                                    f"a mean over each sequence's tokens): on a cp rank it covers the rank's chunks "
+                                    f"only; run without cp")
             continue
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
         if dim not in dims:

@@ -638,3 +638,15 @@ def bert_classifier(layers: int = 2, d: int = 32, heads: int = 4, vocab: int = 9
                      vocab_size=vocab, max_position_embeddings=64, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, pad_token_id=0, num_labels=3)
     return BertForSequenceClassification(cfg).to(dtype).train()
+
+
+def modernbert_classifier(pooling: str = "mean", dtype: torch.dtype = torch.float64, seed: int = 0,
+                          **config: object) -> nn.Module:
+    """ModernBERT with a sequence classification head over the mean of each sequence's tokens (``pooling="mean"``)
+    or its first token (``"cls"``)."""
+    from transformers import ModernBertForSequenceClassification
+
+    base = modernbert(dtype=dtype, seed=seed, classifier_pooling=pooling, num_labels=3, attn_implementation="sdpa",
+                      **config).config
+    torch.manual_seed(seed)
+    return ModernBertForSequenceClassification(base).to(dtype).train()

@@ -8,7 +8,8 @@ every parameter with one device within 1e-12 relative (``assert_equivalent``) on
 Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under ``-m slow``.
 
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
-(a ``cumsum`` of the padding mask over the sequence) and a classifier's first token (BERT's pooler).
+(a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
+each sequence's tokens (ModernBERT's mean pooling); each trained silently wrong before.
 """
 from __future__ import annotations
 
@@ -62,11 +63,22 @@ def test_positions_counted_over_the_sequence_are_refused_under_cp() -> None:
         _compile_cp(models.roberta(), TARGET)
 
 
+LABELS = torch.randint(0, 3, (IDS.shape[0],), generator=torch.Generator().manual_seed(3))
+
+
+def _classify(out: object, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits, target)
+
+
 def test_a_classifier_reading_the_first_token_is_refused_under_cp() -> None:
     """BERT's pooler takes each sequence's token 0: rank 1's local token 0 is another token (trained silently wrong
     before, its loss twice one device's); refused, naming the op."""
-    def classify(out: object, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.logits, target)
-    labels = torch.randint(0, 3, (IDS.shape[0],), generator=torch.Generator().manual_seed(3))
     with pytest.raises(UnsupportedError, match=r"node select .* takes position 0 along a dim of the local sequence"):
-        _compile_cp(models.bert_classifier(), labels, classify)
+        _compile_cp(models.bert_classifier(), LABELS, _classify)
+
+
+def test_a_mean_over_the_tokens_is_refused_under_cp() -> None:
+    """ModernBERT's mean pooling sums each sequence's tokens: on a rank, its chunks' only (trained silently wrong
+    before); refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=r"node sum.* reduces over dim 1, of the local sequence length 4"):
+        _compile_cp(models.modernbert_classifier("mean"), LABELS, _classify)
