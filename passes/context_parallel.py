@@ -154,9 +154,10 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     masks = _attach_masks(graph, whole, kinds, local, rings, wholes)
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
-    _check_no_sequence_square(graph, local)
+    batches = _batch_sizes(kinds, local)
+    _check_no_sequence_square(graph, local, batches)
     _check_no_sequence_shift(graph, kinds, local)
-    _check_no_sequence_reads(graph, kinds, local)
+    _check_no_sequence_reads(graph, kinds, local, batches)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
@@ -285,9 +286,11 @@ def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.
     return tuple(x.meta["val"].numel() * x.meta["val"].element_size() for x in copies.gathered)
 
 
-def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
+def _check_no_sequence_square(graph: fx.Graph, local: int, batches: set[int] | None) -> None:
     """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
-    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only."""
+    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only. (A
+    softmax over as many experts as local tokens, on the tokens flattened, is not over the sequence:
+    ``_batch_first``.)"""
     live = _live(graph)
     for node in graph.nodes:
         if node in live and node.target in FUSED:
@@ -296,7 +299,7 @@ def _check_no_sequence_square(graph: fx.Graph, local: int) -> None:
         val = node.meta.get("val")
         if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
             continue
-        if (node.target in SOFTMAXES and val.shape[-1] == local) or (
+        if (node.target in SOFTMAXES and val.shape[-1] == local and _batch_first(val.shape, batches)) or (
                 node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
             raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
@@ -388,7 +391,8 @@ REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.
               aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim}  # (x, dim or dims, ...)
 
 
-def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
+def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int,
+                             batches: set[int] | None) -> None:
     """No live running sum (or product, max, ...) along a sequence dim of the local length, no reduction over
     one and no pick of positions along one: on the rank's chunks a running sum restarts at each chunk (e.g.
     RoBERTa's positions, counted from a padding mask by ``cumsum``), a sum or mean covers the rank's tokens only
@@ -399,7 +403,7 @@ def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
         if node not in live or node.target not in SCANS | PICKS | REDUCTIONS or _model_state(node.args[0], kinds):
             continue
         shape = tuple(node.args[0].meta["val"].shape)
-        dims = {d for d in sequence_dims(shape) if shape[d] == local}
+        dims = {d for d in sequence_dims(shape) if shape[d] == local} if _batch_first(shape, batches) else set()
         if node.target is aten.index.Tensor:
             picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
             if picked:
@@ -425,6 +429,20 @@ def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
         raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
                             f"the sequence, such as positions counted from a padding mask), which would restart at "
                             f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
+
+
+def _batch_sizes(kinds: dict[fx.Node, SlotKind], local: int) -> set[int] | None:
+    """The sizes dim 0 of a (batch, sequence, ...) value has: the batch of the inputs holding the local sequence at
+    dim 1, or 1 (broadcast); None where no input does (then any leading size counts)."""
+    found = {tuple(n.meta["val"].shape)[0] for n, kind in kinds.items() if kind is SlotKind.INPUT
+             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2
+             and n.meta["val"].shape[1] == local}
+    return found | {1} if found else None
+
+
+def _batch_first(shape: tuple[int, ...] | torch.Size, batches: set[int] | None) -> bool:
+    """Whether ``shape`` may be (batch, sequence, ...): not the tokens flattened, (batch * sequence, ...)."""
+    return batches is None or (len(shape) > 0 and shape[0] in batches)
 
 
 def sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -9,7 +9,8 @@ Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under
 
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
 (a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
-each sequence's tokens (ModernBERT's mean pooling); each trained silently wrong before.
+each sequence's tokens (ModernBERT's mean pooling); each trained silently wrong before. A router's softmax over as
+many experts as a rank's tokens is not taken for an attention.
 """
 from __future__ import annotations
 
@@ -82,3 +83,10 @@ def test_a_mean_over_the_tokens_is_refused_under_cp() -> None:
     before); refused, naming the op."""
     with pytest.raises(UnsupportedError, match=r"node sum.* reduces over dim 1, of the local sequence length 4"):
         _compile_cp(models.modernbert_classifier("mean"), LABELS, _classify)
+
+
+def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -> None:
+    """OLMoE's router softmax over 4 experts, on the tokens flattened (32, 4), where a cp rank holds 4 tokens of
+    each sequence: refused before as an attention over the local sequence; exact."""
+    assert_equivalent(models.factory(models.olmoe, layers=1), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
+                      models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
