@@ -9,7 +9,8 @@ Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under
 
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
 (a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
-each sequence's tokens (ModernBERT's mean pooling); each trained silently wrong before. A router's softmax over as
+each sequence's tokens (ModernBERT's mean pooling), a scan over positions (Mamba's); each trained silently wrong
+before. A router's softmax over as
 many experts as a rank's tokens is not taken for an attention.
 """
 from __future__ import annotations
@@ -83,6 +84,14 @@ def test_a_mean_over_the_tokens_is_refused_under_cp() -> None:
     before); refused, naming the op."""
     with pytest.raises(UnsupportedError, match=r"node sum.* reduces over dim 1, of the local sequence length 4"):
         _compile_cp(models.modernbert_classifier("mean"), LABELS, _classify)
+
+
+def test_a_scan_over_positions_is_refused_under_cp() -> None:
+    """Mamba's scan reads position after position (``select`` along the sequence) on the rank's chunks: trained
+    silently wrong before (the outputs off by order 1); refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=r"node select.* \(in backbone.layers.0.mixer \(MambaMixer\)\): it "
+                                               r"takes position 0 along a dim of the local sequence"):
+        _compile_cp(models.mamba(dtype=torch.float64), TARGET)
 
 
 def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -> None:
