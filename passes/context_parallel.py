@@ -29,9 +29,10 @@ local length; an attention in another form (a softmax over the local length, a b
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
 Gemma-2's soft-capped one); any other slice or pad along a dim of the local length (a shift inside the
 sequence); a running sum (``cumsum``, ...) along it, a reduction over it (``sum``, ``mean``, ``amax``, ...; not
-one over all dims, such as the loss's) or a pick of positions (``select``, ``index``): a chunk's running sum
+one over all dims, such as the loss's), a pick of positions (``select``, ``index``) or an op that moves or
+orders values along it (``roll``, ``gather``, ``sort``, ``topk``, a convolution): a chunk's running sum
 restarts, its sum covers the rank's tokens only, its position 0 is another token (RoBERTa's positions; mean
-pooling; BERT's pooler).
+pooling; BERT's pooler; Mamba's convolution).
 
 Invariant: the rank's graph computes the rows of the single-device graph's sequence-dim values at the rank's
 positions (up to the order of floating-point sums in attention); values without a sequence dim are partial
@@ -386,6 +387,12 @@ def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
 SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
          aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
 PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
+MOVES = {  # op -> (the position of its dim argument, its default): ops that move or order values along that dim
+    aten.gather.default: (1, None), aten.roll.default: (2, []), aten.sort.default: (1, -1),
+    aten.sort.stable: (None, -1), aten.argsort.default: (1, -1), aten.argsort.stable: (None, -1),
+    aten.topk.default: (2, -1), aten.kthvalue.default: (2, -1)}
+CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}  # (input (B, C, *spatial),
+# weight (O, C / groups, *kernel), ...)
 REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
               aten.min.dim, aten.prod.dim_int, aten.logsumexp.default, aten.argmax.default, aten.argmin.default,
               aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim}  # (x, dim or dims, ...)
@@ -400,10 +407,18 @@ def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
     sequence's first token). A reduction over all dims (the loss's sum and count) is the runtime's to combine."""
     live = _live(graph)
     for node in graph.nodes:
-        if node not in live or node.target not in SCANS | PICKS | REDUCTIONS or _model_state(node.args[0], kinds):
+        if node not in live or node.target not in SCANS | PICKS | REDUCTIONS | MOVES.keys() | CONVOLUTIONS or \
+                _model_state(node.args[0], kinds):
             continue
         shape = tuple(node.args[0].meta["val"].shape)
         dims = {d for d in sequence_dims(shape) if shape[d] == local} if _batch_first(shape, batches) else set()
+        moved = _moved_dims(node, shape, local) if _batch_first(shape, batches) else []
+        if moved and (node.target in CONVOLUTIONS or set(moved) & dims):
+            raise refused(node, f"it moves or orders values along dim {moved[0]}, of the local sequence length "
+                                f"{local} (a roll, gather, sort or convolution over the tokens): on a cp rank it "
+                                f"sees the rank's chunks only; run without cp")
+        if node.target in MOVES or node.target in CONVOLUTIONS:
+            continue
         if node.target is aten.index.Tensor:
             picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
             if picked:
@@ -429,6 +444,21 @@ def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], lo
         raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
                             f"the sequence, such as positions counted from a padding mask), which would restart at "
                             f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
+
+
+def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
+    """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
+    the local length that its kernel spans (wider than 1)."""
+    if node.target in CONVOLUTIONS:
+        kernel = tuple(node.args[1].meta["val"].shape)[2:]
+        return [2 + i for i, k in enumerate(kernel) if k > 1 and shape[2 + i] == local]
+    if node.target not in MOVES or not shape:
+        return []
+    at, default = MOVES[node.target]
+    dim = node.args[at] if at is not None and len(node.args) > at else node.kwargs.get("dim")
+    dim = default if dim is None else dim
+    dims = [dim] if isinstance(dim, int) else list(dim) or list(range(len(shape)))
+    return [d % len(shape) for d in dims]
 
 
 def _batch_sizes(kinds: dict[fx.Node, SlotKind], local: int) -> set[int] | None:

@@ -9,8 +9,8 @@ Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under
 
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
 (a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
-each sequence's tokens (ModernBERT's mean pooling), a scan over positions (Mamba's); each trained silently wrong
-before. A router's softmax over as
+each sequence's tokens (ModernBERT's mean pooling), Mamba's convolution and scan, a roll, gather, sort or
+convolution over the tokens; each trained silently wrong before. A router's softmax over as
 many experts as a rank's tokens is not taken for an attention.
 """
 from __future__ import annotations
@@ -86,12 +86,45 @@ def test_a_mean_over_the_tokens_is_refused_under_cp() -> None:
         _compile_cp(models.modernbert_classifier("mean"), LABELS, _classify)
 
 
-def test_a_scan_over_positions_is_refused_under_cp() -> None:
-    """Mamba's scan reads position after position (``select`` along the sequence) on the rank's chunks: trained
-    silently wrong before (the outputs off by order 1); refused, naming the op."""
-    with pytest.raises(UnsupportedError, match=r"node select.* \(in backbone.layers.0.mixer \(MambaMixer\)\): it "
-                                               r"takes position 0 along a dim of the local sequence"):
+def test_mamba_is_refused_under_cp() -> None:
+    """Mamba's causal convolution and its scan (position after position, ``select`` along the sequence) read
+    across the rank's chunks: trained silently wrong before (the outputs off by order 1); refused at the first,
+    the convolution, naming it."""
+    with pytest.raises(UnsupportedError, match=r"node conv1d .*\(in backbone.layers.0.mixer \(MambaMixer\)\): it "
+                                               r"moves or orders values along dim 2, of the local sequence"):
         _compile_cp(models.mamba(dtype=torch.float64), TARGET)
+
+
+class SequenceMixer(torch.nn.Module):
+    """An embedding, one op that moves values along the sequence (``kind``), a head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = torch.nn.Embedding(96, 16, dtype=torch.float64)
+        self.conv = torch.nn.Conv1d(16, 16, 3, padding=1, dtype=torch.float64)
+        self.head = torch.nn.Linear(16, 96, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)  # (B, S, 16)
+        if self.kind == "roll":
+            x = x + torch.roll(x, 1, dims=1)  # a token shift
+        elif self.kind == "gather":
+            x = x + torch.gather(x, 1, (ids % ids.shape[1])[..., None].expand(-1, -1, 16))
+        elif self.kind == "sort":
+            x = x + torch.sort(x, dim=1).values
+        else:
+            x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # over (B, 16, S)
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("kind, op", [("roll", "roll"), ("gather", "gather"), ("sort", "sort"),
+                                      ("conv", "conv1d")])
+def test_an_op_moving_values_along_the_sequence_is_refused_under_cp(kind: str, op: str) -> None:
+    """Each trained silently wrong on the chunks before (outputs off by order 1); refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=rf"node {op} .*moves or orders values along dim \d, of the local "
+                                               rf"sequence length 4"):
+        _compile_cp(SequenceMixer(kind), TARGET)
 
 
 def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -> None:
