@@ -291,7 +291,7 @@ def _check_no_sequence_square(graph: fx.Graph, local: int, batches: set[int] | N
     """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
     (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only. (A
     softmax over as many experts as local tokens, on the tokens flattened, is not over the sequence:
-    ``_batch_first``.)"""
+    ``_batch_first``; scores (..., local, local) are, whatever their leading dims.)"""
     live = _live(graph)
     for node in graph.nodes:
         if node in live and node.target in FUSED:
@@ -300,7 +300,8 @@ def _check_no_sequence_square(graph: fx.Graph, local: int, batches: set[int] | N
         val = node.meta.get("val")
         if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
             continue
-        if (node.target in SOFTMAXES and val.shape[-1] == local and _batch_first(val.shape, batches)) or (
+        if (node.target in SOFTMAXES and val.shape[-1] == local
+                and (_batch_first(val.shape, batches) or val.shape[-2] == local)) or (
                 node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
             raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
