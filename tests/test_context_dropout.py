@@ -69,17 +69,19 @@ def test_dropout_on_the_chunks_is_one_devices(launcher, mesh: Mesh, options: dic
 
 
 def test_dropout_without_a_sequence_dim_is_refused() -> None:
-    """A dropping dropout on a value that lost its sequence dim (a pooled vector) has no rows to take."""
+    """A dropping dropout on a value without a sequence dim (a parameter's) has no rows to take. (A vector pooled
+    over the tokens is refused before: a reduction over the sequence, test_zoo_more.py.)"""
 
-    class Pooled(torch.nn.Module):
+    class Scaled(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.emb = torch.nn.Embedding(96, 16, dtype=torch.float64)
+            self.scale = torch.nn.Parameter(torch.ones(16, dtype=torch.float64))
             self.head = torch.nn.Linear(16, 1, dtype=torch.float64)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.nn.functional.dropout(self.emb(ids).sum(1), 0.1, self.training))
+            return self.head(self.emb(ids) * torch.nn.functional.dropout(self.scale, 0.1, self.training))
 
-    pm = parallelize(Pooled().train(), Mesh(cp=2), loss_fn=models.mse, optimizer=models.adamw)
-    with pytest.raises(UnsupportedError, match=r"drops \(p=0.1\) a value of shape \[2, 16\] with no sequence dim"):
-        pm.compile((IDS,), target=torch.zeros(2, 1, dtype=torch.float64))
+    pm = parallelize(Scaled().train(), Mesh(cp=2), loss_fn=models.mse, optimizer=models.adamw)
+    with pytest.raises(UnsupportedError, match=r"drops \(p=0.1\) a value of shape \[16\] with no sequence dim"):
+        pm.compile((IDS,), target=torch.zeros(2, 8, 1, dtype=torch.float64))
