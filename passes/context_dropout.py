@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from autopar.core.cp_dropout import cp_dropout
 from autopar.passes.context_masks import refused
-from autopar.passes.context_parallel import sequence_dims
+from autopar.passes.context_checks import sequence_dims
 
 aten = torch.ops.aten
 DROPOUT = aten.dropout.default

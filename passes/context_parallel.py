@@ -25,7 +25,7 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
 
 Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention whose
 mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
-local length; an attention in another form (a softmax over the local length, a batched matmul giving
+local length; and what ``passes/context_checks.py`` finds the chunks cannot compute alone: an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
 Gemma-2's soft-capped one); any other slice or pad along a dim of the local length (a shift inside the
 sequence); a running sum (``cumsum``, ...) along it, a reduction over it (``sum``, ``mean``, ``amax``, ...; not
@@ -54,6 +54,7 @@ from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
 from autopar.core.usp import usp_attention
+from autopar.passes.context_checks import SLICE, check_chunkable, dim_of, live_nodes, model_state
 from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
@@ -64,13 +65,7 @@ ATTENTIONS = {  # the attention ops rewritten -> their positional arguments (the
     SDPA: ("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
     CPU_SDPA: ("query", "key", "value", "dropout_p", "is_causal"),
 }
-FUSED = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-         aten._scaled_dot_product_cudnn_attention.default,
-         aten._scaled_dot_product_fused_attention_overrideable.default}  # GPU kernels: refused by name
 ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arange.start_step: (0, 1)}  # -> (start arg, end arg)
-SLICE = aten.slice.Tensor
-SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
-BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
 ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
 USP = usp_attention._opoverload  # autopar::usp_attention
@@ -146,19 +141,16 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
         if node.target in ARANGES and _arange_of(node) == local:
             _replace(graph, node, _positions(graph, node, local))
             moved += 1
-        elif node.target is SLICE and _model_state(node.args[0], kinds) and _slice_to(node) == local:
+        elif node.target is SLICE and model_state(node.args[0], kinds) and _slice_to(node) == local:
             with graph.inserting_after(node):
                 pos = _positions(graph, node, local)
-                picked = graph.call_function(aten.index_select.default, (node.args[0], _dim(node), pos))
+                picked = graph.call_function(aten.index_select.default, (node.args[0], dim_of(node), pos))
             _replace(graph, node, picked)
             moved += 1
     masks = _attach_masks(graph, whole, kinds, local, rings, wholes)
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
-    batches = _batch_sizes(kinds, local)
-    _check_no_sequence_square(graph, local, batches)
-    _check_no_sequence_shift(graph, kinds, local)
-    _check_no_sequence_reads(graph, kinds, local, batches)
+    check_chunkable(graph, kinds, local)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
@@ -287,48 +279,13 @@ def _attach_masks(graph: fx.Graph, whole: fx.GraphModule | None, kinds: dict[fx.
     return tuple(x.meta["val"].numel() * x.meta["val"].element_size() for x in copies.gathered)
 
 
-def _check_no_sequence_square(graph: fx.Graph, local: int, batches: set[int] | None) -> None:
-    """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
-    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only. (A
-    softmax over as many experts as local tokens, on the tokens flattened, is not over the sequence:
-    ``_batch_first``; scores (..., local, local) are, whatever their leading dims.)"""
-    live = _live(graph)
-    for node in graph.nodes:
-        if node in live and node.target in FUSED:
-            raise refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
-                                "on the CPU (autopar does by default) or with scaled_dot_product_attention")
-        val = node.meta.get("val")
-        if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
-            continue
-        if (node.target in SOFTMAXES and val.shape[-1] == local
-                and (_batch_first(val.shape, batches) or val.shape[-2] == local)) or (
-                node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
-            raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
-                                f"itself: an attention in a form context parallelism does not rewrite (eager "
-                                f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
-                                f"without cp")
-
-
 def _drop_dead_checks(graph: fx.Graph) -> None:
     """Erases the metadata checks of values nothing else reads (e.g. a mask Hugging Face builds and then
     leaves to ``is_causal``): on the rank's chunks they would index the local sequence with global positions."""
-    live = _live(graph)
+    live = live_nodes(graph)
     for node in list(graph.nodes):
         if node.target in GRAPH_SIDE_EFFECTS and not all(a in live for a in node.all_input_nodes):
             graph.erase_node(node)
-
-
-def _live(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes the outputs depend on (checks such as ``_assert_tensor_metadata`` keep nothing alive)."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    seen, todo = set(), [output]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
 
 
 # -- label shifts -----------------------------------------------------------------------------------------------
@@ -342,7 +299,7 @@ def _label_shifts(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -
         if x not in slots or tuple(x.meta["val"].shape[1:]) != (local,):
             continue
         cuts = list(node.users)
-        if not all(u.target is SLICE and _dim(u) in (1, -1) and u.args[2] == 1 for u in cuts):
+        if not all(u.target is SLICE and dim_of(u) in (1, -1) and u.args[2] == 1 for u in cuts):
             continue
         if set(x.users) != {node}:
             raise refused(node, f"the input {x.name} is shifted for the loss and also read unshifted; shift the "
@@ -364,123 +321,6 @@ def _right_pad_by_one(node: fx.Node) -> float | None:
     return None
 
 
-def _check_no_sequence_shift(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
-    """No live slice or pad moves values along a sequence dim of the local length: dim 1 of (batch, sequence,
-    ...) values, or dim 2 of (batch, heads, sequence, head dim) ones (a shift inside a sequence)."""
-    live = _live(graph)
-    for node in graph.nodes:
-        if node not in live or node.target not in (SLICE, aten.pad.default, aten.constant_pad_nd.default):
-            continue
-        x = node.args[0]
-        shape = tuple(x.meta["val"].shape)
-        if _model_state(x, kinds):
-            continue
-        dims = {d for d in sequence_dims(shape) if shape[d] == local}
-        if node.target is SLICE:
-            start, end = (list(node.args[2:4]) + [None, None])[:2]
-            if _dim(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
-                raise refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
-                                    f"a shift inside the sequence, which crosses the cp ranks' chunks")
-        elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
-            raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
-
-
-SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
-         aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
-PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
-MOVES = {  # op -> (the position of its dim argument, its default): ops that move or order values along that dim
-    aten.gather.default: (1, None), aten.roll.default: (2, []), aten.sort.default: (1, -1),
-    aten.sort.stable: (None, -1), aten.argsort.default: (1, -1), aten.argsort.stable: (None, -1),
-    aten.topk.default: (2, -1), aten.kthvalue.default: (2, -1)}
-CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}  # (input (B, C, *spatial),
-# weight (O, C / groups, *kernel), ...)
-REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
-              aten.min.dim, aten.prod.dim_int, aten.logsumexp.default, aten.argmax.default, aten.argmin.default,
-              aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim}  # (x, dim or dims, ...)
-
-
-def _check_no_sequence_reads(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int,
-                             batches: set[int] | None) -> None:
-    """No live running sum (or product, max, ...) along a sequence dim of the local length, no reduction over
-    one and no pick of positions along one: on the rank's chunks a running sum restarts at each chunk (e.g.
-    RoBERTa's positions, counted from a padding mask by ``cumsum``), a sum or mean covers the rank's tokens only
-    (e.g. a classifier's mean over the tokens) and position ``i`` is another token (a classifier reading each
-    sequence's first token). A reduction over all dims (the loss's sum and count) is the runtime's to combine."""
-    live = _live(graph)
-    for node in graph.nodes:
-        if node not in live or node.target not in SCANS | PICKS | REDUCTIONS | MOVES.keys() | CONVOLUTIONS or \
-                _model_state(node.args[0], kinds):
-            continue
-        shape = tuple(node.args[0].meta["val"].shape)
-        dims = {d for d in sequence_dims(shape) if shape[d] == local} if _batch_first(shape, batches) else set()
-        moved = _moved_dims(node, shape, local) if _batch_first(shape, batches) else []
-        if moved and (node.target in CONVOLUTIONS or set(moved) & dims):
-            raise refused(node, f"it moves or orders values along dim {moved[0]}, of the local sequence length "
-                                f"{local} (a roll, gather, sort or convolution over the tokens): on a cp rank it "
-                                f"sees the rank's chunks only; run without cp")
-        if node.target in MOVES or node.target in CONVOLUTIONS:
-            continue
-        if node.target is aten.index.Tensor:
-            picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
-            if picked:
-                raise refused(node, f"it indexes dim {picked[0]}, of the local sequence length {local}, with a "
-                                    f"tensor: on a cp rank's chunks those positions are other tokens; run without cp")
-            continue
-        if node.target in REDUCTIONS:
-            reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-            reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])  # [] / None: all dims
-            over = [d % len(shape) for d in reduced if d % len(shape) in dims]
-            if over:
-                raise refused(node, f"it reduces over dim {over[0]}, of the local sequence length {local} (such as "
-                                    f"a mean over each sequence's tokens): on a cp rank it covers the rank's chunks "
-                                    f"only; run without cp")
-            continue
-        dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
-        if dim not in dims:
-            continue
-        if node.target is aten.select.int:
-            raise refused(node, f"it takes position {node.args[2]} along a dim of the local sequence length "
-                                f"{local} (such as a classifier reading each sequence's first token): on a cp "
-                                f"rank's chunks that is another token; run without cp")
-        raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
-                            f"the sequence, such as positions counted from a padding mask), which would restart at "
-                            f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
-
-
-def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
-    """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
-    the local length that its kernel spans (wider than 1)."""
-    if node.target in CONVOLUTIONS:
-        kernel = tuple(node.args[1].meta["val"].shape)[2:]
-        return [2 + i for i, k in enumerate(kernel) if k > 1 and shape[2 + i] == local]
-    if node.target not in MOVES or not shape:
-        return []
-    at, default = MOVES[node.target]
-    dim = node.args[at] if at is not None and len(node.args) > at else node.kwargs.get("dim")
-    dim = default if dim is None else dim
-    dims = [dim] if isinstance(dim, int) else list(dim) or list(range(len(shape)))
-    return [d % len(shape) for d in dims]
-
-
-def _batch_sizes(kinds: dict[fx.Node, SlotKind], local: int) -> set[int] | None:
-    """The sizes dim 0 of a (batch, sequence, ...) value has: the batch of the inputs holding the local sequence at
-    dim 1, or 1 (broadcast); None where no input does (then any leading size counts)."""
-    found = {tuple(n.meta["val"].shape)[0] for n, kind in kinds.items() if kind is SlotKind.INPUT
-             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2
-             and n.meta["val"].shape[1] == local}
-    return found | {1} if found else None
-
-
-def _batch_first(shape: tuple[int, ...] | torch.Size, batches: set[int] | None) -> bool:
-    """Whether ``shape`` may be (batch, sequence, ...): not the tokens flattened, (batch * sequence, ...)."""
-    return batches is None or (len(shape) > 0 and shape[0] in batches)
-
-
-def sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Where a value's sequence dim may be: 1 (batch first), and 2 of a 4-dim (batch, heads, sequence, dim)."""
-    return (1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()
-
-
 # -- positions --------------------------------------------------------------------------------------------------
 def _arange_of(node: fx.Node) -> int | None:
     """The length of an ``arange`` from 0 with step 1 (None otherwise)."""
@@ -495,14 +335,6 @@ def _slice_to(node: fx.Node) -> int | None:
     """The end of a slice ``[0:end]`` with step 1 (None otherwise)."""
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
     return end if start in (0, None) and step == 1 and isinstance(end, int) else None
-
-
-def _dim(node: fx.Node) -> int:
-    return node.args[1] if len(node.args) > 1 else 0
-
-
-def _model_state(node: object, kinds: dict[fx.Node, SlotKind]) -> bool:
-    return isinstance(node, fx.Node) and kinds.get(node) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT)
 
 
 def _positions(graph: fx.Graph, node: fx.Node, local: int) -> fx.Node:

@@ -64,7 +64,7 @@ from autopar.planner.profile_formulas import (b_sym, entering_elements, export_s
                                               weight_width)
 from autopar.passes.constant_masks import evaluate_constant, mask_kind
 from autopar.passes.context_eager import sdpa_from_eager
-from autopar.passes.context_parallel import BATCHED_MATMULS, SOFTMAXES
+from autopar.passes.context_checks import BATCHED_MATMULS, SOFTMAXES
 from autopar.passes.saved import saved_tensors
 from autopar.planner.profile_graph import (KEEP, ORIGIN, by_segment, compute_nodes, distinct_first, dynamic_export, family,
                                    match_nodes, param_names, repeated_lists, representatives, segment_of_nodes,
@@ -232,14 +232,11 @@ def masked_attention(gm: torch.fx.GraphModule) -> bool:
     the inputs' values, or that is neither causal nor all-visible at the example's sizes. A mask built from
     shapes alone that is causal or all-visible the runtime's capture folds away (``is_causal``,
     ``passes/constant_masks.py``); here it is evaluated at the sizes the symbolic export was made with."""
-    for n in gm.graph.nodes:
-        if n.target is not torch.ops.aten.scaled_dot_product_attention.default:
-            continue
-        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-        if isinstance(mask, torch.fx.Node) and \
-                mask_kind(evaluate_constant(mask, _example_size, torch.device("cpu"))) == "other":
-            return True
-    return False
+    masks = {n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask") for n in gm.graph.nodes
+             if n.target is torch.ops.aten.scaled_dot_product_attention.default}  # (layers share one mask)
+    return any(isinstance(mask, torch.fx.Node)
+               and mask_kind(evaluate_constant(mask, _example_size, torch.device("cpu"))) == "other"
+               for mask in masks)
 
 
 def _example_size(node: fx.Node) -> int | None:
@@ -255,7 +252,7 @@ def eager_attention(gm: torch.fx.GraphModule) -> str:
     left once the eager attention chains the runtime rewrites to ``scaled_dot_product_attention`` are
     (``passes/context_eager.sdpa_from_eager``: Hugging Face's eager matmul-softmax-matmul of GPT-2, LLaMA, BERT),
     named with its module; "" without one. Context parallelism refuses such an attention (Gemma-2's soft-capped
-    one; ``passes/context_parallel._check_no_sequence_square``)."""
+    one; ``passes/context_checks._check_no_sequence_square``)."""
     gm, _ = sdpa_from_eager(gm)
     for n in gm.graph.nodes:
         val = n.meta.get("val")

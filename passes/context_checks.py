@@ -1,0 +1,198 @@
+"""What one cp rank's chunks of every sequence cannot compute alone, refused by name (``passes/context_parallel.py``
+runs ``check_chunkable`` on the rank's graph).
+
+Refused with ``UnsupportedError`` naming the node and the source line: an attention in another form (a fused
+GPU kernel; a softmax over the local sequence or a batched matmul giving (..., local, local): an eager
+matmul-softmax-matmul ``passes/context_eager.py`` does not match); a slice or pad along a sequence dim of the
+local length (a shift inside the sequence); a running sum, a reduction, a pick of positions, or an op that moves
+or orders values along one (``cumsum``, ``mean``, ``select``, ``roll``, ``sort``, a convolution over the
+tokens): on a rank's chunks each sees the rank's tokens only.
+
+Invariant: a graph that passes computes, on the rank's chunks, the rows of the single-device values at the rank's
+positions wherever the other rewrites of ``context_parallel`` hold; values of the model's state (parameters,
+buffers, constants) are whole and never refused.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.core.graph import SlotKind
+from autopar.passes.context_masks import refused
+
+aten = torch.ops.aten
+FUSED = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_cudnn_attention.default,
+         aten._scaled_dot_product_fused_attention_overrideable.default}  # GPU kernels: refused by name
+SLICE = aten.slice.Tensor
+SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+
+
+def check_chunkable(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int) -> None:
+    """Refuses the first live node of ``graph`` (the rank's, on ``local`` tokens of each sequence) that its
+    chunks cannot compute alone (the module doc)."""
+    live = live_nodes(graph)
+    batches = _batch_sizes(kinds, local)
+    _check_no_sequence_square(graph, live, local, batches)
+    _check_no_sequence_shift(graph, live, kinds, local)
+    _check_no_sequence_reads(graph, live, kinds, local, batches)
+
+
+def _check_no_sequence_square(graph: fx.Graph, live: set[fx.Node], local: int,
+                              batches: set[int] | None) -> None:
+    """No live attention in another form: a softmax over the local sequence, or a batched matmul giving a
+    (..., local, local) value (Hugging Face's eager matmul-softmax-matmul) would see the rank's keys only. (A
+    softmax over as many experts as local tokens, on the tokens flattened, is not over the sequence:
+    ``_batch_first``; scores (..., local, local) are, whatever their leading dims.)"""
+    for node in graph.nodes:
+        if node in live and node.target in FUSED:
+            raise refused(node, "a fused attention kernel context parallelism does not rewrite; capture the model "
+                                "on the CPU (autopar does by default) or with scaled_dot_product_attention")
+        val = node.meta.get("val")
+        if node not in live or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        if (node.target in SOFTMAXES and val.shape[-1] == local
+                and (_batch_first(val.shape, batches) or val.shape[-2] == local)) or (
+                node.target in BATCHED_MATMULS and tuple(val.shape[-2:]) == (local, local)):
+            raise refused(node, f"its value {tuple(val.shape)} relates the local sequence ({local} tokens) to "
+                                f"itself: an attention in a form context parallelism does not rewrite (eager "
+                                f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
+                                f"without cp")
+
+
+def _check_no_sequence_shift(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind],
+                             local: int) -> None:
+    """No live slice or pad moves values along a sequence dim of the local length: dim 1 of (batch, sequence,
+    ...) values, or dim 2 of (batch, heads, sequence, head dim) ones (a shift inside a sequence)."""
+    for node in graph.nodes:
+        if node not in live or node.target not in (SLICE, aten.pad.default, aten.constant_pad_nd.default):
+            continue
+        x = node.args[0]
+        shape = tuple(x.meta["val"].shape)
+        if model_state(x, kinds):
+            continue
+        dims = {d for d in sequence_dims(shape) if shape[d] == local}
+        if node.target is SLICE:
+            start, end = (list(node.args[2:4]) + [None, None])[:2]
+            if dim_of(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
+                raise refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
+                                    f"a shift inside the sequence, which crosses the cp ranks' chunks")
+        elif any(len(shape) - 1 - i // 2 in dims for i, p in enumerate(node.args[1]) if p != 0):
+            raise refused(node, f"it pads {list(node.args[1])} along a dim of the local sequence length {local}")
+
+
+SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+         aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
+PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
+MOVES = {  # op -> (the position of its dim argument, its default): ops that move or order values along that dim
+    aten.gather.default: (1, None), aten.roll.default: (2, []), aten.sort.default: (1, -1),
+    aten.sort.stable: (None, -1), aten.argsort.default: (1, -1), aten.argsort.stable: (None, -1),
+    aten.topk.default: (2, -1), aten.kthvalue.default: (2, -1)}
+CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}  # (input (B, C, *spatial),
+# weight (O, C / groups, *kernel), ...)
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
+              aten.min.dim, aten.prod.dim_int, aten.logsumexp.default, aten.argmax.default, aten.argmin.default,
+              aten.var.correction, aten.std.correction, aten.any.dim, aten.all.dim}  # (x, dim or dims, ...)
+
+
+def _check_no_sequence_reads(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind],
+                             local: int, batches: set[int] | None) -> None:
+    """No live running sum (or product, max, ...) along a sequence dim of the local length, no reduction over
+    one and no pick of positions along one: on the rank's chunks a running sum restarts at each chunk (e.g.
+    RoBERTa's positions, counted from a padding mask by ``cumsum``), a sum or mean covers the rank's tokens only
+    (e.g. a classifier's mean over the tokens) and position ``i`` is another token (a classifier reading each
+    sequence's first token). A reduction over all dims (the loss's sum and count) is the runtime's to combine."""
+    for node in graph.nodes:
+        if node not in live or node.target not in SCANS | PICKS | REDUCTIONS | MOVES.keys() | CONVOLUTIONS or \
+                model_state(node.args[0], kinds):
+            continue
+        shape = tuple(node.args[0].meta["val"].shape)
+        dims = {d for d in sequence_dims(shape) if shape[d] == local} if _batch_first(shape, batches) else set()
+        moved = _moved_dims(node, shape, local) if _batch_first(shape, batches) else []
+        if moved and (node.target in CONVOLUTIONS or set(moved) & dims):
+            raise refused(node, f"it moves or orders values along dim {moved[0]}, of the local sequence length "
+                                f"{local} (a roll, gather, sort or convolution over the tokens): on a cp rank it "
+                                f"sees the rank's chunks only; run without cp")
+        if node.target in MOVES or node.target in CONVOLUTIONS:
+            continue
+        if node.target is aten.index.Tensor:
+            picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
+            if picked:
+                raise refused(node, f"it indexes dim {picked[0]}, of the local sequence length {local}, with a "
+                                    f"tensor: on a cp rank's chunks those positions are other tokens; run without cp")
+            continue
+        if node.target in REDUCTIONS:
+            reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])  # [] / None: all dims
+            over = [d % len(shape) for d in reduced if d % len(shape) in dims]
+            if over:
+                raise refused(node, f"it reduces over dim {over[0]}, of the local sequence length {local} (such as "
+                                    f"a mean over each sequence's tokens): on a cp rank it covers the rank's chunks "
+                                    f"only; run without cp")
+            continue
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
+        if dim not in dims:
+            continue
+        if node.target is aten.select.int:
+            raise refused(node, f"it takes position {node.args[2]} along a dim of the local sequence length "
+                                f"{local} (such as a classifier reading each sequence's first token): on a cp "
+                                f"rank's chunks that is another token; run without cp")
+        raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
+                            f"the sequence, such as positions counted from a padding mask), which would restart at "
+                            f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
+
+
+def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
+    """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
+    the local length that its kernel spans (wider than 1)."""
+    if node.target in CONVOLUTIONS:
+        kernel = tuple(node.args[1].meta["val"].shape)[2:]
+        return [2 + i for i, k in enumerate(kernel) if k > 1 and shape[2 + i] == local]
+    if node.target not in MOVES or not shape:
+        return []
+    at, default = MOVES[node.target]
+    dim = node.args[at] if at is not None and len(node.args) > at else node.kwargs.get("dim")
+    dim = default if dim is None else dim
+    dims = [dim] if isinstance(dim, int) else list(dim) or list(range(len(shape)))
+    return [d % len(shape) for d in dims]
+
+
+def _batch_sizes(kinds: dict[fx.Node, SlotKind], local: int) -> set[int] | None:
+    """The sizes dim 0 of a (batch, sequence, ...) value has: the batch of the inputs holding the local sequence at
+    dim 1, or 1 (broadcast); None where no input does (then any leading size counts)."""
+    found = {tuple(n.meta["val"].shape)[0] for n, kind in kinds.items() if kind is SlotKind.INPUT
+             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2
+             and n.meta["val"].shape[1] == local}
+    return found | {1} if found else None
+
+
+def _batch_first(shape: tuple[int, ...] | torch.Size, batches: set[int] | None) -> bool:
+    """Whether ``shape`` may be (batch, sequence, ...): not the tokens flattened, (batch * sequence, ...)."""
+    return batches is None or (len(shape) > 0 and shape[0] in batches)
+
+
+def sequence_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Where a value's sequence dim may be: 1 (batch first), and 2 of a 4-dim (batch, heads, sequence, dim)."""
+    return (1, 2) if len(shape) == 4 else (1,) if len(shape) >= 2 else ()
+
+
+def live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the outputs depend on (checks such as ``_assert_tensor_metadata`` keep nothing alive)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    seen, todo = set(), [output]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def dim_of(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else 0
+
+
+def model_state(node: object, kinds: dict[fx.Node, SlotKind]) -> bool:
+    return isinstance(node, fx.Node) and kinds.get(node) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT)
