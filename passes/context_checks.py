@@ -4,15 +4,18 @@ runs ``check_chunkable`` on the rank's graph).
 Refused with ``UnsupportedError`` naming the node and the source line: an attention in another form (a fused
 GPU kernel; a softmax over the local sequence or a batched matmul giving (..., local, local): an eager
 matmul-softmax-matmul ``passes/context_eager.py`` does not match); a slice or pad along a sequence dim of the
-local length (a shift inside the sequence); a running sum, a reduction, a pick of positions, or an op that moves
-or orders values along one (``cumsum``, ``mean``, ``select``, ``roll``, ``sort``, a convolution over the
-tokens): on a rank's chunks each sees the rank's tokens only.
+local length (a shift inside the sequence); a running sum, a reduction, a pick of positions, an op that moves,
+orders or splits values along one (``cumsum``, ``mean``, ``select``, ``roll``, ``sort``, ``flip``, ``scatter``,
+``chunk``, ``unfold``, a convolution over the tokens) or a product summing over one (``x.transpose(1, 2) @ x``):
+on a rank's chunks each sees the rank's tokens only.
 
 Invariant: a graph that passes computes, on the rank's chunks, the rows of the single-device values at the rank's
 positions wherever the other rewrites of ``context_parallel`` hold; values of the model's state (parameters,
 buffers, constants) are whole and never refused.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -25,6 +28,7 @@ FUSED = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_prod
          aten._scaled_dot_product_cudnn_attention.default,
          aten._scaled_dot_product_fused_attention_overrideable.default}  # GPU kernels: refused by name
 SLICE = aten.slice.Tensor
+NARROW = aten.narrow.default
 SOFTMAXES = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 BATCHED_MATMULS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 
@@ -37,6 +41,8 @@ def check_chunkable(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int)
     _check_no_sequence_square(graph, live, local, batches)
     _check_no_sequence_shift(graph, live, kinds, local)
     _check_no_sequence_reads(graph, live, kinds, local, batches)
+    _check_no_sequence_contraction(graph, live, kinds, local, batches)
+    _check_no_sequence_fold(graph, live, kinds, local, batches)
 
 
 def _check_no_sequence_square(graph: fx.Graph, live: set[fx.Node], local: int,
@@ -66,15 +72,16 @@ def _check_no_sequence_shift(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx
     """No live slice or pad moves values along a sequence dim of the local length: dim 1 of (batch, sequence,
     ...) values, or dim 2 of (batch, heads, sequence, head dim) ones (a shift inside a sequence)."""
     for node in graph.nodes:
-        if node not in live or node.target not in (SLICE, aten.pad.default, aten.constant_pad_nd.default):
+        if node not in live or node.target not in (SLICE, NARROW, aten.pad.default, aten.constant_pad_nd.default):
             continue
         x = node.args[0]
         shape = tuple(x.meta["val"].shape)
         if model_state(x, kinds):
             continue
         dims = {d for d in sequence_dims(shape) if shape[d] == local}
-        if node.target is SLICE:
+        if node.target in (SLICE, NARROW):
             start, end = (list(node.args[2:4]) + [None, None])[:2]
+            end = start + end if node.target is NARROW else end  # narrow's (start, length)
             if dim_of(node) % len(shape) in dims and (start not in (0, None) or (end is not None and end < local)):
                 raise refused(node, f"it slices [{start}:{end}] along a dim of the local sequence length {local}: "
                                     f"a shift inside the sequence, which crosses the cp ranks' chunks")
@@ -84,11 +91,18 @@ def _check_no_sequence_shift(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx
 
 SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
          aten.logcumsumexp.default}  # (x, dim, ...): a running reduction along dim
-PICKS = {aten.select.int, aten.index.Tensor}  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
+INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}  # (x, [index per dim], ...)
+PICKS = {aten.select.int} | INDEXING  # (x, dim, i) / (x, [index per dim]): chosen positions along a dim
 MOVES = {  # op -> (the position of its dim argument, its default): ops that move or order values along that dim
     aten.gather.default: (1, None), aten.roll.default: (2, []), aten.sort.default: (1, -1),
     aten.sort.stable: (None, -1), aten.argsort.default: (1, -1), aten.argsort.stable: (None, -1),
-    aten.topk.default: (2, -1), aten.kthvalue.default: (2, -1)}
+    aten.topk.default: (2, -1), aten.kthvalue.default: (2, -1), aten.flip.default: (1, None),
+    aten.index_select.default: (1, None), aten.unfold.default: (1, None), aten.scatter.src: (1, None),
+    aten.scatter.value: (1, None), aten.scatter.reduce: (1, None), aten.scatter.value_reduce: (1, None),
+    aten.scatter_add.default: (1, None), aten.scatter_reduce.two: (1, None), aten.index_add.default: (1, None),
+    aten.index_copy.default: (1, None), aten.index_fill.int_Scalar: (1, None), aten.index_fill.int_Tensor: (1, None),
+    aten.split.Tensor: (2, 0), aten.split_with_sizes.default: (2, 0), aten.chunk.default: (2, 0),
+    aten.tensor_split.sections: (2, 0), aten.tensor_split.indices: (2, 0), aten.unbind.int: (1, 0)}
 CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}  # (input (B, C, *spatial),
 # weight (O, C / groups, *kernel), ...)
 REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.dim,
@@ -112,11 +126,11 @@ def _check_no_sequence_reads(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx
         moved = _moved_dims(node, shape, local) if _batch_first(shape, batches) else []
         if moved and (node.target in CONVOLUTIONS or set(moved) & dims):
             raise refused(node, f"it moves or orders values along dim {moved[0]}, of the local sequence length "
-                                f"{local} (a roll, gather, sort or convolution over the tokens): on a cp rank it "
-                                f"sees the rank's chunks only; run without cp")
+                                f"{local} (a roll, gather, scatter, sort, flip, split, unfold or convolution over "
+                                f"the tokens): on a cp rank it sees the rank's chunks only; run without cp")
         if node.target in MOVES or node.target in CONVOLUTIONS:
             continue
-        if node.target is aten.index.Tensor:
+        if node.target in INDEXING:
             picked = [d for d, index in enumerate(node.args[1]) if index is not None and d in dims]
             if picked:
                 raise refused(node, f"it indexes dim {picked[0]}, of the local sequence length {local}, with a "
@@ -141,6 +155,74 @@ def _check_no_sequence_reads(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx
         raise refused(node, f"it accumulates along a dim of the local sequence length {local} (a running sum over "
                             f"the sequence, such as positions counted from a padding mask), which would restart at "
                             f"each cp rank's chunk; pass it as an input (e.g. position_ids=) or run without cp")
+
+
+PRODUCTS = {aten.matmul.default: 0, aten.bmm.default: 0, aten.mm.default: 0, aten.baddbmm.default: 1,
+            aten.addmm.default: 1}  # op -> the position of its two factors
+
+
+def _check_no_sequence_contraction(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind],
+                                   local: int, batches: set[int] | None) -> None:
+    """No live product sums over a sequence dim of the local length of a (batch, sequence, ...) factor (a token
+    mixing such as ``x.transpose(1, 2) @ x`` or ``tril(ones) @ x``): on a rank it sums the rank's chunks only.
+    The attentions are rewritten before this runs, and one left in eager form is refused above."""
+    for node in graph.nodes:
+        if node not in live or node.target not in PRODUCTS.keys() | {aten.einsum.default}:
+            continue
+        for factor, dim in _summed(node):
+            if not isinstance(factor, fx.Node) or model_state(factor, kinds):
+                continue
+            shape = tuple(factor.meta["val"].shape)
+            if _batch_first(shape, batches) and dim in sequence_dims(shape) and shape[dim] == local:
+                raise refused(node, f"it sums over dim {dim} of a factor {shape}, of the local sequence length "
+                                    f"{local} (a product mixing the tokens): on a cp rank it covers the rank's "
+                                    f"chunks only; run without cp")
+
+
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+         aten.unflatten.int}
+
+
+def _check_no_sequence_fold(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind], local: int,
+                            batches: set[int] | None) -> None:
+    """No live view folds the local sequence of a (batch, sequence, ...) value into blocks, (B, S, H) as
+    (B, S / k, k * H): on a rank's chunks a block holds tokens of two chunks wherever a chunk is not a multiple of
+    k long. A view keeping a dim of the local length, or merging the batch and sequence dims (with any after them)
+    into its first, keeps the tokens apart."""
+    for node in graph.nodes:
+        if node not in live or node.target not in VIEWS or model_state(node.args[0], kinds):
+            continue
+        shape, out = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
+        if len(shape) < 2 or shape[1] != local or not _batch_first(shape, batches) or local in out:
+            continue
+        leading = [math.prod(shape[:k]) for k in range(2, len(shape) + 1)]
+        if not out or out[0] not in leading:
+            raise refused(node, f"it views {shape} as {out}, folding the local sequence ({local} tokens) into "
+                                f"blocks: on a cp rank a block can hold tokens of two chunks; run without cp")
+
+
+def _summed(node: fx.Node) -> list[tuple[object, int]]:
+    """The (factor, dim) pairs a matrix product or an einsum sums over."""
+    if node.target is aten.einsum.default:
+        equation, factors = node.args[0].replace(" ", ""), node.args[1]
+        terms, _, output = equation.partition("->")
+        terms = terms.split(",")
+        if "->" not in equation:  # implicit: the letters used once, in order
+            letters = "".join(terms).replace(".", "")
+            output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        pairs = []
+        for term, factor in zip(terms, factors):
+            if not isinstance(factor, fx.Node):
+                continue
+            rank = factor.meta["val"].dim()
+            head, _, tail = term.partition("...")
+            dims = list(enumerate(head)) + [(rank - len(tail) + i, c) for i, c in enumerate(tail)]
+            pairs += [(factor, d) for d, c in dims if c not in output]
+        return pairs
+    at = PRODUCTS[node.target]
+    a, b = node.args[at], node.args[at + 1]
+    return [(f, d) for f, d in ((a, -1), (b, -2)) if isinstance(f, fx.Node) and f.meta["val"].dim() >= 2
+            for d in [d % f.meta["val"].dim()]]
 
 
 def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:

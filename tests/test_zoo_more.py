@@ -9,8 +9,9 @@ Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under
 
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
 (a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
-each sequence's tokens (ModernBERT's mean pooling), Mamba's convolution and scan, a roll, gather, sort or
-convolution over the tokens; each trained silently wrong before. A router's softmax over as
+each sequence's tokens (ModernBERT's mean pooling), Mamba's convolution and scan, a roll, gather, scatter, sort,
+flip, split, unfold, narrow or convolution over the tokens, a product summing over them and a view folding them
+into blocks; each trained silently wrong before. A router's softmax over as
 many experts as a rank's tokens is not taken for an attention.
 """
 from __future__ import annotations
@@ -95,8 +96,30 @@ def test_mamba_is_refused_under_cp() -> None:
         _compile_cp(models.mamba(dtype=torch.float64), TARGET)
 
 
+def _positions(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return (ids % ids.shape[1])[..., None].expand(-1, -1, x.shape[-1])
+
+
+MIXERS = {  # kind -> (x (B, S, 16), ids (B, S)) -> (B, S, 16), and the op refused
+    "roll": (lambda x, ids: torch.roll(x, 1, dims=1), "roll"),  # a token shift
+    "gather": (lambda x, ids: torch.gather(x, 1, _positions(x, ids)), "gather"),
+    "sort": (lambda x, ids: torch.sort(x, dim=1).values, "sort"),
+    "flip": (lambda x, ids: torch.flip(x, dims=[1]), "flip"),
+    "index_select": (lambda x, ids: torch.index_select(x, 1, torch.arange(x.shape[1]).flip(0)), "index_select"),
+    "scatter": (lambda x, ids: torch.zeros_like(x).scatter_add(1, _positions(x, ids), x), "scatter_add"),
+    "index_add": (lambda x, ids: torch.zeros_like(x).index_add(1, torch.arange(x.shape[1]) // 2, x), "index_add"),
+    "chunk": (lambda x, ids: torch.cat(x.chunk(2, dim=1)[::-1], 1), "chunk"),
+    "unfold": (lambda x, ids: F.pad(x.unfold(1, 2, 1).sum(-1), (0, 0, 0, 1)), "unfold"),
+}
+SUMS = {  # kind -> a product summing over the tokens, broadcast to (B, S, 16)
+    "matmul": lambda x: (x.transpose(1, 2) @ x).sum(1, keepdim=True),  # (B, 16, 16) summed over features
+    "tril": lambda x: torch.tril(torch.ones(x.shape[1], x.shape[1], dtype=x.dtype)) @ x,  # a running sum
+    "einsum": lambda x: torch.einsum("bsh,bth->bh", x, x)[:, None],
+}
+
+
 class SequenceMixer(torch.nn.Module):
-    """An embedding, one op that moves values along the sequence (``kind``), a head."""
+    """An embedding, one op that mixes values along the sequence (``kind``), a head."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -107,24 +130,48 @@ class SequenceMixer(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)  # (B, S, 16)
-        if self.kind == "roll":
-            x = x + torch.roll(x, 1, dims=1)  # a token shift
-        elif self.kind == "gather":
-            x = x + torch.gather(x, 1, (ids % ids.shape[1])[..., None].expand(-1, -1, 16))
-        elif self.kind == "sort":
-            x = x + torch.sort(x, dim=1).values
+        if self.kind in MIXERS:
+            x = x + MIXERS[self.kind][0](x, ids)
+        elif self.kind in SUMS:
+            x = x + SUMS[self.kind](x)
+        elif self.kind == "fold":  # pairs of tokens as one: (B, S / 2, 32)
+            b, s, h = x.shape
+            x = x + x.reshape(b, s // 2, 2 * h).flip(-1).reshape(b, s, h)
+        elif self.kind == "narrow":
+            x = x + torch.cat([x.narrow(1, 1, x.shape[1] - 1), x.narrow(1, 0, 1)], 1)
         else:
             x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # over (B, 16, S)
         return self.head(torch.tanh(x))
 
 
-@pytest.mark.parametrize("kind, op", [("roll", "roll"), ("gather", "gather"), ("sort", "sort"),
-                                      ("conv", "conv1d")])
+@pytest.mark.parametrize("kind, op", [(kind, op) for kind, (_, op) in MIXERS.items()] + [("conv", "conv1d")])
 def test_an_op_moving_values_along_the_sequence_is_refused_under_cp(kind: str, op: str) -> None:
     """Each trained silently wrong on the chunks before (outputs off by order 1); refused, naming the op."""
     with pytest.raises(UnsupportedError, match=rf"node {op} .*moves or orders values along dim \d, of the local "
                                                rf"sequence length 4"):
         _compile_cp(SequenceMixer(kind), TARGET)
+
+
+@pytest.mark.parametrize("kind, op", [("matmul", "matmul"), ("tril", "matmul"), ("einsum", "einsum")])
+def test_a_product_summing_over_the_sequence_is_refused_under_cp(kind: str, op: str) -> None:
+    """A token mixing by a product (``x.transpose(1, 2) @ x``, a lower-triangular running sum, an einsum):
+    trained silently wrong on the chunks before; refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=rf"node {op} .*sums over dim 1 of a factor \(8, 4, 16\), of the "
+                                               rf"local sequence length 4"):
+        _compile_cp(SequenceMixer(kind), TARGET)
+
+
+def test_a_view_folding_the_sequence_into_blocks_is_refused_under_cp() -> None:
+    """(B, S, H) viewed as (B, S / 2, 2H): a block held tokens of two chunks wherever a chunk was odd (12 tokens
+    on cp=2: loss 4.51 against one device's 4.69); refused, naming the view."""
+    with pytest.raises(UnsupportedError, match=r"node reshape .*views \(8, 4, 16\) as \(8, 2, 32\), folding "
+                                               r"the local sequence"):
+        _compile_cp(SequenceMixer("fold"), TARGET)
+
+
+def test_a_narrow_inside_the_sequence_is_refused_under_cp() -> None:
+    with pytest.raises(UnsupportedError, match=r"node narrow .*slices \[1:4\] along a dim of the local sequence"):
+        _compile_cp(SequenceMixer("narrow"), TARGET)
 
 
 def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -> None:
