@@ -50,7 +50,8 @@ def test_branch_and_bound_ranks_as_the_exhaustive_search(profile, memory: float)
     assert len(_best_by(full.candidates, "hybrid")) == 2  # hybrid sharding is too, and some of it fits
     for c in full.candidates:
         if c.fits:
-            assert full.cost.step_time_bound(c.config) <= c.step_time * (1 + 1e-12), c.config.describe()
+            floor, bound = (full.cost.step_time_bound(c.config, simulated=s) for s in (False, True))
+            assert floor <= bound * (1 + 1e-12) and bound <= c.step_time * (1 + 1e-12), c.config.describe()
 
 
 def test_a_bounded_out_configuration_is_still_found_and_timed_on_demand(profile) -> None:

@@ -8,9 +8,11 @@ transfers are simulated, ZeRO-3's collectives counted per flat group) and only a
 the best with every other tp and pp size, ep degree and with the best with or without
 hybrid sharding; the measured checks run each mesh's best) and the best that
 autopar runs. ``timed_candidates`` bounds each fitting configuration's step
-time from below (``CostModel.step_time_bound``: the step
-without those dear parts, exact otherwise), visits them from the lowest
-bound up, and times one only while its bound could still beat one of those.
+time from below twice (``CostModel.step_time_bound``: the step without
+those dear parts and without the dp collectives' simulated exposure, then
+with it), visits them lowest known time first (a candidate's first bound,
+once computed its second), and times one only while its bounds could
+still beat one of those.
 
 Invariant: sorted by ``rank_key``, the candidates returned begin with the same
 ``top`` candidates, and hold the same best of each mesh, as timing every
@@ -48,29 +50,26 @@ def timed_candidates(fitting: list[Candidate], top: int | None) -> list[Candidat
     if top is None:
         return fitting
     top = max(top, 1)
-    bounds = sorted((_paced(c, c.cost.step_time_bound(c.config)), i) for i, c in enumerate(fitting))
-    # where the bound is the step time itself (nothing simulated), it counts before its candidate is timed
-    exact = [(b * (1 + SLACK), fitting[i]) for b, i in bounds if fitting[i].cost.exact_bound(fitting[i].config)]
-    leaders = [-rounded(t) for t, _ in exact[:top]]  # the best ``top`` rounded step times known, negated (a max-heap)
-    heapq.heapify(leaders)
+    queue = [(_paced(c, c.cost.step_time_bound(c.config, simulated=False)), 0, i) for i, c in enumerate(fitting)]
+    heapq.heapify(queue)  # (what is known of a candidate's time: a bound without, then with the dp simulation; 1)
+    leaders: list[float] = []  # the best ``top`` rounded step times known, negated (a max-heap)
     best: dict[tuple, float] = {}  # group -> the fastest step time known in it
-    for t, c in exact:
-        for g in _groups(c):
-            best.setdefault(g, t)
     out = []
-    for bound, i in bounds:
+    while queue:  # the lowest known first: a candidate is timed only once its closest bound is the lowest left
+        known, stage, i = heapq.heappop(queue)
         c = fitting[i]
-        low = bound * (1 - SLACK)
         groups = _groups(c)
-        if len(leaders) >= top and rounded(low) > -leaders[0] and \
-                all(rounded(low) > rounded(best.get(g, math.inf)) for g in groups):
+        low = rounded(known * (1 - SLACK))
+        if len(leaders) >= top and low > -leaders[0] and all(low > rounded(best.get(g, math.inf)) for g in groups):
             continue  # cannot be among the best ``top``, nor beat or tie (``rank_key``) the best of any of its groups
+        if stage == 0:
+            heapq.heappush(queue, (_paced(c, c.cost.step_time_bound(c.config)), 1, i))
+            continue
         t = c.pace
         out.append(c)
-        if not c.cost.exact_bound(c.config):  # (an exact one is among the leaders already, if it leads)
-            heapq.heappush(leaders, -rounded(t))
-            if len(leaders) > top:
-                heapq.heappop(leaders)
+        heapq.heappush(leaders, -rounded(t))
+        if len(leaders) > top:
+            heapq.heappop(leaders)
         for g in groups:
             best[g] = min(best.get(g, math.inf), t)
     return out

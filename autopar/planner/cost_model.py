@@ -210,24 +210,21 @@ class CostModel(MemoryAccount, ContextExpertCosts):
                 for i in [i for i in st if names[i] is not None][: config.full_layers]]
         return {**dict.fromkeys(full, "full"), "*": config.recompute}
 
-    def step_time_bound(self, config: Config) -> float:
+    def step_time_bound(self, config: Config, simulated: bool = True) -> float:
         """A lower bound of ``estimate(config).step_time`` that costs a fraction of it: the step with a lower
         bound of the zero-bubble schedules' simulated bubble (``Bubbles.least_idle``) and none of the pipeline's
-        simulated transfers (``_pipeline_p2p``); 0 where ranks share cores (there the simulated step can be
-        shorter than its parts)."""
+        simulated transfers (``_pipeline_p2p``); without ``simulated``, none of the dp collectives' simulated
+        exposure either (a looser bound, a fraction of that one's cost); 0 where ranks share cores (there the
+        simulated step can be shorter than its parts)."""
         if self.cluster.cores:
             return 0.0
-        return float(sum(self._time(config, self._rank_units(config, config.microbatch_size), bound=True)[0].values()))
+        ranks = self._rank_units(config, config.microbatch_size)
+        return float(sum(self._time(config, ranks, bound=True, simulated=simulated)[0].values()))
 
-    def exact_bound(self, config: Config) -> bool:
-        """Whether ``step_time_bound(config)`` is the step time itself (no pipeline transfers or zero-bubble
-        schedule's bubble to simulate, no shared cores)."""
-        return not self.cluster.cores and (config.pp == 1 or self.scatter_gather and config.schedule not in ZERO_BUBBLE)
-
-    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]],
-              bound: bool = False) -> tuple[dict[str, Any], dict[str, AxisLinks]]:
+    def _time(self, c: Config, ranks: list[list[list[SegmentValues]]], bound: bool = False,
+              simulated: bool = True) -> tuple[dict[str, Any], dict[str, AxisLinks]]:
         """The step's parts, and each axis's links (numeric only); ``bound``: a simulated bubble's lower bound
-        instead (``step_time_bound``)."""
+        instead, and without ``simulated`` no dp exposure (``step_time_bound``)."""
         cl = self.cluster
         step_bytes = self.precision.step_bytes(self.states) / cl.memory_bandwidth
         trainable = [self._state_elements(stages)[1] for stages in ranks]
@@ -246,7 +243,7 @@ class CostModel(MemoryAccount, ContextExpertCosts):
         shard, streams = self._dp_links(c)
         serial, dp = self.data_parallel.time(
             c, ranks, lambda stages: [t for st in stages for t in self._unit_seconds(c, st, links[0])],
-            (shard, links[2]), streams, max(trainable), (c.recompute, c.full_layers, id(links[0])))
+            (shard, links[2]), streams, max(trainable), (c.recompute, c.full_layers, id(links[0])), simulated)
         out = {
             "compute": m * compute + max(accumulate),
             "tensor_parallel": m * tp,

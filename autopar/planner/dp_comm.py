@@ -105,14 +105,14 @@ class DataParallel:
 
     def time(self, c: Any, ranks: list[list[list[SegmentValues]]], seconds: Callable[[Any], list[tuple]],
              links: tuple[Link, Link], streams: tuple[str, ...], trainable: int,
-             same: tuple = ()) -> tuple[Any, Exposure]:
+             same: tuple = (), simulated: bool = True) -> tuple[Any, Exposure]:
         """(seconds of the dp collectives that never overlap compute, the simulated ``Exposure`` of the others)
         of config ``c``: the slowest rank's. ``seconds(stages)``: each unit's (forward, backward, tp forward,
         tp backward, ...) seconds per microbatch of a rank's stages, alike for every configuration of the same
         ``same`` (a key); ``links``: ZeRO's (the shard group's under hybrid sharding) and all of dp's;
         ``streams``: the names of ZeRO's, the tp and all of dp's link (one name: one link);
         ``trainable``: the most trainable elements a rank holds. With the microbatch size symbolic nothing is
-        simulated: the exposure is 0 (a lower bound)."""
+        simulated: the exposure is 0 (a lower bound), as it is without ``simulated``."""
         if c.dp_cp == 1:
             return 0, Exposure()
         link, whole = links
@@ -121,7 +121,7 @@ class DataParallel:
         if c.zero in (1, 2):  # the updated shards gathered after the optimizer step
             serial += ring_gather(trainable * self.precision.param, c.zero_ranks, link,
                                   self._buckets(trainable * self.precision.grad).count)
-        if isinstance(ranks[0][0][0].flops, sympy.Basic):  # (every unit is at one b)
+        if not simulated or isinstance(ranks[0][0][0].flops, sympy.Basic):  # (every unit is at one b)
             return serial, Exposure()
         worst = max((self.exposure(c, stages, seconds, links, streams, same) for stages in ranks),
                     key=lambda e: e.exposed + e.contention)
