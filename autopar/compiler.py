@@ -27,6 +27,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.context_checks import check_same_numbers
 from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import ATTENTIONS, CP_AXES, REWRITTEN, context_parallel, same_attention
@@ -149,6 +150,7 @@ def _context_parallel(c: Compilation) -> None:
     whole, _ = sdpa_from_eager(_export(c, c.whole).gm)  # the model on whole sequences: attentions' forms, masks
     mine, eager = sdpa_from_eager(c.captured.gm)  # eager matmul-softmax-matmul chains as SDPA, on both captures
     same_attention(whole, mine)
+    check_same_numbers(whole, mine)
     found = context_parallel(with_graph(c.captured, mine), c.mesh.cp, local, whole, c.options.cp_attention,
                              c.mesh.cp_split)
     dropped = whole_sequence_dropout(found.gm, local)  # dropout as the rows of the whole sequence's mask

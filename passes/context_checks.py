@@ -15,6 +15,7 @@ buffers, constants) are whole and never refused.
 """
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
@@ -43,6 +44,7 @@ def check_chunkable(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int)
     _check_no_sequence_reads(graph, live, kinds, local, batches)
     _check_no_sequence_contraction(graph, live, kinds, local, batches)
     _check_no_sequence_fold(graph, live, kinds, local, batches)
+    _check_no_other_sequence_op(graph, live, kinds, local, batches)
 
 
 def _check_no_sequence_square(graph: fx.Graph, live: set[fx.Node], local: int,
@@ -223,6 +225,90 @@ def _summed(node: fx.Node) -> list[tuple[object, int]]:
     a, b = node.args[at], node.args[at + 1]
     return [(f, d) for f, d in ((a, -1), (b, -2)) if isinstance(f, fx.Node) and f.meta["val"].dim() >= 2
             for d in [d % f.meta["val"].dim()]]
+
+
+ALONG_DIM_IS_LOCAL = {aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                      aten.cat.default, aten.stack.default, aten.movedim.int, aten.select.int, aten.slice.Tensor,
+                      aten.narrow.default, aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor,
+                      aten.expand.default, aten.flatten.using_ints, aten.unflatten.int, aten.permute.default}
+# (checked elsewhere or moving no value along the dim)
+NORMS = {aten.layer_norm.default: 1, aten.native_layer_norm.default: 1, aten.rms_norm.default: 1}  # op -> where
+# its normalized shape is: the trailing dims it normalizes over
+POOLS = {aten.avg_pool1d.default, aten.avg_pool2d.default, aten.max_pool1d.default, aten.max_pool2d.default,
+         aten.max_pool1d_with_indices.default, aten.max_pool2d_with_indices.default, aten.adaptive_avg_pool1d.default,
+         aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool1d.default, aten.upsample_nearest1d.vec,
+         aten.upsample_linear1d.vec}  # (x (B, C, *spatial), ...): over the spatial dims
+SPACED = {aten.linspace.default: 2, aten.logspace.default: 2}  # op -> where its count of points is
+
+
+CHECKED = SCANS | PICKS | REDUCTIONS | MOVES.keys() | CONVOLUTIONS | PRODUCTS.keys()  # by the checks above
+SKIPPED_NUMBERS = FUSED | {aten.scaled_dot_product_attention.default}
+
+
+def _check_no_other_sequence_op(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind], local: int,
+                                batches: set[int] | None) -> None:
+    """What the lists above leave: any other op taking a dim (``dim``, ``dims``, ``dimension`` in its schema:
+    a softmax, a variance, a norm, a difference along the tokens) given a sequence dim of the local length, a
+    layer norm over one, a pooling over the tokens, and points spaced over the local length (``linspace``)."""
+    for node in graph.nodes:
+        if node not in live or not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+            continue  # (autopar's own ops are the rewrites' and compute on the whole sequence where they must)
+        if node.target in SPACED:
+            if node.args[SPACED[node.target]] == local:
+                raise refused(node, f"it spaces {local} points, the local sequence length: on a cp rank they would "
+                                    f"be the rank's chunks' own, not the sequence's; run without cp")
+            continue
+        x = node.args[0] if node.args else None
+        if node.target in ALONG_DIM_IS_LOCAL | CHECKED or not isinstance(x, fx.Node) or model_state(x, kinds) or \
+                not isinstance(x.meta.get("val"), torch.Tensor):
+            continue
+        shape = tuple(x.meta["val"].shape)
+        if not _batch_first(shape, batches):
+            continue
+        dims = {d for d in sequence_dims(shape) if shape[d] == local}
+        if node.target in NORMS or node.target in POOLS:  # over trailing dims, the sequence's wherever it is
+            first = len(shape) - len(node.args[NORMS[node.target]]) if node.target in NORMS else 2
+            over = {d for d in range(max(first, 1), len(shape)) if shape[d] == local}
+        else:
+            over = set(_dims_argument(node, len(shape))) & dims
+        if over:
+            raise refused(node, f"it computes along dim {min(over)}, of the local sequence length {local} (a "
+                                f"softmax, variance, norm, pooling or difference over the tokens): on a cp rank it "
+                                f"sees the rank's chunks only; run without cp")
+
+
+def _dims_argument(node: fx.Node, rank: int) -> list[int]:
+    """The dims ``node``'s op is given by name (``dim``, ``dims``, ``dimension``), made non-negative."""
+    found: list[int] = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name not in ("dim", "dims", "dimension"):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else []
+        found += [v % rank for v in values if isinstance(v, int) and rank]
+    return found
+
+
+def check_same_numbers(whole: fx.GraphModule, local: fx.GraphModule) -> None:
+    """Refuses a number the model computes from the sequence's length (``x * (S / 8)``, ``S ** -0.5``): the
+    rank's capture, on its ``local`` tokens, holds the local length's. Found where the two captures run the same
+    ops in the same order (``difflib``'s matching runs of ops; the rank's may hold more, such as its loss divided
+    by the global count): a float argument, or an integer argument of a pointwise op, that differs between them.
+    (Lengths given as shapes are the rank's to differ.)"""
+    ops = [[n for n in gm.graph.nodes if n.op == "call_function"] for gm in (whole, local)]
+    runs = difflib.SequenceMatcher(None, *[[str(n.target) for n in nodes] for nodes in ops], autojunk=False)
+    pairs = [(ops[0][i + k], ops[1][j + k]) for i, j, size in runs.get_matching_blocks() for k in range(size)]
+    for w, n in pairs:
+        if n.target in SKIPPED_NUMBERS or len(w.args) != len(n.args) or w.kwargs.keys() != n.kwargs.keys():
+            continue  # (an attention's mask may be folded to ``is_causal`` on a chunk: ``same_attention``'s)
+        pointwise = isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+        for a, b in zip([*w.args, *w.kwargs.values()], [*n.args, *[n.kwargs[k] for k in w.kwargs]]):
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or a == b or (a != a and b != b):
+                continue
+            if isinstance(b, float) or pointwise:
+                raise refused(n, f"it takes {b} on a rank's chunks but {a} on whole sequences: a number computed "
+                                 f"from the sequence's length, which a cp rank's capture sees as its local length; "
+                                 f"pass it as an input or a constant, or run without cp")
 
 
 def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:

@@ -10,8 +10,10 @@ Gemma-2's (``harness/exactness.py``). A few cases run by default, the grid under
 Context parallelism refuses, naming the node, what a cp rank's chunks cannot compute alone: RoBERTa's positions
 (a ``cumsum`` of the padding mask over the sequence), a classifier's first token (BERT's pooler) and a mean over
 each sequence's tokens (ModernBERT's mean pooling), Mamba's convolution and scan, a roll, gather, scatter, sort,
-flip, split, unfold, narrow or convolution over the tokens, a product summing over them and a view folding them
-into blocks; each trained silently wrong before. A router's softmax over as
+flip, split, unfold, narrow or convolution over the tokens, a product summing over them, a view folding them
+into blocks, any other op given a sequence dim (softmax, variance, norm, difference), a layer norm or pooling
+over the tokens, points spaced over their length and a number computed from it; each trained silently wrong
+before. A router's softmax over as
 many experts as a rank's tokens is not taken for an attention.
 """
 from __future__ import annotations
@@ -97,7 +99,7 @@ def test_mamba_is_refused_under_cp() -> None:
 
 
 def _positions(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return (ids % ids.shape[1])[..., None].expand(-1, -1, x.shape[-1])
+    return (ids % 4)[..., None].expand(-1, -1, x.shape[-1])  # (4: a cp=2 rank's tokens of 8)
 
 
 MIXERS = {  # kind -> (x (B, S, 16), ids (B, S)) -> (B, S, 16), and the op refused
@@ -172,6 +174,40 @@ def test_a_view_folding_the_sequence_into_blocks_is_refused_under_cp() -> None:
 def test_a_narrow_inside_the_sequence_is_refused_under_cp() -> None:
     with pytest.raises(UnsupportedError, match=r"node narrow .*slices \[1:4\] along a dim of the local sequence"):
         _compile_cp(SequenceMixer("narrow"), TARGET)
+
+
+ALONG = {  # kind -> (x (B, S, 16)) -> (B, S, 16): an op computing along the tokens, and the op refused
+    "softmax": (lambda x: x * torch.softmax(x, dim=1), "softmax"),
+    "var": (lambda x: x + x.var(1, keepdim=True), "var"),
+    "norm": (lambda x: x / x.norm(dim=1, keepdim=True), "linalg_vector_norm"),
+    "diff": (lambda x: x + F.pad(x.diff(dim=1), (0, 0, 1, 0)), "diff"),
+    "pool": (lambda x: x + F.avg_pool1d(x.transpose(1, 2), 3, 1, 1).transpose(1, 2), "avg_pool1d"),
+    "layer_norm": (lambda x: F.layer_norm(x.transpose(1, 2), (x.shape[1],)).transpose(1, 2), "layer_norm"),
+    "linspace": (lambda x: x + torch.linspace(0, 3, x.shape[1], dtype=x.dtype)[None, :, None], "linspace"),
+    "length": (lambda x: x * (x.shape[1] / 8), "mul"),  # a number from the sequence's length
+}
+
+
+class AlongTheTokens(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.op = ALONG[kind][0]
+        self.emb = torch.nn.Embedding(96, 16, dtype=torch.float64)
+        self.head = torch.nn.Linear(16, 96, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.op(self.emb(ids))))
+
+
+@pytest.mark.parametrize("kind", ALONG)
+def test_an_op_computing_along_the_sequence_is_refused_under_cp(kind: str) -> None:
+    """A softmax, variance, norm, difference, pooling or layer norm over the tokens, points spaced over the
+    sequence's length and a number computed from it: each accepted and trained silently wrong on the chunks
+    before (outputs off by 0.2-0.9); refused, naming the op."""
+    with pytest.raises(UnsupportedError, match=rf"node {ALONG[kind][1]} .*(computes along dim \d, of the local "
+                                               rf"sequence length 4|spaces 4 points|takes 0.5 on a rank's chunks "
+                                               rf"but 1.0 on whole sequences)"):
+        _compile_cp(AlongTheTokens(kind), TARGET)
 
 
 def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -> None:
