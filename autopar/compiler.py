@@ -37,7 +37,8 @@ from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
 from autopar.program import (
-    Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_supported,
+    Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_buffer_updates,
+    check_supported,
     initial_plan, optimizer_state_factor, rank_expert_bytes, rank_gradient_buckets, rank_parameter_bytes,
     split_backward, step_schedule, whole_graph_stage,
 )
@@ -100,6 +101,7 @@ def _capture(c: Compilation) -> None:
         c.captured = _export(c, c.local)
     except CaptureError as e:
         raise _cp_capture_error(c, e) from e
+    check_buffer_updates(c.captured, c.mesh, c.options)
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
     c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"

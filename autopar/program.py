@@ -205,6 +205,24 @@ def check_supported(mesh: Mesh, options: Options) -> None:
         check_context_parallel(mesh, options)
 
 
+def check_buffer_updates(captured: Captured, mesh: Mesh, options: Options) -> None:
+    """Refuses a model that updates buffers in forward (a step counter, BatchNorm's running statistics in train
+    mode) where the runtime would update them otherwise than one device does: once per step on the whole batch.
+    Under a pipeline a buffer lives on one stage's rank while others may read it; with microbatches each
+    microbatch's forward updates it again."""
+    updated = captured.updated_buffers
+    if not updated or (mesh.pp == 1 and options.microbatches == 1):
+        return
+    names = ", ".join(updated[:4]) + (f" and {len(updated) - 4} more" if len(updated) > 4 else "")
+    if mesh.pp > 1:
+        raise UnsupportedError(f"{mesh}: the model updates buffers in forward ({names}), which pipelines do not "
+                               f"support; use pp=1, or put the modules that update them in eval mode")
+    raise UnsupportedError(f"microbatches={options.microbatches}: the model updates buffers in forward ({names}), "
+                           f"which each microbatch's forward would update again, where one device updates them "
+                           f"once per step on the whole batch; pass microbatches=1, or put the modules that "
+                           f"update them in eval mode")
+
+
 def check_context_parallel(mesh: Mesh, options: Options) -> None:
     """Context parallelism composes with dp, ZeRO 1-3 (sharded over dp x cp, or dp_shard x cp under hybrid
     sharding), mixed precision, recomputation, tp and pp; what it does not compose with is refused by name."""

@@ -15,7 +15,9 @@ bracket ops, which stay outside (a prefetch replayed in backward would gather a
 layer nobody needs). The layer's all-gather is inside, so backward gathers the
 layer again, as ZeRO-3 does without recomputation; a region whose inputs are
 views of another layer's gathered parameters (freed after their forward use)
-is not recomputed, and ``Recomputed.skipped`` says so.
+is not recomputed, and ``Recomputed.skipped`` says so; nor is one that updates
+a graph input in place (a buffer updated in forward, which a second run would
+update again) or reads one that a later operator updates.
 
 Invariant: the rewritten graph computes what ``gm`` computes, value for value:
 the same operators on the same inputs, random numbers drawn again from the
@@ -34,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import zero_ops as _declared  # noqa: F401  (declares the autopar::zero_* ops)
+from autopar.core.buffer_writes import storage_of, written_arguments
 from autopar.core.expert_ops import ExpertParallel
 from autopar.core.graph import origin
 from autopar.core.recompute_modes import COMMUNICATING, Recompute
@@ -95,7 +98,7 @@ def recompute(gm: fx.GraphModule, mode_of: Callable[[str], str]) -> Recomputed:
                    for la, mode in modes.items() if mode != "none"}
         for la, nodes in members.items():
             _check_replayable(la, nodes, modes[la])
-            why = _reads_other_gathers(nodes)
+            why = _reads_other_gathers(nodes) or _updates_placeholders(gm, nodes)
             if why:
                 skipped[la] = why
         cyclic = set() if skipped.keys() & members.keys() else _order(gm, members)[1]
@@ -132,6 +135,27 @@ def _reads_other_gathers(nodes: list[fx.Node]) -> str:
             if source not in members and source.target is gather:
                 return (f"it reads parameters ZeRO-3 gathers outside it ({arg.name}), which are freed after their "
                         "forward use")
+    return ""
+
+
+def _updates_placeholders(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
+    """Why a region cannot recompute: it writes a graph input in place (a buffer updated in forward), which
+    running it again in backward would write twice, or it reads one that a later operator writes ("" if none)."""
+    members = set(nodes)
+    for n in nodes:
+        for value in written_arguments(n):
+            if storage_of(value).op == "placeholder":
+                return (f"it updates {storage_of(value).name} in place in forward ({n.name}), which backward "
+                        "would update again")
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written = {storage_of(v): w for w in gm.graph.nodes if w not in members for v in written_arguments(w)}
+    end = max(position[n] for n in nodes)
+    for n in nodes:
+        for arg in n.all_input_nodes:
+            source = storage_of(arg)
+            if source.op == "placeholder" and source in written and position[written[source]] > end:
+                return (f"it reads {source.name}, which {written[source].name} updates in place after it in "
+                        "forward")
     return ""
 
 

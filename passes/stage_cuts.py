@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.core.errors import UnsupportedError
 from autopar.core.graph import PREFIX, Boundary, Captured, Slot, SlotKind, StageGraph
 from autopar.passes.cost import annotate_costs, requires_grad, tensor_bytes
 from autopar.passes.lazy_module import graph_module
@@ -157,11 +158,9 @@ def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, 
 
 def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) -> list[StageGraph]:
     """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads."""
-    if cap.mutated_buffers:
-        raise NotImplementedError(
-            f"the model updates buffers in forward ({cap.mutated_buffers[:3]}), which pipelines do not support yet; "
-            "use pp=1 or a model without running statistics"
-        )
+    if cap.updated_buffers:
+        raise UnsupportedError(f"the model updates buffers in forward ({', '.join(cap.updated_buffers[:3])}), which "
+                               f"pipelines do not support; use pp=1, or put the modules that update them in eval mode")
     gm = cap.gm
     n = len(split_points) + 1
     stage = assign_stages(gm, split_points)

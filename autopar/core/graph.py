@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.core.buffer_writes import written_placeholders
 from autopar.core.loss_count import LossCounts
 
 PREFIX = "model."  # the attribute capture's wrappers keep the user's model under
@@ -65,6 +66,15 @@ class Captured:
     @property
     def param_names(self) -> list[str]:
         return [s.name for s in self.slots if s.kind is SlotKind.PARAM]
+
+    @property
+    def updated_buffers(self) -> list[str]:
+        """Every buffer the forward updates: those returned as new values (``mutated_buffers``) and those the
+        graph writes in place (an ``add_`` on the placeholder or a view of it, BatchNorm's running statistics)."""
+        written = written_placeholders(self.gm)
+        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        in_place = [s.name for n, s in zip(nodes, self.slots) if s.kind is SlotKind.BUFFER and n in written]
+        return list(dict.fromkeys([*self.mutated_buffers, *in_place]))
 
     def placeholders(self, kind: SlotKind) -> list[fx.Node]:
         nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
