@@ -130,3 +130,16 @@ def test_recomputation_keeps_the_layers_that_update_buffers(launcher, block: typ
     assert_equivalent(lambda: stack(block), mesh, (X,), Y, models.mse, models.adamw, steps=2, rtol=1e-9,
                       atol=1e-10, launcher=launcher, recompute=mode)
 
+
+
+def test_the_planner_marks_pipelines_and_microbatches_not_runnable_for_such_a_model() -> None:
+    """``parallelize(model, "auto")`` runs the best runnable plan: one with pp > 1 or microbatches for a model that
+    updates buffers would be refused, so the planner says why and does not offer it."""
+    from autopar.planner import plan
+
+    result = plan(stack(CountedBlock), 4, cluster="cpu", global_batch=8, example_inputs=(X,), precision="fp64",
+                  top=None)
+    assert result.profile.updated_buffers == ("layers.0.n", "layers.1.n")
+    staged = [c for c in result.candidates if c.config.pp > 1 or c.config.microbatches > 1]
+    assert staged and all("updates buffers in forward (layers.0.n, layers.1.n)" in c.not_runnable for c in staged)
+    assert any(not c.not_runnable for c in result.candidates)

@@ -52,8 +52,9 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture import capture
+from autopar.core.buffer_writes import written_placeholders
 from autopar.core.comm import OPS
-from autopar.core.graph import SlotKind, tied_aliases
+from autopar.core.graph import PREFIX, SlotKind, tied_aliases
 from autopar.planner.example_inputs import model_inputs
 from autopar.planner.expert_cost import ExpertProfile, expert_profile, grouped_while_profiling
 from autopar.planner.fake_cpu import as_fake_cpu, fake_inputs
@@ -142,6 +143,7 @@ class ModelProfile:
     attention_heads: int = 0  # the heads every attention's query, key and value divide into (their gcd); 0: none
     masked_attention: bool = False  # some attention takes a mask tensor (padding, windows, biases)
     eager_attention: str = ""  # a node relating the sequence to itself outside scaled_dot_product_attention ("": none)
+    updated_buffers: tuple[str, ...] = ()  # the buffers its forward updates (``program.check_buffer_updates``)
 
     def sequence(self) -> list[Segment]:
         """Segments as they run: the head, every layer (repeats expanded), the tail."""
@@ -202,7 +204,9 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
     # a meta model is captured as a fake CPU one; experts written as a loop as one grouped matmul (routed FLOPs)
     with as_fake_cpu(model) as mode, shortened(model, lists), grouped_while_profiling(model):
         args, kwargs = fake_inputs((args, kwargs), mode)
-        analysis = _Analysis(model, dynamic_export(model, args, kwargs, sequence), sequence, lists, distinct)
+        exported = dynamic_export(model, args, kwargs, sequence)
+        updated = updated_buffers(exported)
+        analysis = _Analysis(model, exported, sequence, lists, distinct)
         sizes = [1]
         for n in sorted(set(tp_sizes) - {1}):
             try:
@@ -216,7 +220,16 @@ def profile_model(model: torch.nn.Module, *, example_inputs: tuple | None = None
                         dtype=next(iter(params.values())).dtype if params else torch.float32,
                         has_sequence=sequence, notes=notes, experts=expert_profile(model),
                         attention_heads=attention_heads(analysis.gm), masked_attention=masked_attention(analysis.gm),
-                        eager_attention=eager_attention(analysis.gm) if sequence else "")
+                        eager_attention=eager_attention(analysis.gm) if sequence else "", updated_buffers=updated)
+
+
+def updated_buffers(exported: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """The buffers ``exported``'s forward updates (``dynamic_export``'s): returned as mutations, or written in
+    place."""
+    sig = exported.graph_signature
+    written = [sig.inputs_to_buffers.get(p.name) for p in written_placeholders(exported.graph_module)]
+    names = [*sig.buffers_to_mutate.values(), *filter(None, written)]
+    return tuple(dict.fromkeys(n.removeprefix(PREFIX) for n in names))  # (as the model names them)
 
 
 def attention_heads(gm: torch.fx.GraphModule) -> int:

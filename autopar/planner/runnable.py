@@ -18,6 +18,9 @@ def not_runnable(config: Config, prec: Precision, profile: ModelProfile) -> str:
         return why
     if config.cp > 1 and (why := context_parallel_refused(config, prec, profile)):
         return why
+    if profile.updated_buffers and (config.pp > 1 or config.microbatches > 1):
+        return (f"the model updates buffers in forward ({', '.join(profile.updated_buffers[:2])}), which autopar "
+                f"runs with pp=1 and one microbatch only (program.check_buffer_updates)")
     if prec.name in ("bf16", "mixed") and profile.dtype == torch.float32:
         return ""  # precision="bf16" (the fp32 parameters are the masters) or "mixed" (masters in the optimizer)
     if prec != precision_of(profile.dtype):
