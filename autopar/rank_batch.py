@@ -68,7 +68,7 @@ def rank_inputs(program: Program, batch: Any, rt: RankRuntime, mesh: Mesh, micro
         total = sum(counts.count(flat) for flat in parts)
         if rt.groups["dp"] is not None:
             dist.all_reduce(total, group=rt.groups["dp"])
-        extra = [(t / (mesh.dp * microbatches)).to(dtype=d) for t, d in zip(total, counts.dtypes)]
+        extra = counts.per_part(total, mesh.dp * microbatches)
     if mesh.cp > 1:  # this cp rank's chunks of every sequence, labels shifted on the whole sequence first
         parts = [cp_shard(shift_left(flat, program.cp_shifted), mesh.cp, rt.groups.coords.cp) for flat in parts]
     mine = parts if mode == "local" else parts[rt.groups.coords.dp * microbatches:][:microbatches]

@@ -33,6 +33,42 @@ def masked_mean(out: object, target: torch.Tensor) -> torch.Tensor:
     return (losses * mask).sum() / mask.sum()
 
 
+def _token_losses(out: object, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's cross-entropy (B*S,) and the float mask of the counted tokens (B*S,)."""
+    logits = out.logits.flatten(0, 1)  # (B*S, V)
+    mask = (target != -100).flatten().to(logits.dtype)
+    return F.cross_entropy(logits, target.flatten().clamp(min=0), reduction="none"), mask
+
+
+def clamped_mean(out: object, target: torch.Tensor) -> torch.Tensor:
+    """The masked mean kept finite on a batch without counted tokens."""
+    losses, mask = _token_losses(out, target)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+
+def at_least_one_mean(out: object, target: torch.Tensor) -> torch.Tensor:
+    losses, mask = _token_losses(out, target)
+    return (losses * mask).sum() / torch.maximum(mask.sum(), torch.tensor(1.0, dtype=mask.dtype))
+
+
+def shifted_mean(out: object, target: torch.Tensor) -> torch.Tensor:
+    """A count with a constant added: one for the whole batch, not one per part."""
+    losses, mask = _token_losses(out, target)
+    return (losses * mask).sum() / (mask.sum() + 1)
+
+
+def mean_over_mean(out: object, target: torch.Tensor) -> torch.Tensor:
+    """The masked mean as a ratio of means (the numbers of elements cancel)."""
+    losses, mask = _token_losses(out, target)
+    return (losses * mask).mean() / mask.mean()
+
+
+def selected_mean(out: object, target: torch.Tensor) -> torch.Tensor:
+    """The mean of the token losses a boolean mask selects."""
+    losses, mask = _token_losses(out, target)
+    return losses[mask.bool()].mean()
+
+
 def square_mean(out: object, target: torch.Tensor) -> torch.Tensor:
     """A mean over a fixed number of elements: every part weighs the same."""
     return out.logits.pow(2).mean()
@@ -47,6 +83,13 @@ CASES = {
     "dp2-masked-mean-zero1": (Mesh(dp=2), masked_mean, models.sgd, {"zero": 1}),
     "pp2-1f1b": (Mesh(pp=2), models.lm_loss, models.sgd, {"schedule": "1f1b", "microbatches": 2}),
     "dp2-tp2-vocab-parallel-zero3": (Mesh(dp=2, tp=2), models.lm_loss, models.adamw, {"zero": 3}),
+    "dp2-clamped-count": (Mesh(dp=2), clamped_mean, models.adamw, {}),
+    "dp2-maximum-count": (Mesh(dp=2), at_least_one_mean, models.sgd, {}),
+    "dp2-shifted-count": (Mesh(dp=2), shifted_mean, models.sgd, {}),
+    "dp2-mean-over-mean": (Mesh(dp=2), mean_over_mean, models.adamw, {}),
+    "dp2-boolean-index-mean": (Mesh(dp=2), selected_mean, models.adamw, {}),
+    "pp2-1f1b-clamped-count": (Mesh(pp=2), clamped_mean, models.sgd, {"schedule": "1f1b", "microbatches": 2}),
+    "cp2-clamped-count": (Mesh(cp=2), clamped_mean, models.sgd, {}),
 }
 SLOW_CASES = {
     "dp2-zero2-microbatches": (Mesh(dp=2), models.lm_loss, models.adamw, {"zero": 2, "microbatches": 2}),
@@ -121,3 +164,26 @@ def test_a_count_it_cannot_divide_out_is_named() -> None:
                     optimizer=models.sgd)
     text = " ".join(str(w.message) for w in caught)
     assert "cross_entropy_loss" in text and "not an affine part" in text, text
+
+
+def test_a_clamp_applies_to_the_whole_batch_s_count() -> None:
+    """A part with no counted token is not clamped to 1 on its own: the clamp is one device's, on the sum."""
+    counts = parallelize(gpt2(), Mesh(dp=2), example_inputs=(IDS,), example_target=PADDED, loss_fn=clamped_mean,
+                         optimizer=models.sgd).compile((IDS,), {}, PADDED).captured.counts
+    assert float(counts.count([IDS[:1], PADDED[:1]])[0]) == 0  # row 0 counts none
+    assert [float(c) for c in counts.per_part(torch.zeros(1, dtype=torch.float64), 4)] == [0.25]
+    assert [float(c) for c in counts.per_part(torch.full((1,), 6.0, dtype=torch.float64), 4)] == [1.5]
+
+
+def test_a_division_by_an_unrecognized_count_is_named() -> None:
+    """A mean over the part's elements divided by the count: each part would divide by its own."""
+    def mean_over_count(out: object, target: torch.Tensor) -> torch.Tensor:
+        losses, mask = _token_losses(out, target)
+        return (losses * mask).mean() / mask.sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize(gpt2(), Mesh(dp=2), example_inputs=(IDS,), example_target=PADDED, loss_fn=mean_over_count,
+                    optimizer=models.sgd).compile((IDS,), {}, PADDED)
+    text = " ".join(str(w.message) for w in caught)
+    assert "divides by sum" in text and "not a count" in text, text

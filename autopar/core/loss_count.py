@@ -7,8 +7,10 @@ parts with fewer counted items would weigh as much as full ones. The capture
 pass ``passes/global_count.py`` rewrites each such term ``num / count`` into
 ``num / c`` where ``c`` is a new input of the graph, and keeps the graph that
 computes ``count`` from the user inputs as ``LossCounts``. The runtime feeds
-every part ``c = (count summed over all parts) / parts``: the parts' losses,
-averaged with equal weight as autopar averages them, then sum to
+every part ``c = finish(count summed over all parts) / parts``, where
+``finish`` applies the scalar ops the loss applies to its count (a clamp, a
+constant added) to the whole batch's count as one device does: the parts'
+losses, averaged with equal weight as autopar averages them, then sum to
 ``num over the whole batch / count over the whole batch``, and so do their
 gradients.
 """
@@ -28,6 +30,12 @@ class LossCounts:
     gm: fx.GraphModule
     dtypes: list[torch.dtype]  # the dtype of the graph input ``c`` each count feeds
     sources: list[str]  # the loss node each count normalizes (for the plan and errors)
+    finish: fx.GraphModule | None = None  # (total_0, ...) -> the loss's counts of the whole batch, float64
+
+    def per_part(self, total: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """What each of ``parts`` parts feeds the count inputs, from ``total``, the counts summed over them."""
+        finished = self.finish(*total) if self.finish is not None else total
+        return [(t.double() / parts).to(dtype=dtype) for t, dtype in zip(finished, self.dtypes)]
 
     def count(self, flat_inputs: list[Any]) -> torch.Tensor:
         """The counts of one part, float64, stacked."""
@@ -36,4 +44,4 @@ class LossCounts:
     def inputs(self, parts: list[list[Any]], device: torch.device | str) -> list[torch.Tensor]:
         """What every part feeds the graph's count inputs: each count over all ``parts``, over ``len(parts)``."""
         total = sum(self.count(flat).cpu() for flat in parts)
-        return [(t / len(parts)).to(device=device, dtype=dtype) for t, dtype in zip(total, self.dtypes)]
+        return [t.to(device=device) for t in self.per_part(total, len(parts))]
