@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import Placement, Shard
 
 from autopar.capture import Captured, capture
@@ -27,6 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
+from autopar.passes.batch_checks import check_samples_apart
 from autopar.passes.context_checks import check_same_numbers
 from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
@@ -102,9 +104,22 @@ def _capture(c: Compilation) -> None:
     except CaptureError as e:
         raise _cp_capture_error(c, e) from e
     check_buffer_updates(c.captured, c.mesh, c.options)
+    _check_samples_apart(c)
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
     c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+
+
+def _check_samples_apart(c: Compilation) -> None:
+    """Where dp ranks or microbatches split the batch, no op of the captured graph computes along the samples
+    (``passes/batch_checks.py``)."""
+    m = c.options.microbatches
+    split = " and ".join(([f"dp={c.mesh.dp}"] if c.mesh.dp > 1 else []) + ([f"microbatches={m}"] if m > 1 else []))
+    batch = next((x.shape[0] for x in pytree.tree_leaves(c.local[:2]) if isinstance(x, torch.Tensor) and x.dim()), 0)
+    if split:
+        graph = c.captured.gm.graph
+        kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in c.captured.slots]))
+        check_samples_apart(graph, kinds, batch, split)
 
 
 def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:

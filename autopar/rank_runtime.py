@@ -19,7 +19,7 @@ from autopar.options import Options
 from autopar.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
-from autopar.runtime.master import Masters, build_optimizer
+from autopar.runtime.master import Masters, build_optimizer, check_groups_unsharded
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
@@ -59,6 +59,8 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         names = {id(p): n for n, p in model.named_parameters()}
         masters = Masters(params, [values[names[id(p)]] for p in params])
     if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
+        names = {id(p): n for n, p in model.named_parameters()}
+        check_groups_unsharded(options.optimizer, params, [full_shapes.get(names[id(p)], p.shape) for p in params])
         opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None and experts:

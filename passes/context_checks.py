@@ -125,7 +125,7 @@ def _check_no_sequence_reads(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx
             continue
         shape = tuple(node.args[0].meta["val"].shape)
         dims = {d for d in sequence_dims(shape) if shape[d] == local} if _batch_first(shape, batches) else set()
-        moved = _moved_dims(node, shape, local) if _batch_first(shape, batches) else []
+        moved = moved_dims(node, shape, local) if _batch_first(shape, batches) else []
         if moved and (node.target in CONVOLUTIONS or set(moved) & dims):
             raise refused(node, f"it moves or orders values along dim {moved[0]}, of the local sequence length "
                                 f"{local} (a roll, gather, scatter, sort, flip, split, unfold or convolution over "
@@ -171,7 +171,7 @@ def _check_no_sequence_contraction(graph: fx.Graph, live: set[fx.Node], kinds: d
     for node in graph.nodes:
         if node not in live or node.target not in PRODUCTS.keys() | {aten.einsum.default}:
             continue
-        for factor, dim in _summed(node):
+        for factor, dim in summed(node):
             if not isinstance(factor, fx.Node) or model_state(factor, kinds):
                 continue
             shape = tuple(factor.meta["val"].shape)
@@ -203,7 +203,7 @@ def _check_no_sequence_fold(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.
                                 f"blocks: on a cp rank a block can hold tokens of two chunks; run without cp")
 
 
-def _summed(node: fx.Node) -> list[tuple[object, int]]:
+def summed(node: fx.Node) -> list[tuple[object, int]]:
     """The (factor, dim) pairs a matrix product or an einsum sums over."""
     if node.target is aten.einsum.default:
         equation, factors = node.args[0].replace(" ", ""), node.args[1]
@@ -270,14 +270,14 @@ def _check_no_other_sequence_op(graph: fx.Graph, live: set[fx.Node], kinds: dict
             first = len(shape) - len(node.args[NORMS[node.target]]) if node.target in NORMS else 2
             over = {d for d in range(max(first, 1), len(shape)) if shape[d] == local}
         else:
-            over = set(_dims_argument(node, len(shape))) & dims
+            over = set(dims_argument(node, len(shape))) & dims
         if over:
             raise refused(node, f"it computes along dim {min(over)}, of the local sequence length {local} (a "
                                 f"softmax, variance, norm, pooling or difference over the tokens): on a cp rank it "
                                 f"sees the rank's chunks only; run without cp")
 
 
-def _dims_argument(node: fx.Node, rank: int) -> list[int]:
+def dims_argument(node: fx.Node, rank: int) -> list[int]:
     """The dims ``node``'s op is given by name (``dim``, ``dims``, ``dimension``), made non-negative."""
     found: list[int] = []
     for i, arg in enumerate(node.target._schema.arguments):
@@ -311,7 +311,7 @@ def check_same_numbers(whole: fx.GraphModule, local: fx.GraphModule) -> None:
                                  f"pass it as an input or a constant, or run without cp")
 
 
-def _moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
+def moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
     """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
     the local length that its kernel spans (wider than 1)."""
     if node.target in CONVOLUTIONS:

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.core.errors import UnsupportedError
+
 
 class Masters:
     """Float32 copies of the tensors the optimizer steps, in the same order."""
@@ -90,3 +92,33 @@ def build_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
     if masters is None:
         return factory(params)
     return MasterOptimizer(masters, factory)
+
+
+
+def check_groups_unsharded(factory: Callable[[list], Any], params: list[torch.Tensor],
+                           full: list[tuple[int, ...]]) -> None:
+    """Refuses a ``factory`` that groups this rank's tp shards ``params`` otherwise than the whole parameters
+    (shapes ``full``): its groups read the shapes (``numel() >= n``), which tp changed, so a shard would train
+    with another group's settings than on one device. (A factory that cannot build on meta tensors is not
+    checked.)"""
+    local = [tuple(p.shape) for p in params]
+    if local == [tuple(f) for f in full]:
+        return
+
+    def groups(shapes: list[tuple[int, ...]]) -> list[int]:
+        made = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in shapes]
+        where = {id(p): i for i, g in enumerate(factory(made).param_groups) for p in g["params"]}
+        return [where.get(id(p), -1) for p in made]
+
+    try:
+        mine, whole = groups(local), groups([tuple(f) for f in full])
+    except Exception:  # noqa: BLE001 - a factory that needs real tensors: no claim
+        return
+    moved = [i for i, (a, b) in enumerate(zip(mine, whole)) if a != b]
+    if moved:
+        i = moved[0]
+        raise UnsupportedError(f"the optimizer puts parameter {i} (shape {tuple(full[i])}, this tp rank's shard "
+                               f"{local[i]}) in group {mine[i]} on the shard but in group {whole[i]} on the whole "
+                               f"parameter: its groups read the parameters' shapes, which tensor parallelism "
+                               f"shards; group by what a shard keeps (p.dim(), or the parameter's identity) or run "
+                               f"without tp")

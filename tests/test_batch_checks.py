@@ -1,0 +1,94 @@
+"""Where dp ranks or microbatches split the batch, an op computing along the samples is refused by name: each
+share sees its own samples only, and each of these trained silently wrong before (a softmax over the batch on
+dp=2: outputs off by 1.5; centering by the batch mean on pp=2 with two microbatches: off by 0.46; a pairwise
+distance loss on dp=2: loss 5.836 against one device's 5.660). Per-sample ops (a label's logit picked by
+``arange`` over the flattened tokens) and ops along other dims are not refused, and the check stays off where
+nothing splits the batch (tp=2)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+from autopar import Mesh, UnsupportedError, parallelize
+from autopar.testing import assert_equivalent
+from harness.exactness import IDS, TARGET
+
+
+class Mixer(nn.Module):
+    """An embedding, one op over the samples (``kind``), a head."""
+
+    def __init__(self, kind: str = "") -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.fc, self.head = nn.Embedding(96, 16), nn.Linear(16, 16), nn.Linear(16, 96)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)  # (B, S, 16)
+        if self.kind == "softmax":
+            x = x * torch.softmax(x.sum(-1, keepdim=True), dim=0)
+        elif self.kind == "center":
+            x = x - x.mean(0, keepdim=True)
+        return self.head(torch.tanh(self.fc(x)))
+
+
+def make(kind: str = "") -> nn.Module:
+    torch.manual_seed(0)
+    return Mixer(kind).double()
+
+
+def ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, 96), t.reshape(-1))
+
+
+def pairwise(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    z = out.mean(1)  # (B, 96)
+    return ce(out, t) + torch.cdist(z, z).mean()
+
+
+def contrastive(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(out.mean(1), dim=-1)
+    return ce(out, t) + F.cross_entropy(z @ z.T, torch.arange(z.shape[0]))
+
+
+def gram(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    z = out.mean(1)
+    return ce(out, t) + (z.T @ z).pow(2).mean()
+
+
+def first(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ce(out, t) + out[0].pow(2).mean()
+
+
+def picked(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    flat = out.reshape(-1, 96).log_softmax(-1)
+    return -flat[torch.arange(flat.shape[0]), t.reshape(-1)].mean()
+
+
+@pytest.mark.parametrize("kind, loss, mesh, options, match", [
+    ("softmax", ce, Mesh(dp=2), {}, r"dp=2 splits the batch, and node softmax .* computes along the samples"),
+    ("center", ce, Mesh(pp=2), {"microbatches": 2},
+     r"microbatches=2 splits the batch, and node mean .* reduces over the samples but not over every dim"),
+    ("", pairwise, Mesh(dp=2), {}, r"node cdist .* relates the samples to each other"),
+    ("", contrastive, Mesh(dp=2), {}, r"node matmul .* relates the samples to each other"),
+    ("", gram, Mesh(dp=2), {}, r"node matmul .* sums over the samples"),
+    ("", first, Mesh(dp=2), {}, r"node select .* takes one sample: on each share of 4 samples"),
+], ids=["softmax", "center", "cdist", "contrastive", "gram", "first"])
+def test_an_op_along_the_samples_is_refused_where_the_batch_is_split(kind: str, loss, mesh: Mesh, options: dict,
+                                                                     match: str) -> None:
+    pm = parallelize(make(kind), mesh, loss_fn=loss, optimizer=models.adamw, **options)
+    with pytest.raises(UnsupportedError, match=match):
+        pm.compile((IDS,), {}, TARGET)
+
+
+def test_the_same_op_runs_where_nothing_splits_the_batch() -> None:
+    parallelize(make("center"), Mesh(tp=2), loss_fn=ce, optimizer=models.adamw).compile((IDS,), {}, TARGET)
+
+
+def test_a_label_picked_per_token_is_exact_on_dp2(launcher) -> None:
+    assert_equivalent(functools.partial(make, ""), Mesh(dp=2), (IDS,), TARGET, picked, models.adamw, steps=2,
+                      rtol=1e-9, atol=1e-10, launcher=launcher)
