@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture_cache import EXPORTS, Export, split_outputs
 from autopar.export_key import export_key
 from autopar.core.errors import CaptureError
+from autopar.core.grad_regions import inline_grad_regions
 from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
 from autopar.experts import loop_over_all_experts
 from autopar.export_files import exported
@@ -198,6 +199,7 @@ def _from_exported(ep: Export) -> Captured:
             raise CaptureError(f"the model mutates something autopar cannot track ({spec.kind.name} {spec.target})",
                                hint="do not assign to inputs inside forward")
     gm = ep.graph_module
+    inline_grad_regions(gm)  # a torch.no_grad() block inside forward, as ops of the graph
     gm.meta["autopar.captured"] = True
     return Captured(gm=gm, slots=slots, mutated_buffers=mutated, out_spec=ep.out_spec, constants=constants)
 
