@@ -126,9 +126,16 @@ def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:
     """``error``, and under cp the inputs that keep the whole sequence in a later dim (a likely cause)."""
     length = sequence_length(c.whole) if c.whole is not None else None
     held = later_sequence_dims(c.whole, length) if length is not None else []
+    local = sequence_length(c.local)
+    if not held and length is not None and local is not None and local < length:
+        return CaptureError(f"torch.export could not capture {type(c.model).__name__} on one cp rank's chunks",
+                            cause=error.cause or error,
+                            hint=f"under cp={c.mesh.cp} each rank is captured on its {local} of the {length} tokens "
+                                 f"of every sequence (dim 1 of each input cut); a layer sized by the sequence's "
+                                 f"length (a Linear over the tokens, a weight of {length} positions read whole) "
+                                 f"cannot run on a chunk; run without cp")
     if not held:
         return error
-    local = sequence_length(c.local)
     inputs = ", ".join(f"the input at {where} of shape {shape}" for where, shape in held)
     return CaptureError(f"torch.export could not capture {type(c.model).__name__} on one cp rank's chunks",
                         cause=error.cause or error,

@@ -215,3 +215,26 @@ def test_a_router_over_as_many_experts_as_local_tokens_runs_under_cp(launcher) -
     each sequence: refused before as an attention over the local sequence; exact."""
     assert_equivalent(models.factory(models.olmoe, layers=1), Mesh(cp=2), (IDS,), TARGET, models.lm_loss,
                       models.adamw, steps=2, rtol=1e-9, atol=1e-10, launcher=launcher)
+
+
+class TokenLinear(torch.nn.Module):
+    """MLP-Mixer's token mixing: a Linear over the 8 positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 16, dtype=torch.float64)
+        self.tok = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(16, 96, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        return self.head(x + self.tok(x.transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_layer_sized_by_the_sequence_fails_capture_with_the_reason_under_cp() -> None:
+    """Capture on a rank's 4 tokens fails in torch's shape check; the error says why (raw before)."""
+    from autopar.core.errors import CaptureError
+
+    with pytest.raises(CaptureError, match=r"(?s)on one cp rank's chunks.*hint: under cp=2 each rank is captured on "
+                                           r"its 4 of the 8 tokens .* a layer sized by the sequence's length"):
+        _compile_cp(TokenLinear(), TARGET)
