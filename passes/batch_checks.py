@@ -20,13 +20,12 @@ import torch.fx as fx
 from autopar.core.errors import UnsupportedError
 from autopar.core.graph import SlotKind, origin
 from autopar.passes.context_checks import (ALONG_DIM_IS_LOCAL, CONVOLUTIONS, MOVES, PRODUCTS, REDUCTIONS,
-                                           SCANS, dims_argument, live_nodes, model_state, moved_dims, summed)
+                                           SCANS, dims_argument, live_nodes, moved_dims, summed)
 
 aten = torch.ops.aten
 DISTANCES = {aten.cdist.default, aten._cdist_forward.default}  # (x1 (P, D), x2 (R, D)) -> (P, R)
-VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
-         aten._unsafe_view.default, aten.detach.default, aten.alias.default, aten.expand.default,
-         aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+            aten.unflatten.int}  # (the tokens flattened, (B * S, H), and back)
 
 
 def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int, split: str) -> None:
@@ -35,10 +34,12 @@ def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: 
     if batch <= 1:
         return  # one sample: nothing to mix
     live = live_nodes(graph)
+    rows, derived = _rows(graph, kinds, batch)
+    samples = {n for n in rows if _dim0(n) == batch}
     for node in graph.nodes:
         if node not in live or not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
             continue
-        why = _along_samples(node, kinds, batch)
+        why = _along_samples(node, samples, derived, batch)
         if why:
             where = f" ({origin(node)})" if origin(node) else ""
             raise UnsupportedError(f"{split} splits the batch, and node {node.name} ({node.target}){where} {why}: "
@@ -47,22 +48,60 @@ def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: 
                                    f"batch (dp=1 and microbatches=1)")
 
 
-def _along_samples(node: fx.Node, kinds: dict[fx.Node, SlotKind], batch: int) -> str:
+def _rows(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(the values whose dim 0 runs over the samples, or over the samples' tokens flattened: the inputs with the
+    batch at dim 0, then what keeps its input's dim 0 or reshapes it by a multiple of the batch; every value
+    computed from the inputs). Sizes that match by chance (as many experts as samples, counted from the tokens)
+    are not the samples."""
+    rows: set[fx.Node] = set()
+    derived: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            if kinds.get(n) is SlotKind.INPUT:
+                derived.add(n)
+                if _dim0(n) == batch:
+                    rows.add(n)
+            continue
+        inputs = n.all_input_nodes
+        if not any(i in derived for i in inputs):
+            continue
+        derived.add(n)
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            if any(i in rows for i in inputs):  # (a tuple: its items are read by getitem)
+                rows.add(n)
+            continue
+        d = _dim0(n)
+        kept = any(i in rows and (_dim0(i) == d or not isinstance(i.meta.get("val"), torch.Tensor)) for i in inputs)
+        reshaped = n.target in RESHAPES and d and d % batch == 0 and any(i in rows for i in inputs)
+        if d and (kept or reshaped):
+            rows.add(n)
+    return rows, derived
+
+
+def _dim0(n: object) -> int:
+    """Dim 0 of ``n``'s value (0: none, or a size known only at run time)."""
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() == 0 or not isinstance(val.shape[0], int):
+        return 0
+    return val.shape[0]
+
+
+def _along_samples(node: fx.Node, samples: set[fx.Node], derived: set[fx.Node], batch: int) -> str:
     """How ``node`` computes along the samples ("" when it does not)."""
     if node.target in PRODUCTS or node.target is aten.einsum.default:
-        if any(_samples(f, kinds, batch) and d == 0 for f, d in summed(node)):
+        if any(_in(f, samples) and d == 0 for f, d in summed(node)):
             return "sums over the samples (a product contracting the batch dim, such as x.T @ x)"
         a, b = _factors(node)
-        if _samples(a, kinds, batch) and a.meta["val"].dim() == 2 and _columns_are_samples(b, kinds, batch):
+        if _in(a, samples) and a.meta["val"].dim() == 2 and _in(b, derived) and b.meta["val"].dim() == 2 \
+                and b.meta["val"].shape[1] == batch:
             return "relates the samples to each other (a product such as x @ x.T, an in-batch similarity)"
         return ""
     if node.target in DISTANCES:
-        x1, x2 = node.args[:2]
-        if all(_samples(x, kinds, batch) and x.meta["val"].dim() == 2 for x in (x1, x2)):
+        if all(_in(x, samples) and x.meta["val"].dim() == 2 for x in node.args[:2]):
             return "relates the samples to each other (pairwise distances over the batch)"
         return ""
     x = node.args[0] if node.args else None
-    if not _samples(x, kinds, batch) or node.target in ALONG_DIM_IS_LOCAL - {aten.select.int} | CONVOLUTIONS:
+    if not _in(x, samples) or node.target in ALONG_DIM_IS_LOCAL - {aten.select.int} | CONVOLUTIONS:
         return ""
     rank = x.meta["val"].dim()
     if node.target in MOVES:
@@ -83,25 +122,10 @@ def _along_samples(node: fx.Node, kinds: dict[fx.Node, SlotKind], batch: int) ->
 
 def _factors(node: fx.Node) -> tuple[object, object]:
     if node.target is aten.einsum.default:
-        return (node.args[1] + [None, None])[:2]
+        return (list(node.args[1]) + [None, None])[:2]
     at = PRODUCTS[node.target]
     return node.args[at], node.args[at + 1]
 
 
-def _samples(x: object, kinds: dict[fx.Node, SlotKind], batch: int) -> bool:
-    """Whether ``x`` is a value whose dim 0 holds the samples (dim 0 the batch, not the model's state)."""
-    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].dim() >= 1 \
-        and x.meta["val"].shape[0] == batch and not _from_state(x, kinds)
-
-
-def _columns_are_samples(b: object, kinds: dict[fx.Node, SlotKind], batch: int) -> bool:
-    """Whether a product's second factor (D, R) has the samples as its columns: the batch's values transposed."""
-    return isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.Tensor) and b.meta["val"].dim() == 2 \
-        and b.meta["val"].shape[1] == batch and not _from_state(b, kinds)
-
-
-def _from_state(x: fx.Node, kinds: dict[fx.Node, SlotKind]) -> bool:
-    """Whether ``x`` is the model's state (a parameter, buffer or constant), or a view or copy of it."""
-    while x.op == "call_function" and x.target in VIEWS and isinstance(x.args[0], fx.Node):
-        x = x.args[0]
-    return model_state(x, kinds)
+def _in(x: object, values: set[fx.Node]) -> bool:
+    return isinstance(x, fx.Node) and x in values
