@@ -96,7 +96,8 @@ def _tiny_mixtral() -> torch.nn.Module:
                                                 num_local_experts=4, num_experts_per_tok=2))
 
 
-@pytest.mark.parametrize("factory", [_tiny_llama, _tiny_mixtral], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("factory", [_tiny_llama, pytest.param(_tiny_mixtral, marks=pytest.mark.slow)],
+                         ids=["llama", "mixtral"])  # (Mixtral's experts: -m slow, 15 s)
 def test_a_meta_models_profile_is_the_cpu_models(factory: Callable) -> None:
     torch.manual_seed(0)
     on_cpu = profile_model(factory(), tp_sizes=(1, 2))

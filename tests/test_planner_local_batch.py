@@ -20,7 +20,7 @@ def _llama() -> torch.nn.Module:
 
 def test_a_local_batch_is_planned_per_data_parallel_rank_and_ranked_by_throughput() -> None:
     ids = torch.zeros(2, 16, dtype=torch.long)
-    result = plan(_llama(), 4, cluster="cpu", local_batch=2, seq_len=16, precision="fp32", example_inputs=(ids,))
+    result = plan(_llama(), 4, cluster="dgx-a100", local_batch=2, seq_len=16, precision="fp32", example_inputs=(ids,))
     searched = {(c.config.dp, c.config.global_batch) for c in result.every.values()}
     assert searched == {(1, 2), (2, 4), (4, 8)}
     ranked = [c for c in result.candidates if c.fits]

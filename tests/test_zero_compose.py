@@ -24,8 +24,8 @@ def _slow_if(condition: bool) -> list:
     return [pytest.mark.slow] if condition else []
 
 
-DEFAULT = {("gpt2", 1, 2, "pp"), ("llama", 1, 2, "tp"), ("llama", 2, 2, "pp"), ("gpt2", 2, 2, "tp"),
-           ("gpt2", 3, 2, "pp"), ("llama", 3, 2, "tp")}
+DEFAULT = {("gpt2", 1, 2, "pp"), ("llama", 2, 2, "pp"), ("gpt2", 2, 2, "tp"), ("gpt2", 3, 2, "pp"),
+           ("llama", 3, 2, "tp")}  # each stage with pp and from ZeRO-2 with tp; the rest -m slow
 
 
 @pytest.mark.parametrize("name,zero,dp,other", [pytest.param(*c, marks=_slow_if(c not in DEFAULT)) for c in CASES])
