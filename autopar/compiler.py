@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.errors import CaptureError, UnsupportedError
-from autopar.core.graph import SlotKind, StageGraph
+from autopar.core.graph import SlotKind, StageGraph, origin
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
 from autopar.core.schedule import Schedule, add_communication
@@ -28,7 +29,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.batch_checks import check_samples_apart
+from autopar.passes.batch_checks import check_samples_apart, sums_over_samples
 from autopar.passes.context_checks import check_same_numbers
 from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
@@ -120,6 +121,17 @@ def _check_samples_apart(c: Compilation) -> None:
         graph = c.captured.gm.graph
         kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in c.captured.slots]))
         check_samples_apart(graph, kinds, batch, split)
+        for node in sums_over_samples(graph, kinds, batch):
+            warnings.warn(f"the loss sums over the samples ({node.name}, {node.target}{_at(node)}) without "
+                          f"dividing by a count: {split} split the batch and the parts' losses are averaged, as the "
+                          f"loss is a mean over the batch, so this loss and its gradients come out divided by the "
+                          f"number of parts; take the mean, or divide the sum by a count of the inputs "
+                          f"(mask.sum())", stacklevel=2)
+
+
+def _at(node: fx.Node) -> str:
+    """`` in <module>`` where ``node`` comes from, if known."""
+    return f" in {origin(node)}" if origin(node) else ""
 
 
 def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:

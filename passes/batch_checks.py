@@ -48,6 +48,44 @@ def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: 
                                    f"batch (dp=1 and microbatches=1)")
 
 
+LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default)  # (input, target, weight, reduction, ...)
+AFFINE = {aten.neg.default, aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+          aten.view.default, aten.reshape.default, aten.squeeze.default, aten.mul.Scalar, aten.div.Scalar,
+          aten.add.Scalar, aten.sub.Scalar, aten.detach.default}  # a scalar output affine in its first argument
+
+
+def sums_over_samples(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> list[fx.Node]:
+    """The sums over the samples (``x.sum()``, a loss with ``reduction="sum"``) that a scalar output (the loss)
+    is an affine function of without a division by a count of the inputs: the runtime averages each share's
+    loss, as the contract's mean over the batch is averaged, so such a sum comes out divided by the shares."""
+    if batch <= 1:
+        return []
+    rows, derived = _rows(graph, kinds, batch)
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs: list[fx.Node] = []
+    fx.node.map_arg(output.args[0], outputs.append)
+    stack = [v for v in outputs if isinstance(v.meta.get("val"), torch.Tensor) and v.meta["val"].dim() == 0]
+    found, seen = [], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target in (aten.sum.default, aten.sum.dim_IntList) and _in(n.args[0], rows) \
+                and _dim0(n.args[0]) == batch:
+            found.append(n)
+        elif n.target in LOSSES and (n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", 1)) == 2 \
+                and _in(n.args[0], rows):
+            found.append(n)
+        elif n.target in AFFINE:
+            stack.append(n.args[0])
+        elif n.target in (aten.add.Tensor, aten.sub.Tensor):
+            stack.extend(n.args[:2])
+        elif n.target in (aten.mul.Tensor, aten.div.Tensor) and not _in(n.args[1], derived):
+            stack.append(n.args[0])  # (scaled by a number or the model's state; a division by a count stops)
+    return found
+
+
 def _rows(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> tuple[set[fx.Node], set[fx.Node]]:
     """(the values whose dim 0 runs over the samples, or over the samples' tokens flattened: the inputs with the
     batch at dim 0, then what keeps its input's dim 0 or reshapes it by a multiple of the batch; every value

@@ -92,3 +92,24 @@ def test_the_same_op_runs_where_nothing_splits_the_batch() -> None:
 def test_a_label_picked_per_token_is_exact_on_dp2(launcher) -> None:
     assert_equivalent(functools.partial(make, ""), Mesh(dp=2), (IDS,), TARGET, picked, models.adamw, steps=2,
                       rtol=1e-9, atol=1e-10, launcher=launcher)
+
+
+def summed(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, 96), t.reshape(-1), reduction="sum") / 64  # one device's 8 x 8 tokens
+
+
+@pytest.mark.parametrize("loss, warned", [(summed, True), (ce, False), (picked, False)],
+                         ids=["sum-over-a-number", "mean", "picked-mean"])
+def test_a_loss_summing_over_the_samples_is_named_where_the_batch_is_split(loss, warned: bool) -> None:
+    """A sum over the batch divided by a number (one device's token count) came out halved on dp=2 (each rank's
+    sum over its half, averaged); the contract's loss is a mean: a warning names the sum."""
+    import warnings
+
+    pm = parallelize(make(), Mesh(dp=2), loss_fn=loss, optimizer=models.adamw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.compile((IDS,), {}, TARGET)
+    named = [w for w in caught if "the loss sums over the samples" in str(w.message)]
+    assert bool(named) == warned, [str(w.message) for w in caught]
+    if warned:
+        assert "cross_entropy_loss" in str(named[0].message) and "dp=2 split the batch" in str(named[0].message)
