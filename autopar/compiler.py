@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Placement, Shard
 
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.errors import CaptureError, UnsupportedError
-from autopar.core.graph import SlotKind, StageGraph, origin
+from autopar.core.graph import SlotKind, StageGraph, origin, placeholder_kinds
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Collective, Plan, memory
 from autopar.core.schedule import Schedule, add_communication
@@ -46,7 +45,7 @@ from autopar.program import (
     split_backward, step_schedule, whole_graph_stage,
 )
 from autopar.recompute_compile import apply_recompute
-from autopar.runtime.batch import cp_shard, later_sequence_dims, sequence_length
+from autopar.runtime.batch import batch_size, cp_shard, later_sequence_dims, sequence_length
 from autopar.zero_compile import apply_zero
 
 CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
@@ -116,10 +115,10 @@ def _check_samples_apart(c: Compilation) -> None:
     (``passes/batch_checks.py``)."""
     m = c.options.microbatches
     split = " and ".join(([f"dp={c.mesh.dp}"] if c.mesh.dp > 1 else []) + ([f"microbatches={m}"] if m > 1 else []))
-    batch = next((x.shape[0] for x in pytree.tree_leaves(c.local[:2]) if isinstance(x, torch.Tensor) and x.dim()), 0)
+    batch = batch_size(c.local[:2])
     if split:
         graph = c.captured.gm.graph
-        kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in c.captured.slots]))
+        kinds = placeholder_kinds(graph, c.captured.slots)
         check_samples_apart(graph, kinds, batch, split)
         for node in sums_over_samples(graph, kinds, batch):
             warnings.warn(f"the loss sums over the samples ({node.name}, {node.target}{_at(node)}) without "
@@ -139,22 +138,19 @@ def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:
     length = sequence_length(c.whole) if c.whole is not None else None
     held = later_sequence_dims(c.whole, length) if length is not None else []
     local = sequence_length(c.local)
-    if not held and length is not None and local is not None and local < length:
-        return CaptureError(f"torch.export could not capture {type(c.model).__name__} on one cp rank's chunks",
-                            cause=error.cause or error,
-                            hint=f"under cp={c.mesh.cp} each rank is captured on its {local} of the {length} tokens "
-                                 f"of every sequence (dim 1 of each input cut); a layer sized by the sequence's "
-                                 f"length (a Linear over the tokens, a weight of {length} positions read whole) "
-                                 f"cannot run on a chunk; run without cp")
-    if not held:
+    if length is None or local is None or local >= length:
         return error
-    inputs = ", ".join(f"the input at {where} of shape {shape}" for where, shape in held)
+    cut = f"under cp={c.mesh.cp} each rank is captured on its {local} of the {length} tokens of every sequence (dim 1 " \
+          f"of each input cut)"
+    if held:
+        inputs = ", ".join(f"the input at {where} of shape {shape}" for where, shape in held)
+        why = (f"{cut}, but {inputs} also holds the sequence in a later dim, which stays whole; pass a (batch, "
+               f"sequence) padding mask and let the model build its (query, key) mask")
+    else:
+        why = (f"{cut}; a layer sized by the sequence's length (a Linear over the tokens, a weight of {length} "
+               f"positions read whole) cannot run on a chunk; run without cp")
     return CaptureError(f"torch.export could not capture {type(c.model).__name__} on one cp rank's chunks",
-                        cause=error.cause or error,
-                        hint=f"under cp={c.mesh.cp} each rank is captured on its {local} of the {length} tokens of "
-                             f"every sequence (dim 1 of each input cut), but {inputs} also holds the sequence in a "
-                             f"later dim, which stays whole; pass a (batch, sequence) padding mask and let the model "
-                             f"build its (query, key) mask")
+                        cause=error.cause or error, hint=why)
 
 
 def _export(c: Compilation, example: tuple[tuple, dict, Any]) -> Captured:

@@ -21,6 +21,7 @@ from autopar.core.errors import UnsupportedError
 from autopar.core.graph import SlotKind, origin
 from autopar.passes.context_checks import (ALONG_DIM_IS_LOCAL, CONVOLUTIONS, MOVES, PRODUCTS, REDUCTIONS,
                                            SCANS, dims_argument, live_nodes, moved_dims, summed)
+from autopar.passes.global_count import LOSSES, PASS_THROUGH
 
 aten = torch.ops.aten
 DISTANCES = {aten.cdist.default, aten._cdist_forward.default}  # (x1 (P, D), x2 (R, D)) -> (P, R)
@@ -48,12 +49,6 @@ def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: 
                                    f"batch (dp=1 and microbatches=1)")
 
 
-LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default)  # (input, target, weight, reduction, ...)
-AFFINE = {aten.neg.default, aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
-          aten.view.default, aten.reshape.default, aten.squeeze.default, aten.mul.Scalar, aten.div.Scalar,
-          aten.add.Scalar, aten.sub.Scalar, aten.detach.default}  # a scalar output affine in its first argument
-
-
 def sums_over_samples(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> list[fx.Node]:
     """The sums over the samples (``x.sum()``, a loss with ``reduction="sum"``) that a scalar output (the loss)
     is an affine function of without a division by a count of the inputs: the runtime averages each share's
@@ -77,7 +72,7 @@ def sums_over_samples(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: in
         elif n.target in LOSSES and (n.args[3] if len(n.args) > 3 else n.kwargs.get("reduction", 1)) == 2 \
                 and _in(n.args[0], rows):
             found.append(n)
-        elif n.target in AFFINE:
+        elif n.target in PASS_THROUGH:
             stack.append(n.args[0])
         elif n.target in (aten.add.Tensor, aten.sub.Tensor):
             stack.extend(n.args[:2])

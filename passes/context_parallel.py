@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.errors import UnsupportedError
-from autopar.core.graph import Captured, SlotKind, copy_module
+from autopar.core.graph import Captured, SlotKind, copy_module, placeholder_kinds
 from autopar.core.plan import Collective, Plan
 from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
@@ -129,7 +129,7 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     on the (ring, a2a) sub-axes ``split`` of cp."""
     gm = copy_module(cap.gm)
     graph = gm.graph
-    kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in cap.slots]))
+    kinds = placeholder_kinds(graph, cap.slots)
     nodes = [n for n in graph.nodes if n.target in ATTENTIONS]
     wholes = _whole_attentions(whole, len(nodes))
     exchanged = [0, 0]

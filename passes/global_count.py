@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Captured, Slot, SlotKind, origin
+from autopar.core.graph import Captured, Slot, SlotKind, origin, placeholder_kinds
 from autopar.core.loss_count import LossCounts
 from autopar.passes.lazy_module import graph_module
 
@@ -62,7 +62,7 @@ ARITHMETIC = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
 def normalize_by_global_count(captured: Captured) -> LossCounts | None:
     """Rewrites ``captured`` in place (see the module doc); the counts' graph, or None when nothing is counted."""
     graph = captured.gm.graph
-    kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in captured.slots]))
+    kinds = placeholder_kinds(graph, captured.slots)
     as_sums(graph, kinds)
     output = next(n for n in graph.nodes if n.op == "output")
     averaged = [v for v in list(output.args[0])[len(captured.mutated_buffers):] if _is_scalar(v)]

@@ -144,6 +144,11 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def placeholder_kinds(graph: fx.Graph, slots: list[Slot]) -> dict[fx.Node, SlotKind]:
+    """Each placeholder of ``graph`` (a capture's, in ``slots``' order) -> its slot's kind."""
+    return dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in slots]))
+
+
 def origin(node: fx.Node) -> str:
     """Where ``node`` was computed in the user's model, for an error message: ``"in model.layers.0.self_attn
     (LlamaAttention)"`` (the innermost module and its class), or ``""`` for a node outside every module."""
