@@ -28,7 +28,7 @@ from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
 from autopar.log import log_pass
 from autopar.options import Options
-from autopar.passes.batch_checks import check_samples_apart, sums_over_samples
+from autopar.passes.batch_checks import check_no_share_statistics, check_samples_apart, sums_over_samples
 from autopar.passes.context_checks import check_same_numbers
 from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
@@ -111,14 +111,16 @@ def _capture(c: Compilation) -> None:
 
 
 def _check_samples_apart(c: Compilation) -> None:
-    """Where dp ranks or microbatches split the batch, no op of the captured graph computes along the samples
+    """Where dp ranks or microbatches split the batch, no op of the captured graph computes along the samples;
+    where they or cp ranks split it, none combines a statistic of a share with its values
     (``passes/batch_checks.py``)."""
     m = c.options.microbatches
-    split = " and ".join(([f"dp={c.mesh.dp}"] if c.mesh.dp > 1 else []) + ([f"microbatches={m}"] if m > 1 else []))
+    parts = ([f"dp={c.mesh.dp}"] if c.mesh.dp > 1 else []) + ([f"microbatches={m}"] if m > 1 else [])
+    split = " and ".join(parts)
     batch = batch_size(c.local[:2])
+    graph = c.captured.gm.graph
+    kinds = placeholder_kinds(graph, c.captured.slots)
     if split:
-        graph = c.captured.gm.graph
-        kinds = placeholder_kinds(graph, c.captured.slots)
         check_samples_apart(graph, kinds, batch, split)
         for node in sums_over_samples(graph, kinds, batch):
             warnings.warn(f"the loss sums over the samples ({node.name}, {node.target}{_at(node)}) without "
@@ -126,11 +128,15 @@ def _check_samples_apart(c: Compilation) -> None:
                           f"loss is a mean over the batch, so this loss and its gradients come out divided by the "
                           f"number of parts; take the mean, or divide the sum by a count of the inputs "
                           f"(mask.sum())", stacklevel=2)
+    shares = ([f"{split} split{'s' if len(parts) == 1 else ''} the batch"] if split else []) + \
+        ([f"cp={c.mesh.cp} splits the sequence"] if c.mesh.cp > 1 else [])
+    if shares:
+        check_no_share_statistics(graph, kinds, batch, " and ".join(shares))
 
 
 def _at(node: fx.Node) -> str:
     """`` in <module>`` where ``node`` comes from, if known."""
-    return f" in {origin(node)}" if origin(node) else ""
+    return f" {origin(node)}" if origin(node) else ""
 
 
 def _cp_capture_error(c: Compilation, error: CaptureError) -> CaptureError:

@@ -17,9 +17,10 @@ from torch.distributed.tensor import Placement, Replicate
 
 from autopar.capture import Captured
 from autopar.core.buckets import assign_buckets, bucket_sizes
+from autopar.core.buffer_writes import written_placeholders
 from autopar.core.errors import UnsupportedError
 from autopar.core.layout import Interleave
-from autopar.core.graph import StageGraph
+from autopar.core.graph import SlotKind, StageGraph, origin
 from autopar.core.mesh import Mesh
 from autopar.core.optimizers import state_elements
 from autopar.core.plan import Collective, PipelinePlan, Plan, StagePlan, numel, replicated
@@ -210,6 +211,7 @@ def check_buffer_updates(captured: Captured, mesh: Mesh, options: Options) -> No
     mode) where the runtime would update them otherwise than one device does: once per step on the whole batch.
     Under a pipeline a buffer lives on one stage's rank while others may read it; with microbatches each
     microbatch's forward updates it again."""
+    _check_no_parameter_writes(captured)
     updated = captured.updated_buffers
     if not updated or (mesh.pp == 1 and options.microbatches == 1):
         return
@@ -221,6 +223,20 @@ def check_buffer_updates(captured: Captured, mesh: Mesh, options: Options) -> No
                            f"which each microbatch's forward would update again, where one device updates them "
                            f"once per step on the whole batch; pass microbatches=1, or put the modules that "
                            f"update them in eval mode")
+
+
+def _check_no_parameter_writes(captured: Captured) -> None:
+    """Refuses a forward that writes a parameter in place (``self.w.clamp_(-c, c)`` under ``no_grad``): the
+    optimizer owns the parameters, and a rank may hold a shard or a temporary gather of one (tp, ZeRO-3)."""
+    written = written_placeholders(captured.gm)
+    for node, slot in zip([n for n in captured.gm.graph.nodes if n.op == "placeholder"], captured.slots):
+        if slot.kind is SlotKind.PARAM and node in written:
+            where = f" {origin(written[node])}" if origin(written[node]) else ""
+            raise UnsupportedError(f"the model writes its parameter {slot.name} in place in forward "
+                                   f"({written[node].target}{where}), which autopar does not support: the "
+                                   f"optimizer owns the parameters, and a rank may hold a shard or a temporary "
+                                   f"gather of one; constrain it after the optimizer step instead (a step hook), "
+                                   f"or compute the constrained weight in forward (torch.nn.utils.parametrize)")
 
 
 def check_context_parallel(mesh: Mesh, options: Options) -> None:

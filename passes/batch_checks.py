@@ -7,7 +7,10 @@ or a running sum over the samples, a reduction over them that leaves other dims 
 pick along them, a product summing over them (``x.T @ x``) or relating them to each other (``x @ x.T``,
 ``cdist``: an in-batch contrastive loss). Refused, naming the node. A reduction over every dim (the loss's sum
 or mean, its count) is the runtime's to combine (``passes/global_count.py``); BatchNorm's statistics are each
-share's own, as documented (docs/decisions.md).
+share's own, as documented (docs/decisions.md). ``check_no_share_statistics`` refuses a statistic of a share's
+whole (``x.abs().max()``, ``x.mean()``, ``x.norm()``: one number from all its values) combined with that share's
+values again (``x / x.abs().max()``, ``x - x.mean()``, ``w = mask / mask.sum()``), where dp, microbatches or cp
+split the batch or the sequence: each share's number is its own, not the whole batch's.
 
 Invariant: a graph that passes computes, on each share of the batch, the rows of the single-device values for
 those samples, for the ops checked here; what stays uncaught is named in docs/decisions.md.
@@ -42,11 +45,40 @@ def check_samples_apart(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: 
             continue
         why = _along_samples(node, samples, derived, batch)
         if why:
-            where = f" ({origin(node)})" if origin(node) else ""
-            raise UnsupportedError(f"{split} splits the batch, and node {node.name} ({node.target}){where} {why}: "
+            raise UnsupportedError(f"{split} splits the batch, and node {node.name} ({node.target}){_at(node)} {why}: "
                                    f"on each share of {batch} samples it sees that share only, where one device "
                                    f"sees the whole batch; compute it per sample, or run without splitting the "
                                    f"batch (dp=1 and microbatches=1)")
+
+
+def check_no_share_statistics(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int, split: str) -> None:
+    """Refuses the first live node of ``graph`` (captured on one share of the batch, ``batch`` samples, that
+    ``split`` names) that combines a statistic of the share's whole with the share's values (the module doc).
+    Statistics combined only with each other (the loss's sum over its count) are the runtime's to combine."""
+    if batch < 1:
+        return  # (no input with a batch dim)
+    live = live_nodes(graph)
+    rows, _ = _rows(graph, kinds, batch)
+    statistic: dict[fx.Node, fx.Node] = {}  # a value computed from a statistic of the share -> that statistic
+    for node in graph.nodes:
+        if node not in live or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        held = [statistic[i] for i in inputs if i in statistic]
+        values = [i for i in inputs if i in rows and _numel(i) > 1]
+        if held and values:
+            stat = held[0]
+            raise UnsupportedError(
+                f"{split}, and node {node.name} ({node.target}){_at(node)} combines {values[0].name} with "
+                f"{stat.name} ({stat.target}){_at(stat)}, one number computed from all of {values[0].name}'s "
+                f"share: each share computes its own, where one device computes it over the whole batch; "
+                f"compute it per sample (x.abs().amax(-1, keepdim=True)), or, for a loss weighted by a count "
+                f"(mask / mask.sum()), divide the weighted sum by the count ((loss * mask).sum() / mask.sum(), "
+                f"which the shares combine exactly)")
+        if held:
+            statistic[node] = held[0]
+        elif values and _numel(node) == 1 and node not in rows:  # (not one sample's one value)
+            statistic[node] = node
 
 
 def sums_over_samples(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> list[fx.Node]:
@@ -109,6 +141,19 @@ def _rows(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], batch: int) -> tuple[
         if d and (kept or reshaped):
             rows.add(n)
     return rows, derived
+
+
+def _numel(n: fx.Node) -> int:
+    """The elements of ``n``'s value (of its largest item for a tuple; 0: not a tensor, or known only at run
+    time)."""
+    val = n.meta.get("val")
+    items = val if isinstance(val, (tuple, list)) else [val]
+    sizes = [t.numel() for t in items if isinstance(t, torch.Tensor)]
+    return max(sizes) if sizes and all(isinstance(s, int) for s in sizes) else 0
+
+
+def _at(node: fx.Node) -> str:
+    return f" ({origin(node)})" if origin(node) else ""
 
 
 def _dim0(n: object) -> int:

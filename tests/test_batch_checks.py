@@ -33,6 +33,12 @@ class Mixer(nn.Module):
             x = x * torch.softmax(x.sum(-1, keepdim=True), dim=0)
         elif self.kind == "center":
             x = x - x.mean(0, keepdim=True)
+        elif self.kind == "maxnorm":
+            x = x / x.abs().amax()
+        elif self.kind == "whole-center":
+            x = (x - x.mean()) / x.std()
+        elif self.kind == "scaled":
+            x = x * x.norm().sigmoid()
         return self.head(torch.tanh(self.fc(x)))
 
 
@@ -113,3 +119,35 @@ def test_a_loss_summing_over_the_samples_is_named_where_the_batch_is_split(loss,
     assert bool(named) == warned, [str(w.message) for w in caught]
     if warned:
         assert "cross_entropy_loss" in str(named[0].message) and "dp=2 split the batch" in str(named[0].message)
+
+
+def weighted(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    m = (t > 10).double()
+    return (F.cross_entropy(out.reshape(-1, 96), t.reshape(-1), reduction="none") * (m / m.sum()).reshape(-1)).sum()
+
+
+def masked(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    m = (t > 10).double().reshape(-1)
+    return (F.cross_entropy(out.reshape(-1, 96), t.reshape(-1), reduction="none") * m).sum() / m.sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("kind, loss, mesh, options, match", [
+    ("maxnorm", ce, Mesh(dp=2), {}, r"dp=2 splits the batch, and node div .* combines embedding with amax"),
+    ("whole-center", ce, Mesh(cp=2), {}, r"cp=2 splits the sequence, and node sub .* combines embedding with mean"),
+    ("scaled", ce, Mesh(pp=2), {"microbatches": 2},
+     r"microbatches=2 splits the batch, and node mul .* with linalg_vector_norm"),
+    ("", weighted, Mesh(dp=2), {}, r"node div .* combines \w+ with sum"),
+], ids=["max-dp", "standardized-cp", "norm-microbatches", "count-weights-dp"])
+def test_a_statistic_of_a_share_combined_with_its_values_is_refused(kind: str, loss, mesh: Mesh, options: dict,
+                                                                    match: str) -> None:
+    """One number from all of a share's values (its max, mean, norm, count) used on those values again: each
+    share's number is its own (``x / x.abs().amax()`` on dp=2 trained silently wrong before)."""
+    pm = parallelize(make(kind), mesh, loss_fn=loss, optimizer=models.adamw, **options)
+    with pytest.raises(UnsupportedError, match=match):
+        pm.compile((IDS,), {}, TARGET)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=2), Mesh(cp=2)], ids=["dp", "cp"])
+def test_a_loss_over_its_count_is_not_a_share_statistic(mesh: Mesh) -> None:
+    """Statistics combined with each other only (a masked sum over its count) are the runtime's to combine."""
+    parallelize(make(), mesh, loss_fn=masked, optimizer=models.adamw).compile((IDS,), {}, TARGET)

@@ -143,3 +143,26 @@ def test_the_planner_marks_pipelines_and_microbatches_not_runnable_for_such_a_mo
     staged = [c for c in result.candidates if c.config.pp > 1 or c.config.microbatches > 1]
     assert staged and all("updates buffers in forward (layers.0.n, layers.1.n)" in c.not_runnable for c in staged)
     assert any(not c.not_runnable for c in result.candidates)
+
+
+class Clipped(nn.Module):
+    """A weight clipped in place in forward (a WGAN critic's constraint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(96, 16), nn.Linear(16, 16), nn.Linear(16, 96)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.05, 0.05)
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+@pytest.mark.parametrize("mesh", [Mesh(dp=2), Mesh(tp=2)], ids=["dp2", "tp2"])
+def test_a_parameter_written_in_forward_is_refused_by_name(mesh: Mesh) -> None:
+    """Every rank failed at its first step with torch's "a leaf Variable that requires grad is being used in an
+    in-place operation" (one device runs it under no_grad)."""
+    pm = parallelize(Clipped().double(), mesh, loss_fn=models.lm_loss, optimizer=models.adamw)
+    with pytest.raises(UnsupportedError, match=r"writes its parameter fc.weight in place in forward "
+                                               r"\(aten.clamp_.default in the model \(Clipped\)\).*parametrize"):
+        pm.compile((IDS,), {}, TARGET)
