@@ -43,7 +43,8 @@ def split_batch(tree: Any, parts: int, *, dp: int, microbatches: int) -> list[An
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] not in (1, size):
             raise ValueError(
                 f"input tensor #{path_i} has dim 0 of size {leaf.shape[0]} but the batch is {size}; "
-                "every batched input must have the batch along dim 0 (size 1 broadcasts)"
+                "every batched input must have the batch along dim 0 (size 1 broadcasts); a tensor that every "
+                "sample shares (a table, a codebook) belongs to the model: register it as a buffer"
             )
         else:
             for piece in pieces:

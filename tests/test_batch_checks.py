@@ -151,3 +151,12 @@ def test_a_statistic_of_a_share_combined_with_its_values_is_refused(kind: str, l
 def test_a_loss_over_its_count_is_not_a_share_statistic(mesh: Mesh) -> None:
     """Statistics combined with each other only (a masked sum over its count) are the runtime's to combine."""
     parallelize(make(), mesh, loss_fn=masked, optimizer=models.adamw).compile((IDS,), {}, TARGET)
+
+
+def test_an_input_without_the_batch_at_dim0_says_where_a_shared_tensor_belongs() -> None:
+    from autopar.runtime.batch import split_batch
+
+    table = torch.zeros(5, 16)
+    with pytest.raises(ValueError, match=r"input tensor #1 has dim 0 of size 5 but the batch is 8; .* register it "
+                                         r"as a buffer"):
+        split_batch(((IDS, table), {}), 2, dp=2, microbatches=1)
