@@ -38,6 +38,7 @@ from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, ReplicaReduce
 from autopar.runtime.zero_trace import ZeroTrace
+from autopar.runtime.zero_untouched import HeldElements, local_spans
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
@@ -86,7 +87,7 @@ class ZeroRuntime:
     def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
                  params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
                  values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None,
-                 routed: frozenset[str] = frozenset()) -> None:
+                 routed: frozenset[str] = frozenset(), unused: frozenset[str] = frozenset()) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
 
@@ -99,12 +100,19 @@ class ZeroRuntime:
         (the ranks holding the same experts, inside one replica under hybrid sharding); their gradients are
         summed there and divided by dp (by dp_shard, before the average over replicas), since each holder's
         gradient already sums the tokens of its ep group.
+        ``unused``: parameters the graph does not read (no gradient ever reaches them). Stages 1-2 see which
+        parameters got a gradient from autograd's hooks; stage 3 reduces whole layers from the graph, so it
+        reads them from here. The optimizer step leaves both kinds untouched (``runtime/zero_untouched.py``).
         """
         mesh = groups.mesh
         axis = mesh.zero_axis
         self.model = model
         self.groups = groups
         self.stage = settings.stage
+        self.unused = unused
+        self.alone = frozenset(alone)
+        self._got: set[int] = set()  # stages 1-2: the parameters that got a gradient this step (by id)
+        self._held = HeldElements()
         self._armed = True  # stage 1: reduce the gradients of the stage's last microbatch only (``arm``)
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
@@ -146,6 +154,7 @@ class ZeroRuntime:
                                                  for fs in self.shards])
         self.optimizer = build_optimizer(settings.optimizer, self.params, self.masters)
         if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(self._before_step)
             self.optimizer.register_step_post_hook(self._after_step)
         self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
         self._ready: Counter[FlatShard] = Counter()
@@ -187,6 +196,7 @@ class ZeroRuntime:
         self.queue.final = last
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._got.add(id(p))
         fs = self._group_of[id(p)]
         self._hits[fs] += 1
         if self.stage == 1 and not self._armed:
@@ -231,7 +241,26 @@ class ZeroRuntime:
         self._hits.clear()
         self._launched.clear()
 
+    def _without_gradient(self, fs: FlatShard) -> list[int]:
+        """Positions in ``fs``'s group of the parameters that got no gradient this step (on every rank alike)."""
+        if self.stage == 3:
+            return [i for i, name in enumerate(fs.spec.params) if name in self.unused]
+        return [i for i, p in enumerate(self.members[fs]) if id(p) not in self._got]
+
+    def _before_step(self, *_: Any) -> None:
+        """Holds the elements of parameters without a gradient in the shards the optimizer steps: on one device
+        their ``grad`` is None and the optimizer skips them, here their zeros sit in a stepped flat shard."""
+        for fs in self.shards:
+            if fs.shard.grad is None or self.alone.issuperset(fs.spec.params):
+                continue  # (skipped by the optimizer; a parameter of several pp ranks has their summed gradient)
+            stepped = self.masters.of(fs.shard) if self.masters is not None else fs.shard
+            tensors = [fs.shard] if stepped is fs.shard else [fs.shard, stepped]
+            self._held.hold(self.optimizer, tensors, stepped, local_spans(fs.spec, fs.index,
+                                                                          self._without_gradient(fs)))
+
     def _after_step(self, *_: Any) -> None:
+        self._held.restore(self.optimizer)
+        self._got.clear()
         works = [fs.all_gather_in_place() for fs in self.shards] if self.stage < 3 else []
         for work in works:
             if work is not None:
