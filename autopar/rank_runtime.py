@@ -25,7 +25,7 @@ from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
 from autopar.runtime.zero import ZeroRuntime, ZeroSettings
-from autopar.zero_compile import shared_across_pp, unused_parameters
+from autopar.zero_compile import shared_across_pp
 
 
 def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program: Program) -> RankRuntime:
@@ -48,7 +48,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     if options.zero:
         settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
         zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
-                           binding=binding, routed=frozenset(experts), unused=unused_parameters(program))
+                           binding=binding, routed=frozenset(experts))
         if zero.layout != program.zero_layouts[groups.rank]:
             raise RuntimeError(f"internal error: rank {groups.rank} laid out its parameters as "
                                f"{zero.layout.describe()}, the compiler as "

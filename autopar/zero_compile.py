@@ -56,7 +56,7 @@ def unused_parameters(program: Program) -> frozenset[str]:
     """Parameters no gradient reaches: the captured graph reads them nowhere, or only through a ``detach``
     (``torch.no_grad()`` blocks are captured as one) or an integer value. ZeRO-3's optimizer step leaves their
     elements of a flat shard untouched (``runtime/zero_untouched.py``), as one device's skips a parameter whose
-    ``grad`` is None; tied names included."""
+    ``grad`` is None; tied names included. (One walk over the graph, asked at each stage-3 step.)"""
     captured = program.captured
     reached = _differentiably_reached(captured.gm.graph)
     nodes = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]

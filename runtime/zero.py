@@ -87,7 +87,7 @@ class ZeroRuntime:
     def __init__(self, model: torch.nn.Module, groups: Groups, settings: ZeroSettings,
                  params: list[torch.nn.Parameter], alone: set[str] | frozenset[str] = frozenset(),
                  values: dict[str, torch.Tensor] | None = None, binding: Binding | None = None,
-                 routed: frozenset[str] = frozenset(), unused: frozenset[str] = frozenset()) -> None:
+                 routed: frozenset[str] = frozenset()) -> None:
         """Shards ``params`` (this rank's trainable parameters of ``model``) over ``groups[mesh.zero_axis]``
         (dp, or dp_shard under hybrid sharding).
 
@@ -100,16 +100,16 @@ class ZeroRuntime:
         (the ranks holding the same experts, inside one replica under hybrid sharding); their gradients are
         summed there and divided by dp (by dp_shard, before the average over replicas), since each holder's
         gradient already sums the tokens of its ep group.
-        ``unused``: parameters the graph does not read (no gradient ever reaches them). Stages 1-2 see which
-        parameters got a gradient from autograd's hooks; stage 3 reduces whole layers from the graph, so it
-        reads them from here. The optimizer step leaves both kinds untouched (``runtime/zero_untouched.py``).
         """
         mesh = groups.mesh
         axis = mesh.zero_axis
         self.model = model
         self.groups = groups
         self.stage = settings.stage
-        self.unused = unused
+        # parameters the running program sends no gradient to: stages 1-2 see those that got one from autograd's
+        # hooks, stage 3 reduces whole layers in its graph, so the step sets them (``autopar/step.py``); the
+        # optimizer step leaves both kinds untouched (``runtime/zero_untouched.py``)
+        self.unused: frozenset[str] = frozenset()
         self.alone = frozenset(alone)
         self._got: set[int] = set()  # stages 1-2: the parameters that got a gradient this step (by id)
         self._held = HeldElements()
