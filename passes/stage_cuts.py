@@ -157,7 +157,10 @@ def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, 
 
 
 def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) -> list[StageGraph]:
-    """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads."""
+    """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads.
+
+    Every parameter is in a stage: one that nothing reads is stage 0's (its value lives on one pp rank, as a
+    used one's does, so ``state_dict`` and checkpoints find it there)."""
     if cap.updated_buffers:
         raise UnsupportedError(f"the model updates buffers in forward ({', '.join(cap.updated_buffers[:3])}), which "
                                f"pipelines do not support; use pp=1, or put the modules that update them in eval mode")
@@ -195,6 +198,10 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
         for nd in recv:
             env[nd] = graph.placeholder(nd.name)
             env[nd].meta = dict(nd.meta)
+        if s == 0:  # parameters nothing reads (unused in forward): held by stage 0, which owns their state
+            for nd in placeholders:
+                if not nd.users and slot_of[nd].kind is SlotKind.PARAM:
+                    lookup(nd)
         for nd in [nd for nd in gm.graph.nodes if stage.get(nd) == s]:
             for a in nd.all_input_nodes:
                 if a.op == "placeholder":
