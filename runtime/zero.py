@@ -42,7 +42,7 @@ from autopar.runtime.zero_untouched import HeldElements, local_spans
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
-    """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group."""
+    """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group of ``params``."""
     if factory is None:
         return
     opt = factory(params)
@@ -57,6 +57,15 @@ def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
             "an elementwise optimizer class of your own can declare `elementwise = True`"
         )
     groups = opt.param_groups
+    given = {id(p) for p in params}
+    others = sum(id(p) not in given for g in groups for p in g["params"])
+    if others:
+        raise ValueError(
+            f"the optimizer factory built {cls.__name__} on {others} parameter(s) it was not given: it must use its "
+            f"argument (lambda params: torch.optim.AdamW(params, lr=1e-3)), not the model's parameters "
+            f"(lambda params: torch.optim.AdamW(model.parameters())): zero={stage} passes it the flat shards each "
+            "rank steps, and an optimizer on the model's own tensors would never see their gradients"
+        )
     if len(groups) != 1 or len(groups[0]["params"]) != len(params):
         sizes = [len(g["params"]) for g in groups]
         raise ValueError(

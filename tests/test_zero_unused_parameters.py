@@ -14,6 +14,7 @@ from torch import nn
 import models
 from autopar import Mesh
 from autopar.core.zero_layout import FlatGroup
+from autopar.runtime.zero import check_optimizer
 from autopar.runtime.zero_untouched import HeldElements, local_spans
 from autopar.testing import assert_equivalent
 
@@ -70,3 +71,11 @@ def test_held_elements_and_their_new_state_are_restored_after_a_step() -> None:
     held.restore(opt)
     assert shard[:3].tolist() == [0.0, 1.0, 2.0] and shard[3] != 3.0
     assert opt.state[shard]["exp_avg"][:3].tolist() == [0.0] * 3
+
+
+def test_an_optimizer_factory_ignoring_its_argument_is_named() -> None:
+    """``lambda params: AdamW(model.parameters())`` would step the model's tensors, which ZeRO does not feed."""
+    model = ExtraParameter()
+    with pytest.raises(ValueError, match="built AdamW on 10 parameter\\(s\\) it was not given: it must use its "
+                                         "argument"):
+        check_optimizer(lambda params: torch.optim.AdamW(model.parameters()), [nn.Parameter(torch.zeros(1))], 2)
