@@ -157,10 +157,7 @@ def assign_stages(gm: fx.GraphModule, split_points: list[str]) -> dict[fx.Node, 
 
 
 def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) -> list[StageGraph]:
-    """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads.
-
-    Every parameter is in a stage: one that nothing reads is stage 0's (its value lives on one pp rank, as a
-    used one's does, so ``state_dict`` and checkpoints find it there)."""
+    """Cuts ``cap.gm`` before each module of ``split_points``; ``trainable``: names of parameters with grads."""
     if cap.updated_buffers:
         raise UnsupportedError(f"the model updates buffers in forward ({', '.join(cap.updated_buffers[:3])}), which "
                                f"pipelines do not support; use pp=1, or put the modules that update them in eval mode")
@@ -198,15 +195,14 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
         for nd in recv:
             env[nd] = graph.placeholder(nd.name)
             env[nd].meta = dict(nd.meta)
-        if s == 0:  # parameters nothing reads (unused in forward): held by stage 0, which owns their state
-            for nd in placeholders:
-                if not nd.users and slot_of[nd].kind is SlotKind.PARAM:
-                    lookup(nd)
         for nd in [nd for nd in gm.graph.nodes if stage.get(nd) == s]:
             for a in nd.all_input_nodes:
                 if a.op == "placeholder":
                     lookup(a)
             env[nd] = graph.node_copy(nd, lambda a: env[a])
+        if s == 0:
+            for nd in _unused_parameters(placeholders, slot_of):
+                lookup(nd)
         results = [env[nd] for nd in send]
         if s == n - 1:
             flat_out = list(output.args[0])
@@ -224,6 +220,16 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
             is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind is SlotKind.PARAM],
         ))
     return stages
+
+
+def _unused_parameters(placeholders: list[fx.Node], slot_of: dict[fx.Node, Slot]) -> list[fx.Node]:
+    """Parameters that no node of the graph reads (a module the forward never calls).
+
+    The first stage holds them, unused, so that every parameter lives on some stage: the optimizer leaves
+    them as they are (no gradient) and ``state_dict`` returns them, as on one device. In no stage, a rank
+    would hold no tensor for them and ``state_dict`` would return uninitialized memory.
+    """
+    return [nd for nd in placeholders if slot_of[nd].kind is SlotKind.PARAM and not nd.users]
 
 
 def _submodules(gm: fx.GraphModule, graph: fx.Graph) -> torch.nn.Module:
