@@ -24,6 +24,7 @@ from autopar.runtime.batch import cp_unshard
 from autopar.runtime.clip import clip, global_grad_norm
 from autopar.runtime.step_executor import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
+from autopar.zero_compile import unused_parameters
 
 
 def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]],
@@ -42,6 +43,8 @@ def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRun
             norm.append(global_grad_norm(rt, model, program.placements, rt.holders,
                                          frozenset(program.plan.expert_params)))
             clip(rt, norm[0], max_grad_norm)
+        if rt.zero is not None and rt.zero.stage == 3:
+            rt.zero.unused = unused_parameters(program)  # (this program's: another input may read others)
         rt.optimizer.step()
         rt.optimizer.zero_grad(set_to_none=True)
 

@@ -52,6 +52,36 @@ def rank_parameters(program: Program, model: torch.nn.Module, rank: int,
             if n not in experts or experts[n].stacked or experts[n].holder() == index]  # its ep index's experts
 
 
+def unused_parameters(program: Program) -> frozenset[str]:
+    """Parameters no gradient reaches: the captured graph reads them nowhere, or only through a ``detach``
+    (``torch.no_grad()`` blocks are captured as one) or an integer value. ZeRO-3's optimizer step leaves their
+    elements of a flat shard untouched (``runtime/zero_untouched.py``), as one device's skips a parameter whose
+    ``grad`` is None; tied names included. (One walk over the graph, asked at each stage-3 step.)"""
+    captured = program.captured
+    reached = _differentiably_reached(captured.gm.graph)
+    nodes = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    names = {s.name for n, s in zip(nodes, captured.slots) if s.kind is SlotKind.PARAM and n not in reached}
+    return frozenset(names | {tied for tied, used in captured.aliases.items() if used in names})
+
+
+def _differentiably_reached(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes from which a gradient can flow to the graph's outputs (back from them, not across a ``detach``
+    or a value that is not floating point)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    reached, todo = set(), [out]
+    while todo:
+        node = todo.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        val = node.meta.get("val")
+        if node.target is torch.ops.aten.detach.default or (
+                isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())):
+            continue
+        todo.extend(node.all_input_nodes)
+    return reached
+
+
 def shared_across_pp(program: Program) -> set[str]:
     """Parameters that stages on several pipeline ranks use."""
     return set(program.shared_parameters())

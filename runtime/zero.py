@@ -38,10 +38,11 @@ from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, ReplicaReduce
 from autopar.runtime.zero_trace import ZeroTrace
+from autopar.runtime.zero_untouched import HeldElements, local_spans
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
-    """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group."""
+    """Raises unless ``factory(params)`` is an elementwise optimizer with one parameter group of ``params``."""
     if factory is None:
         return
     opt = factory(params)
@@ -56,6 +57,15 @@ def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Te
             "an elementwise optimizer class of your own can declare `elementwise = True`"
         )
     groups = opt.param_groups
+    given = {id(p) for p in params}
+    others = sum(id(p) not in given for g in groups for p in g["params"])
+    if others:
+        raise ValueError(
+            f"the optimizer factory built {cls.__name__} on {others} parameter(s) it was not given: it must use its "
+            f"argument (lambda params: torch.optim.AdamW(params, lr=1e-3)), not the model's parameters "
+            f"(lambda params: torch.optim.AdamW(model.parameters())): zero={stage} passes it the flat shards each "
+            "rank steps, and an optimizer on the model's own tensors would never see their gradients"
+        )
     if len(groups) != 1 or len(groups[0]["params"]) != len(params):
         sizes = [len(g["params"]) for g in groups]
         raise ValueError(
@@ -105,6 +115,13 @@ class ZeroRuntime:
         self.model = model
         self.groups = groups
         self.stage = settings.stage
+        # parameters the running program sends no gradient to: stages 1-2 see those that got one from autograd's
+        # hooks, stage 3 reduces whole layers in its graph, so the step sets them (``autopar/step.py``); the
+        # optimizer step leaves both kinds untouched (``runtime/zero_untouched.py``)
+        self.unused: frozenset[str] = frozenset()
+        self.alone = frozenset(alone)
+        self._got: set[int] = set()  # stages 1-2: the parameters that got a gradient this step (by id)
+        self._held = HeldElements()
         self._armed = True  # stage 1: reduce the gradients of the stage's last microbatch only (``arm``)
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
@@ -146,6 +163,7 @@ class ZeroRuntime:
                                                  for fs in self.shards])
         self.optimizer = build_optimizer(settings.optimizer, self.params, self.masters)
         if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(self._before_step)
             self.optimizer.register_step_post_hook(self._after_step)
         self._group_of = {id(p): fs for fs, members in self.members.items() for p in members}
         self._ready: Counter[FlatShard] = Counter()
@@ -187,6 +205,7 @@ class ZeroRuntime:
         self.queue.final = last
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._got.add(id(p))
         fs = self._group_of[id(p)]
         self._hits[fs] += 1
         if self.stage == 1 and not self._armed:
@@ -231,7 +250,26 @@ class ZeroRuntime:
         self._hits.clear()
         self._launched.clear()
 
+    def _without_gradient(self, fs: FlatShard) -> list[int]:
+        """Positions in ``fs``'s group of the parameters that got no gradient this step (on every rank alike)."""
+        if self.stage == 3:
+            return [i for i, name in enumerate(fs.spec.params) if name in self.unused]
+        return [i for i, p in enumerate(self.members[fs]) if id(p) not in self._got]
+
+    def _before_step(self, *_: Any) -> None:
+        """Holds the elements of parameters without a gradient in the shards the optimizer steps: on one device
+        their ``grad`` is None and the optimizer skips them, here their zeros sit in a stepped flat shard."""
+        for fs in self.shards:
+            if fs.shard.grad is None or self.alone.issuperset(fs.spec.params):
+                continue  # (skipped by the optimizer; a parameter of several pp ranks has their summed gradient)
+            stepped = self.masters.of(fs.shard) if self.masters is not None else fs.shard
+            tensors = [fs.shard] if stepped is fs.shard else [fs.shard, stepped]
+            self._held.hold(self.optimizer, tensors, stepped, local_spans(fs.spec, fs.index,
+                                                                          self._without_gradient(fs)))
+
     def _after_step(self, *_: Any) -> None:
+        self._held.restore(self.optimizer)
+        self._got.clear()
         works = [fs.all_gather_in_place() for fs in self.shards] if self.stage < 3 else []
         for work in works:
             if work is not None:
