@@ -200,6 +200,9 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
                 if a.op == "placeholder":
                     lookup(a)
             env[nd] = graph.node_copy(nd, lambda a: env[a])
+        if s == 0:
+            for nd in _unused_parameters(placeholders, slot_of):
+                lookup(nd)
         results = [env[nd] for nd in send]
         if s == n - 1:
             flat_out = list(output.args[0])
@@ -217,6 +220,16 @@ def split_stages(cap: Captured, split_points: list[str], trainable: set[str]) ->
             is_last=s == n - 1, params=[sl.name for sl in slots if sl.kind is SlotKind.PARAM],
         ))
     return stages
+
+
+def _unused_parameters(placeholders: list[fx.Node], slot_of: dict[fx.Node, Slot]) -> list[fx.Node]:
+    """Parameters that no node of the graph reads (a module the forward never calls).
+
+    The first stage holds them, unused, so that every parameter lives on some stage: the optimizer leaves
+    them as they are (no gradient) and ``state_dict`` returns them, as on one device. In no stage, a rank
+    would hold no tensor for them and ``state_dict`` would return uninitialized memory.
+    """
+    return [nd for nd in placeholders if slot_of[nd].kind is SlotKind.PARAM and not nd.users]
 
 
 def _submodules(gm: fx.GraphModule, graph: fx.Graph) -> torch.nn.Module:
