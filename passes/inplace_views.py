@@ -6,8 +6,10 @@ the base's later users. The lowering treats values as values: where it converts 
 way to the write (an all-gather before a slice across the shards), the write lands on the converted copy and
 the base keeps its old values, so training silently differs from one device.
 
-``written_chains(gm)`` finds every node of such a chain (the write, the views it writes through and their
-base), which the solver computes replicated (``passes.sharding``) so that nothing is converted inside them;
+``aliased_edges(gm)`` finds the edges of such a chain (from the base through its views to the write) where
+the written value is read after the write, on which the solver converts nothing (``passes.sharding_program``):
+the chain is computed at one placement. A write whose result alone is read on (``x = relu_(x)``,
+``nn.ReLU(inplace=True)``) is free: a copy written is then the value read;
 ``check_writes(gm)`` checks the lowered graph and refuses, naming the write, where a conversion is still
 inside a chain, or where a conversion of the base made before the write is read after it (a stale copy).
 """
@@ -55,13 +57,23 @@ def _chain(write: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def written_chains(gm: fx.GraphModule) -> set[fx.Node]:
-    """Every in-place write of ``gm`` with the views it writes through and their base."""
-    found: set[fx.Node] = set()
+def _read_after(write: fx.Node, chain: list[fx.Node]) -> bool:
+    """Whether a node after ``write`` reads the value it writes other than through its result: a user of the
+    base or of a view on the way (``h[..., :5] = 0`` then ``down(h)``), not ``relu_``'s ``x = act(x)``."""
+    order = {nd: i for i, nd in enumerate(write.graph.nodes)}
+    inside = {write, *chain}
+    return any(order[u] > order[write] for nd in chain for u in nd.users if u not in inside)
+
+
+def aliased_edges(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
+    """``(value, user)`` for every step from an in-place write of ``gm`` back through the views it writes
+    through to their base, where the value written is read after the write: the edges on which the solver
+    converts nothing."""
+    found: set[tuple[fx.Node, fx.Node]] = set()
     for node in gm.graph.nodes:
-        if written_argument(node) is not None:
-            found.add(node)
-            found.update(nd for nd in _chain(node) if nd.op != "placeholder")
+        if written_argument(node) is not None and _read_after(node, _chain(node)):
+            chain = [node, *_chain(node)]
+            found.update(zip(chain[1:], chain[:-1]))
     return found
 
 
@@ -81,7 +93,8 @@ def check_writes(gm: fx.GraphModule, n: int) -> None:
         if written_argument(node) is None:
             continue
         chain = _chain(node)
-        converted = [nd for nd in chain if _is_conversion(nd)]
+        read_after = _read_after(node, [nd for nd in chain if not _is_conversion(nd)])
+        converted = [nd for nd in chain if _is_conversion(nd)] if read_after else []
         stale = [c for c in chain[-1].users if _is_conversion(c)
                  and order[c] < order[node] and any(order[u] > order[node] for u in c.users)]
         if converted or stale:

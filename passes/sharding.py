@@ -49,7 +49,6 @@ from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.rules import Strategy, strategies
 from autopar.passes.rules.base import R
-from autopar.passes.inplace_views import written_chains
 from autopar.passes.saved import saved_tensors
 from autopar.passes.sharding_program import Choice, Program, out_placement
 from autopar.passes.stage_cuts import node_layer
@@ -81,7 +80,6 @@ def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, 
     ``same_as`` maps nodes of repeated blocks to their first block's nodes.
     """
     same_as = same_as or {}
-    written = written_chains(gm)
     choices: dict[fx.Node, Choice] = {}
     value_of: dict[fx.Node, tuple[fx.Node, int | None]] = {}
     for node in gm.graph.nodes:
@@ -108,8 +106,6 @@ def candidate_strategies(gm: fx.GraphModule, n: int, param_names: dict[fx.Node, 
             else:
                 found = strategies(node.target, _vals(node.args), _vals(node.kwargs), n)
                 found = [s for s in found if len(s.inputs) == len(ins)] or found[:1]
-            if node in written:  # an in-place write through views: nothing converted inside (inplace_views)
-                found = [s for s in found if s.output == R and all(p == R for p in s.inputs)] or found
             choices[node] = Choice(found, inputs=[value_of.get(a) for a in ins])
             value_of[node] = (node, None)
     return choices

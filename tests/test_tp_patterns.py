@@ -95,7 +95,7 @@ def make_shifted() -> nn.Module:
 
 @pytest.mark.parametrize("make", [make_zeroed, make_shifted])
 def test_a_write_through_a_view_of_a_sharded_value_is_exact(launcher, make) -> None:
-    """The write and the views it goes through are computed replicated: an all-gather before the slice made the
+    """Nothing is converted between the written value and the write: an all-gather before the slice made the
     write land on the gathered copy (the first trained wrong; the second's forward after training, whose plan
     differs, returned the zero tensor unwritten)."""
     assert_equivalent(make, Mesh(tp=2), (X,), Y, models.mse, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
