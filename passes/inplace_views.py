@@ -77,6 +77,17 @@ def aliased_edges(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
     return found
 
 
+def aliases_written(write: fx.Node) -> set[fx.Node]:
+    """The base ``write`` writes through and every view of it: the values whose copies made before the write
+    are stale after it (``passes.lower`` converts them again for later users)."""
+    found, todo = set(), [_chain(write)[-1]]
+    while todo:
+        nd = todo.pop()
+        found.add(nd)
+        todo += [u for u in nd.users if u not in found and is_view(u) and u.args[0] is nd]
+    return found
+
+
 def _where(node: fx.Node) -> str:
     """The user's source line of ``node``, as the export recorded it, or the module that ran it."""
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()

@@ -49,6 +49,20 @@ class ShiftedColumns(ZeroedColumns):
         return self.down(z)
 
 
+class ReadBeforeAndAfter(ZeroedColumns):
+    """The hidden value read by one projection before columns 0-4 are zeroed and by another after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x)).clone()
+        before = self.down(h + 1.0)
+        h[..., :5] = 0.0
+        return before + self.other(h)
+
+
 class HeadwiseQKV(nn.Module):
     """GPT-NeoX's fused projection: viewed as (B, S, heads, 3 * head_dim), then cut into q, k, v per head."""
 
@@ -93,11 +107,16 @@ def make_shifted() -> nn.Module:
     return _make(ShiftedColumns)
 
 
-@pytest.mark.parametrize("make", [make_zeroed, make_shifted])
+def make_read_twice() -> nn.Module:
+    return _make(ReadBeforeAndAfter)
+
+
+@pytest.mark.parametrize("make", [make_zeroed, make_shifted, make_read_twice])
 def test_a_write_through_a_view_of_a_sharded_value_is_exact(launcher, make) -> None:
     """Nothing is converted between the written value and the write: an all-gather before the slice made the
     write land on the gathered copy (the first trained wrong; the second's forward after training, whose plan
-    differs, returned the zero tensor unwritten)."""
+    differs, returned the zero tensor unwritten). The third's shards of ``h``, cut for the read before the
+    write, are cut again for the read after it, not reused stale."""
     assert_equivalent(make, Mesh(tp=2), (X,), Y, models.mse, models.adamw, steps=2, rtol=1e-9, atol=1e-10,
                       launcher=launcher)
 
