@@ -143,7 +143,7 @@ def _cut_by_slices(slices: list[fx.Node], total: int,
 def _projection_params(y: fx.Node, slot_of: dict) -> list[tuple[str, int]] | None:
     """The parameters of the projection computing ``y`` (through at most one view) and their output dims."""
     proj = y.args[0] if y.target in VIEWS else y
-    if y.target in VIEWS and len(proj.users) != 1:
+    if y.target in VIEWS and (len(proj.users) != 1 or not _keeps_last_dim(proj, y)):
         return None
     if proj.target == aten.addmm.default:
         pairs = [(proj.args[2], 1), (proj.args[0], 0)]  # (in, out) weight, bias
@@ -158,3 +158,14 @@ def _projection_params(y: fx.Node, slot_of: dict) -> list[tuple[str, int]] | Non
             return None
         params.append((slot.name, d))
     return params
+
+
+def _keeps_last_dim(proj: fx.Node, view: fx.Node) -> bool:
+    """Whether ``view`` of the projection's output keeps its last dim whole (flattening the leading dims).
+
+    A view that splits it (GPT-NeoX's ``(B, S, heads * 3 * hd) -> (B, S, heads, 3 * hd)``) cuts each head's
+    q|k|v, not the weight's columns: the weight is already stored head by head, and re-ordering it by the
+    view's blocks would mix heads (and does not fit: the blocks tile the view's last dim, not the weight's).
+    """
+    a, b = proj.meta.get("val"), view.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape[-1] == b.shape[-1]

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core import comm
+from autopar.passes.inplace_views import aliases_written, written_argument
 from autopar.passes.lazy_module import graph_module
 from autopar.passes.rules import local_args, replacement
 from autopar.passes.rules.base import R
@@ -118,6 +119,10 @@ def lower_tp(gm: fx.GraphModule, choices: dict[fx.Node, Choice], n: int, require
                 env[node] = graph.call_function(node.target, tuple(new_args), new_kwargs)
             finish(node, env[node], strategy.output)
             env[node].meta["autopar.placement"] = strategy
+            if written_argument(node) is not None:  # copies made before a write are stale after it
+                stale = aliases_written(node)
+                for key in [key for key in converted if key[0] in stale]:
+                    del converted[key]
         elif node.op == "call_module":  # an expert-parallel layer, replicated over tp: its inputs whole
             args = [local_input(a, R, False) if isinstance(a, fx.Node) else a for a in node.args]
             env[node] = graph.call_module(node.target, tuple(args))

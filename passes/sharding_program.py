@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.comm import LinkCost, conversion, conversion_time, ops_time
 from autopar.core.shared_dir import shared
 from autopar.passes.cost import tensor_bytes
+from autopar.passes.inplace_views import aliased_edges
 from autopar.passes.rules import SUMS_INSIDE, Strategy
 from autopar.passes.rules.base import R
 
@@ -104,7 +105,7 @@ class Program:
         program = cls(offset, decisions, [0.0] * decisions)
         wide = max((v.meta["val"].dtype.itemsize for v in param_names if _floating(v, None)), default=0)
         program._one_per_node(choices, same_as, wide)
-        for edge in _edges(choices, param_names, rg, cost, n, wide, regathered, program):
+        for edge in _edges(choices, param_names, rg, cost, n, wide, regathered, program, aliased_edges(gm)):
             key = (offset[edge[0]], offset[edge[1]])  # edges between the same shared variables add up
             old = program.edges.get(key)
             program.edges[key] = edge if old is None else (edge[0], edge[1], old[2] + edge[2], old[3] + edge[3])
@@ -265,9 +266,10 @@ def _digest(objective: np.ndarray, integrality: np.ndarray, constraints: list[Li
 
 def _edges(choices: dict[fx.Node, Choice], param_names: dict[fx.Node, str], rg: dict[fx.Node, bool],
            cost: LinkCost, n: int, wide: int, regathered: dict[tuple[fx.Node, int], int],
-           program: Program) -> list[Edge]:
+           program: Program, aliased: set[tuple[fx.Node, fx.Node]]) -> list[Edge]:
     """Per input of each node, the seconds (and kept bytes) of each pair of producer and consumer strategies.
-    A parameter is consumed as stored: other pairs are infinite and recorded in ``program.forbidden``."""
+    A parameter is consumed as stored, and a value an in-place write reaches through views as it is
+    (``aliased``, ``passes.inplace_views``): other pairs are infinite and recorded in ``program.forbidden``."""
     found = []
     for v, cv in choices.items():
         for k, value in enumerate(cv.inputs):
@@ -287,7 +289,8 @@ def _edges(choices: dict[fx.Node, Choice], param_names: dict[fx.Node, str], rg: 
                     sync = grad and dst is not None and needs_grad_sync(sv, dst)
                     ops = conversion(src, dst, sync)
                     t = math.inf if ops is None else ops_time(ops, nbytes, n, cost) + OP_S * len(ops)
-                    if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial):
+                    if u in param_names and src != dst and dst is not None and not isinstance(dst, Partial) \
+                            or (u, v) in aliased and src != dst and dst is not None:
                         t = math.inf  # a parameter is consumed as stored (a bias may join a partial sum)
                         program.forbidden.append((program.offset[u] + i, program.offset[v] + j))
                     t += narrow * (sums_over_ranks(src, dst) + sync)

@@ -24,6 +24,7 @@ from autopar.core.plan import CollectiveRow, LayerLayout, MatmulRow
 from autopar.passes.blocks import repeated_blocks
 from autopar.passes.cost import requires_grad, tensor_bytes
 from autopar.passes.fused_projections import interleave_fused_projections
+from autopar.passes.inplace_views import check_writes
 from autopar.passes.lower import lower_tp
 from autopar.passes.rules import has_rule, replacement
 from autopar.passes.rules.base import BATCH_MEAN, VOCAB_PARALLEL
@@ -65,6 +66,7 @@ def tensor_parallel(cap: Captured, n: int, trainable: set[str], memory_budget: i
     fallbacks = sorted({str(nd.target) for nd in cap.gm.graph.nodes
                         if nd.op == "call_function" and nd.target is not operator.getitem and not has_rule(nd.target)})
     gm = lower_tp(cap.gm, choices, n, rg)  # one graph: rank-dependent values are read at run time
+    check_writes(gm, n)
     lowered = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]  # the signature is unchanged by lowering
     counts, nbytes = count_collectives(gm, requires_grad(gm, {lowered[placeholders.index(nd)] for nd in leaves}),
                                        regather=sequence_parallel)
