@@ -38,7 +38,7 @@ from autopar.runtime.master import Masters, build_optimizer
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.zero_group import FlatShard, GatheredBytes, ReduceQueue, ReplicaReduce
 from autopar.runtime.zero_trace import ZeroTrace
-from autopar.runtime.zero_untouched import HeldElements, local_spans
+from autopar.runtime.zero_untouched import HeldElements, StepCounts, local_spans
 
 # optimizers whose update of an element reads only that element's parameter, gradient and state
 def check_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor], stage: int) -> None:
@@ -122,6 +122,7 @@ class ZeroRuntime:
         self.alone = frozenset(alone)
         self._got: set[int] = set()  # stages 1-2: the parameters that got a gradient this step (by id)
         self._held = HeldElements()
+        self._counts = StepCounts()
         self._armed = True  # stage 1: reduce the gradients of the stage's last microbatch only (``arm``)
         mine = {id(p) for p in params}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
@@ -264,8 +265,9 @@ class ZeroRuntime:
                 continue  # (skipped by the optimizer; a parameter of several pp ranks has their summed gradient)
             stepped = self.masters.of(fs.shard) if self.masters is not None else fs.shard
             tensors = [fs.shard] if stepped is fs.shard else [fs.shard, stepped]
-            self._held.hold(self.optimizer, tensors, stepped, local_spans(fs.spec, fs.index,
-                                                                          self._without_gradient(fs)))
+            without = self._without_gradient(fs)
+            self._held.hold(self.optimizer, tensors, stepped, local_spans(fs.spec, fs.index, without))
+            self._counts.record(list(fs.spec.params), set(without), "step" in self.optimizer.state.get(stepped, {}))
 
     def _after_step(self, *_: Any) -> None:
         self._held.restore(self.optimizer)

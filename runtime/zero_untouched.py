@@ -11,11 +11,16 @@ precision) and of the optimizer's state of the same shape before the step, and w
 state the step created there is set to zero (one device has none). Every rank of a ZeRO group skips the same
 parameters (they run the same graph), so the shards stay those of one model.
 
+``StepCounts`` names a parameter skipped in some steps and stepped in others under an optimizer that counts
+steps (Adam's bias correction): the flat shard's count counts every step, one device's counts the parameter's
+own steps, so its updates differ from then on; a warning says so, once per parameter.
+
 Invariant: after ``restore`` the held elements of every stepped tensor and of its state equal their values
 before the step.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -72,6 +77,29 @@ class HeldElements:
                     t[mask] = 0
         self._held.clear()
         self._stepped.clear()
+
+
+class StepCounts:
+    """Which parameters were skipped and which stepped so far; names those that have been both."""
+
+    def __init__(self) -> None:
+        self._skipped: set[str] = set()
+        self._stepped: set[str] = set()
+        self._named: set[str] = set()
+
+    def record(self, names: list[str], skipped: set[int], counted: bool) -> None:
+        """Notes one step of a group of parameters (``names``, ``skipped`` the positions without a gradient);
+        warns for each newly mixed one where the optimizer's state of the shard counts steps (``counted``)."""
+        for i, name in enumerate(names):
+            (self._skipped if i in skipped else self._stepped).add(name)
+        mixed = sorted((self._skipped & self._stepped) - self._named)
+        if mixed and counted:
+            self._named.update(mixed)
+            warnings.warn(f"parameter(s) {', '.join(mixed[:4])} got a gradient in some steps and none in others: "
+                          f"under ZeRO the optimizer's step count is their flat shard's, which counts every step, "
+                          f"where one device counts each parameter's own steps, so the bias correction of Adam-like "
+                          f"optimizers differs for them from here on; read them in every step (a zero-weighted "
+                          f"term), or run without ZeRO", stacklevel=3)
 
 
 def _flat_state(state: dict[str, Any], stepped: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ layers in the graph, so the step asks the running program which parameters it se
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,3 +62,22 @@ def test_a_parameter_read_by_some_inputs_only_trains_as_on_one_device(launcher) 
     for state in launcher(_train, 2, 3):
         for name, want in model.state_dict().items():
             torch.testing.assert_close(state[name], want, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _warned(zero: int) -> list[str]:
+    import warnings
+
+    pm = parallelize(WideOnly(), Mesh(dp=2), loss_fn=models.mse, optimizer=models.adamw, zero=zero)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in _inputs():
+            pm.step(x, target=Y)
+    return [str(w.message) for w in caught if "got a gradient in some steps and none in others" in str(w.message)]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_adams_step_count_for_such_a_parameter_is_named(launcher, zero: int) -> None:
+    """Adam's bias correction follows the flat shard's step count, which counts every step: the parameter read
+    in some steps only is named once, on every rank."""
+    for found in launcher(_warned, 2, zero):
+        assert len(found) == 1 and "layers.0.gain" in found[0], found
