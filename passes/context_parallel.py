@@ -23,7 +23,10 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   shifts it on the whole sequence before cutting it (``runtime/batch.py``), so every rank's last token of a
   chunk is scored against the next chunk's first.
 
-Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention whose
+Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an ``arange`` of the
+local length from another start or by another step (``arange(2, S + 2)``, ``arange(S - 1, -1, -1)``: its start
+may or may not follow the length, which the rank's capture cannot tell; each rank got the same positions); a
+loss summing over the tokens without dividing by their number (``passes/context_loss.py``); an attention whose
 mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
 local length; and what ``passes/context_checks.py`` finds the chunks cannot compute alone: an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
@@ -55,6 +58,7 @@ from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
 from autopar.core.usp import usp_attention
 from autopar.passes.context_checks import SLICE, check_chunkable, dim_of, live_nodes, model_state
+from autopar.passes.context_loss import check_loss_is_a_token_mean
 from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
@@ -136,11 +140,13 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     exchange = {"all_to_all": (cp, None), "usp": (split[1] if split else 0, split)}.get(attention, (0, None))
     rings = [_ring(graph, n, local, w, *exchange, exchanged) for n, w in zip(nodes, wholes)]
     shifted = _label_shifts(graph, kinds, local)
-    moved = 0
+    moved, kept = 0, []
     for node in list(graph.nodes):
         if node.target in ARANGES and _arange_of(node) == local:
             _replace(graph, node, _positions(graph, node, local))
             moved += 1
+        elif node.target in ARANGES and _length(node) == local:
+            kept.append(node)
         elif node.target is SLICE and model_state(node.args[0], kinds) and _slice_to(node) == local:
             with graph.inserting_after(node):
                 pos = _positions(graph, node, local)
@@ -150,7 +156,9 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     masks = _attach_masks(graph, whole, kinds, local, rings, wholes)
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
+    _check_no_other_arange(graph, kept, local)
     check_chunkable(graph, kinds, local)
+    check_loss_is_a_token_mean(graph, kinds, local)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
@@ -329,6 +337,26 @@ def _arange_of(node: fx.Node) -> int | None:
     step = node.args[2] if node.target is aten.arange.start_step else 1
     end = node.args[end_i]
     return end if start == 0 and step == 1 and isinstance(end, int) else None
+
+
+def _check_no_other_arange(graph: fx.Graph, kept: list[fx.Node], local: int) -> None:
+    """No captured ``arange`` of the local length that did not become the rank's positions (``kept``: not from 0 by
+    1) is still read once the masks are the whole graph's: its start and step may or may not follow the sequence's
+    length (``arange(2, S + 2)``, ``arange(S - 1, -1, -1)``), which the rank's capture cannot tell, and kept as
+    captured it gives every cp rank the first chunk's numbers."""
+    live = set(graph.nodes)
+    for node in kept:
+        if node in live:
+            raise refused(node, f"an arange of the local length {local} that does not count from 0 by 1 "
+                                f"({', '.join(map(str, node.args))}) would give every cp rank the same positions; "
+                                f"write it as torch.arange(S) * step + offset with a constant offset, pass the "
+                                f"positions as an input, or run without cp")
+
+
+def _length(node: fx.Node) -> int | None:
+    """The number of elements of a 1-dim ``arange`` (None for another value)."""
+    val = node.meta.get("val")
+    return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 1 else None
 
 
 def _slice_to(node: fx.Node) -> int | None:
