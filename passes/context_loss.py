@@ -8,11 +8,11 @@ samples is divided by its own batch size. A cp rank holds every sample but a sha
 tokens' sum by the same batch size as one device, so the average over cp is the whole sum over cp: the loss and
 every gradient come out ``cp`` times too small (trained silently wrong before).
 
-Refused with ``UnsupportedError`` naming the node: a sum over all dims (``sum``, a loss op such as ``cross_entropy``,
-``mse_loss`` or ``kl_div`` reduced by ``"sum"``) of a value holding the tokens (a dim of the local sequence length after the
-batch, or the tokens flattened, (batch * local, ...)), reached from a scalar output through affine ops with
-numbers (casts, scaling by a constant, sums and differences of terms). A division by a value of the inputs (the
-count of ``global_count``) ends the path: that term is a mean over the whole batch's count.
+Refused with ``UnsupportedError`` naming the node: a sum over all dims (``sum``, a loss op such as
+``cross_entropy``, ``mse_loss`` or ``kl_div`` reduced by ``"sum"``) of a value holding the tokens (a dim of the
+local sequence length after the batch, or the tokens flattened, (batch * local, ...)), reached from a scalar output
+through affine ops with numbers (casts, scaling by a constant, sums and differences of terms). A division by a value
+of the inputs (the count of ``global_count``) ends the path: that term is a mean over the whole batch's count.
 
 Invariant: a graph that passes has no term of its scalar outputs that scales with the number of tokens a rank holds.
 """

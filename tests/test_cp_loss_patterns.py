@@ -1,7 +1,7 @@
 """Under cp each rank holds a share of every sequence's tokens, and the loss is averaged over the cp ranks: a loss
-that sums over the tokens without dividing by their number (a per-sample loss, ``ce(reduction="sum") / batch`` or
-``kl_div(reduction="batchmean")`` on (B, S, V), exact under dp) came out cp times too small, and so did every gradient. Refused, naming the node; a mean over the
-tokens and a sum over a count of the inputs still compile."""
+that sums over the tokens without dividing by their number (a per-sample loss, ``ce(reduction="sum") / batch``
+or ``kl_div(reduction="batchmean")`` on (B, S, V), exact under dp) came out cp times too small, and so did every
+gradient. Refused, naming the node; a mean over the tokens and a sum over a count of the inputs still compile."""
 from __future__ import annotations
 
 import pytest
@@ -52,7 +52,7 @@ def _compile(loss_fn: object, mesh: Mesh) -> None:
 @pytest.mark.parametrize("loss_fn", [_per_sample, _summed_then_scaled, _kl_per_sample])
 @pytest.mark.parametrize("mesh", [Mesh(cp=2), Mesh(dp=2, cp=2)])
 def test_a_loss_summed_over_the_tokens_is_refused_under_cp(loss_fn: object, mesh: Mesh) -> None:
-    """Trained with the loss and gradients halved at cp=2 before (a per-sample loss of 20.6 where one device had 41.3)."""
+    """Trained with the loss and gradients halved at cp=2 before (a per-sample loss of 20.6, one device's 41.3)."""
     with pytest.raises(UnsupportedError, match=r"node (cross_entropy_loss|sum|kl_div).* sums over the tokens of "
                                                r"\((16|8|4|2)(, 4)?(, 96)?,?\) \(local sequence length 4\).*cp "
                                                r"times too small"):
