@@ -59,7 +59,8 @@ from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
 from autopar.core.usp import usp_attention
-from autopar.passes.context_checks import NARROW, SLICE, check_chunkable, dim_of, live_nodes, model_state
+from autopar.passes.context_checks import (NARROW, SLICE, check_chunkable, check_constants_of_the_length, dim_of,
+                                           live_nodes, model_state)
 from autopar.passes.context_loss import check_loss_is_a_token_mean
 from autopar.passes.context_masks import MaskCopies, refused
 
@@ -163,6 +164,7 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
     _check_none_kept(graph, kept, local)
+    check_constants_of_the_length(graph, kinds, whole, local)
     check_chunkable(graph, kinds, local)
     check_loss_is_a_token_mean(graph, kinds, local)
     graph.lint()

@@ -4,7 +4,8 @@ from another start or by another step (OPT-style ``arange(2, S + 2)``, positions
 positions and trained silently wrong. Refused, naming the node and the form that runs (``arange(S) + offset``).
 A slice ``[:S]`` of a view of a position table (``ids.unsqueeze(0)[:, :S]`` of a position-id buffer) and a table
 ``narrow``ed to the length were kept too, where a slice of the table itself became the rank's positions; both are
-the rank's positions now, and a window of a table from another start is refused."""
+the rank's positions now, and a window of a table from another start is refused, as are positions built in Python
+from the length (a constant) or counted by a running sum over a tensor of ones."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,10 @@ class PositionsLM(nn.Module):
             return torch.arange(2, s + 2)
         if self.form == "reversed":
             return torch.arange(s - 1, -1, -1)
+        if self.form == "listed":
+            return torch.tensor(list(range(s)))
+        if self.form == "counted":
+            return torch.ones(s, dtype=torch.long).cumsum(0) - 1
         if self.form == "buffer_view":
             return self.position_ids.unsqueeze(0)[:, :s]  # (1, S)
         return torch.arange(s) + 2
@@ -63,13 +68,19 @@ def positions_lm(form: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("form, what", [
-    ("offset", r"arange .*an arange of the local length 4 that does not count from 0 by 1 \(2, 6\)"),
+    ("offset", r"arange .*an arange of the local length 4 that does not count from 0 by 1 \(2, 6\).*"
+               r"torch.arange\(S\) \* step \+ offset"),
     ("reversed", r"arange .*an arange of the local length 4 that does not count from 0 by 1 \(3, -1, -1\)"),
     ("shifted", r"slice.* a window of the local length 4 of the model's state that does not start at 0 \(1, 1, 5\)"),
+    ("listed", r"c_\w*lifted_tensor_0 .*a constant tensor of shape \(4,\) here is \(8,\) on whole sequences.*"
+               r"torch.arange\(S\)"),
+    ("counted", r"cumsum .*accumulates along dim 0 of a tensor \(4,\) made from the local sequence length 4 alone.*"
+                r"torch.arange\(S\)"),
 ])
 def test_positions_from_another_start_or_step_are_refused_under_cp(form: str, what: str) -> None:
-    """``table[:, 1:S + 1]`` was kept as captured too: every rank read rows 1..4 of the table."""
-    with pytest.raises(UnsupportedError, match=rf"node {what}.*torch.arange\(S\) \* step \+ offset"):
+    """``table[:, 1:S + 1]``, ``torch.tensor(list(range(S)))`` and ``torch.ones(S).cumsum(0) - 1`` were kept as
+    captured too: every rank read the first chunk's positions."""
+    with pytest.raises(UnsupportedError, match=rf"node {what}"):
         autopar.parallelize(positions_lm(form), Mesh(cp=2), example_inputs=(IDS,), example_target=TARGET,
                             loss_fn=models.lm_loss, optimizer=models.adamw)
 
