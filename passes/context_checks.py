@@ -342,6 +342,34 @@ def check_same_numbers(whole: fx.GraphModule, local: fx.GraphModule) -> None:
                                  f"pass it as an input or a constant, or run without cp")
 
 
+def check_no_branch_on_length(whole: fx.GraphModule, local: fx.GraphModule) -> None:
+    """Refuses a pointwise op of the graph on whole sequences that the rank's capture (``local``) does not run
+    (``if S > 6: x = x.tanh()``, a Python loop over the tokens: the model's Python branches or loops on the
+    sequence's length, and each rank took the local length's way), unless it only builds an attention's mask,
+    which the rank takes from the whole graph. Matched as ``check_same_numbers`` matches (runs of ops)."""
+    ops = [[n for n in gm.graph.nodes if n.op == "call_function"] for gm in (whole, local)]
+    runs = difflib.SequenceMatcher(None, *[[str(n.target) for n in nodes] for nodes in ops], autojunk=False)
+    matched = {ops[0][i + k] for i, _, size in runs.get_matching_blocks() for k in range(size)}
+    live, masks = live_nodes(whole.graph), _mask_only(whole.graph)
+    for node in ops[0]:
+        if node in live and node not in matched and node not in masks and \
+                isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+            raise refused(node, "the model runs it on whole sequences but not on a cp rank's chunks: its Python "
+                                "branches or loops on the sequence's length (if S > ..., for t in range(S)), and a "
+                                "rank follows its local length; branch on a constant, or run without cp")
+
+
+def _mask_only(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose every use ends in an attention's mask argument (the masks the rank evaluates whole)."""
+    found: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        users = list(node.users)
+        if users and all(u in found or (u.target is aten.scaled_dot_product_attention.default
+                                        and node in u.args[3:4] + tuple(u.kwargs.values())) for u in users):
+            found.add(node)
+    return found
+
+
 def moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
     """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
     the local length that its kernel spans (wider than 1)."""

@@ -28,7 +28,8 @@ Refused with ``UnsupportedError`` naming the node and the source line, never rep
 local length from another start or by another step (``arange(2, S + 2)``, ``arange(S - 1, -1, -1)``) or a
 window of the model's state from another start (``table[:, 1:S + 1]``), whose start may or may not follow the
 length, which the rank's capture cannot tell (each rank got the same positions); a loss summing over the tokens
-without dividing by their number (``passes/context_loss.py``); an attention whose
+without dividing by their number (``passes/context_loss.py``); a pointwise op the model runs on whole
+sequences but not on the rank's chunks (its Python branches on the length); an attention whose
 mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
 local length; and what ``passes/context_checks.py`` finds the chunks cannot compute alone: an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
@@ -59,8 +60,8 @@ from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
 from autopar.core.usp import usp_attention
-from autopar.passes.context_checks import (NARROW, SLICE, check_chunkable, check_constants_of_the_length, dim_of,
-                                           live_nodes, model_state)
+from autopar.passes.context_checks import (NARROW, SLICE, check_chunkable, check_constants_of_the_length,
+                                           check_no_branch_on_length, dim_of, live_nodes, model_state)
 from autopar.passes.context_loss import check_loss_is_a_token_mean
 from autopar.passes.context_masks import MaskCopies, refused
 
@@ -167,6 +168,8 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     check_constants_of_the_length(graph, kinds, whole, local)
     check_chunkable(graph, kinds, local)
     check_loss_is_a_token_mean(graph, kinds, local)
+    if whole is not None:
+        check_no_branch_on_length(whole, cap.gm)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
