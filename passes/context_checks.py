@@ -343,20 +343,30 @@ def check_same_numbers(whole: fx.GraphModule, local: fx.GraphModule) -> None:
 
 
 def check_no_branch_on_length(whole: fx.GraphModule, local: fx.GraphModule) -> None:
-    """Refuses a pointwise op of the graph on whole sequences that the rank's capture (``local``) does not run
-    (``if S > 6: x = x.tanh()``, a Python loop over the tokens: the model's Python branches or loops on the
-    sequence's length, and each rank took the local length's way), unless it only builds an attention's mask,
-    which the rank takes from the whole graph. Matched as ``check_same_numbers`` matches (runs of ops)."""
+    """Refuses a pointwise op that one of the graphs on whole sequences and on a rank's chunks (``local``) runs and
+    the other does not (``if S > 6: x = x.tanh()``, a Python loop over the tokens: the model's Python branches or
+    loops on the sequence's length, and each rank took the local length's way), unless it only builds an
+    attention's mask, which the rank takes from the whole graph, or divides by the loss's whole-batch count.
+    Matched as ``check_same_numbers`` matches (runs of ops)."""
     ops = [[n for n in gm.graph.nodes if n.op == "call_function"] for gm in (whole, local)]
     runs = difflib.SequenceMatcher(None, *[[str(n.target) for n in nodes] for nodes in ops], autojunk=False)
-    matched = {ops[0][i + k] for i, _, size in runs.get_matching_blocks() for k in range(size)}
-    live, masks = live_nodes(whole.graph), _mask_only(whole.graph)
-    for node in ops[0]:
-        if node in live and node not in matched and node not in masks and \
-                isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
-            raise refused(node, "the model runs it on whole sequences but not on a cp rank's chunks: its Python "
-                                "branches or loops on the sequence's length (if S > ..., for t in range(S)), and a "
-                                "rank follows its local length; branch on a constant, or run without cp")
+    matched = {ops[side][block[side] + k] for block in runs.get_matching_blocks() for k in range(block[2])
+               for side in (0, 1)}
+    for gm, where in ((whole, "on whole sequences but not on a cp rank's chunks"),
+                      (local, "on a cp rank's chunks but not on whole sequences")):
+        live, masks = live_nodes(gm.graph), _mask_only(gm.graph)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node in live and node not in matched and node not in masks and \
+                    isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags \
+                    and not _reads_count(node):
+                raise refused(node, f"the model runs it {where}: its Python branches or loops on the sequence's "
+                                    f"length (if S > ..., for t in range(S)), and a rank follows its local length; "
+                                    f"branch on a constant, or run without cp")
+
+
+def _reads_count(node: fx.Node) -> bool:
+    """Whether ``node`` reads the loss's whole-batch count (``passes/global_count.py``: the rank's graph only)."""
+    return any(a.op == "placeholder" and a.name.startswith("loss_count_") for a in node.all_input_nodes)
 
 
 def _mask_only(graph: fx.Graph) -> set[fx.Node]:

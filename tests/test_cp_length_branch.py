@@ -1,6 +1,7 @@
 """A model whose Python branches on the sequence's length (``if S > 6: x = x.tanh()``) is captured on a cp rank's
 chunks down the local length's branch: each rank ran the other branch than one device and trained silently wrong.
-The graph captured on whole sequences runs an op the rank's does not; refused, naming it."""
+One of the graphs captured on whole sequences and on the rank's chunks runs an op the other does not; refused,
+naming it."""
 from __future__ import annotations
 
 import pytest
@@ -17,21 +18,23 @@ TARGET = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2)
 
 
 class LengthBranch(nn.Module):
-    """GPT-2 whose hidden states are squashed for sequences longer than 6 tokens."""
+    """GPT-2 whose hidden states are squashed for sequences longer (or shorter) than 6 tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, longer: bool) -> None:
         super().__init__()
-        self.gpt2 = models.gpt2()
+        self.gpt2, self.longer = models.gpt2(), longer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.gpt2.transformer(ids).last_hidden_state  # (B, S, d)
-        if ids.shape[1] > 6:
+        if (ids.shape[1] > 6) == self.longer:
             h = torch.tanh(h)
         return self.gpt2.lm_head(h)
 
 
-def test_a_branch_on_the_sequence_length_is_refused_under_cp() -> None:
-    with pytest.raises(UnsupportedError, match=r"node tanh\w* .*runs it on whole sequences but not on a cp rank's "
-                                               r"chunks: its Python branches or loops on the sequence's length"):
-        autopar.parallelize(LengthBranch(), Mesh(cp=2), example_inputs=(IDS,), example_target=TARGET,
+@pytest.mark.parametrize("longer, where", [(True, "on whole sequences but not on a cp rank's chunks"),
+                                           (False, "on a cp rank's chunks but not on whole sequences")])
+def test_a_branch_on_the_sequence_length_is_refused_under_cp(longer: bool, where: str) -> None:
+    with pytest.raises(UnsupportedError, match=rf"node tanh\w* .*runs it {where}: its Python branches or loops on "
+                                               rf"the sequence's length"):
+        autopar.parallelize(LengthBranch(longer), Mesh(cp=2), example_inputs=(IDS,), example_target=TARGET,
                             loss_fn=models.lm_loss, optimizer=models.adamw)
