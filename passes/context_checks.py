@@ -7,7 +7,9 @@ matmul-softmax-matmul ``passes/context_eager.py`` does not match); a slice or pa
 local length (a shift inside the sequence); a running sum, a reduction, a pick of positions, an op that moves,
 orders or splits values along one (``cumsum``, ``mean``, ``select``, ``roll``, ``sort``, ``flip``, ``scatter``,
 ``chunk``, ``unfold``, a convolution over the tokens) or a product summing over one (``x.transpose(1, 2) @ x``):
-on a rank's chunks each sees the rank's tokens only.
+on a rank's chunks each sees the rank's tokens only. Positions made from the local length alone are refused
+too: a running sum over a tensor of ones of that length, and a constant tensor sized by it
+(``torch.tensor(range(S))``, ``check_constants_of_the_length``): on every rank they hold 0..local-1.
 
 Invariant: a graph that passes computes, on the rank's chunks, the rows of the single-device values at the rank's
 positions wherever the other rewrites of ``context_parallel`` hold; values of the model's state (parameters,
@@ -45,6 +47,7 @@ def check_chunkable(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], local: int)
     _check_no_sequence_contraction(graph, live, kinds, local, batches)
     _check_no_sequence_fold(graph, live, kinds, local, batches)
     _check_no_other_sequence_op(graph, live, kinds, local, batches)
+    _check_no_scan_of_positions(graph, live, local)
 
 
 def _check_no_sequence_square(graph: fx.Graph, live: set[fx.Node], local: int,
@@ -67,6 +70,34 @@ def _check_no_sequence_square(graph: fx.Graph, live: set[fx.Node], local: int,
                                 f"itself: an attention in a form context parallelism does not rewrite (eager "
                                 f"matmul-softmax-matmul); run the model with attn_implementation='sdpa' or "
                                 f"without cp")
+
+
+def _check_no_scan_of_positions(graph: fx.Graph, live: set[fx.Node], local: int) -> None:
+    """No live running sum along a dim of the local length of a value made from no input and no state
+    (``torch.ones(S).cumsum(0) - 1``: positions counted by a scan, 0..local-1 on every cp rank; not batch-first,
+    so ``_check_no_sequence_reads`` does not take it for the sequence)."""
+    for node in graph.nodes:
+        if node not in live or node.target not in SCANS or not isinstance(node.args[0], fx.Node):
+            continue
+        shape = tuple(node.args[0].meta["val"].shape)
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
+        if shape and shape[dim] == local and not _reads_placeholders(node.args[0]):
+            raise refused(node, f"it accumulates along dim {dim} of a tensor {shape} made from the local sequence "
+                                f"length {local} alone (positions counted by a running sum), the same on every cp "
+                                f"rank; use torch.arange(S), pass the positions as an input, or run without cp")
+
+
+def _reads_placeholders(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _check_no_sequence_shift(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind],
@@ -311,6 +342,44 @@ def check_same_numbers(whole: fx.GraphModule, local: fx.GraphModule) -> None:
                                  f"pass it as an input or a constant, or run without cp")
 
 
+def check_no_branch_on_length(whole: fx.GraphModule, local: fx.GraphModule) -> None:
+    """Refuses a pointwise op that one of the graphs on whole sequences and on a rank's chunks (``local``) runs and
+    the other does not (``if S > 6: x = x.tanh()``, a Python loop over the tokens: the model's Python branches or
+    loops on the sequence's length, and each rank took the local length's way), unless it only builds an
+    attention's mask, which the rank takes from the whole graph, or divides by the loss's whole-batch count.
+    Matched as ``check_same_numbers`` matches (runs of ops)."""
+    ops = [[n for n in gm.graph.nodes if n.op == "call_function"] for gm in (whole, local)]
+    runs = difflib.SequenceMatcher(None, *[[str(n.target) for n in nodes] for nodes in ops], autojunk=False)
+    matched = {ops[side][block[side] + k] for block in runs.get_matching_blocks() for k in range(block[2])
+               for side in (0, 1)}
+    for gm, where in ((whole, "on whole sequences but not on a cp rank's chunks"),
+                      (local, "on a cp rank's chunks but not on whole sequences")):
+        live, masks = live_nodes(gm.graph), _mask_only(gm.graph)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node in live and node not in matched and node not in masks and \
+                    isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags \
+                    and not _reads_count(node):
+                raise refused(node, f"the model runs it {where}: its Python branches or loops on the sequence's "
+                                    f"length (if S > ..., for t in range(S)), and a rank follows its local length; "
+                                    f"branch on a constant, or run without cp")
+
+
+def _reads_count(node: fx.Node) -> bool:
+    """Whether ``node`` reads the loss's whole-batch count (``passes/global_count.py``: the rank's graph only)."""
+    return any(a.op == "placeholder" and a.name.startswith("loss_count_") for a in node.all_input_nodes)
+
+
+def _mask_only(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose every use ends in an attention's mask argument (the masks the rank evaluates whole)."""
+    found: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        users = list(node.users)
+        if users and all(u in found or (u.target is aten.scaled_dot_product_attention.default
+                                        and node in u.args[3:4] + tuple(u.kwargs.values())) for u in users):
+            found.add(node)
+    return found
+
+
 def moved_dims(node: fx.Node, shape: tuple[int, ...], local: int) -> list[int]:
     """The dims a ``MOVES`` op moves values along (a roll without dims: all), or a convolution's spatial dims of
     the local length that its kernel spans (wider than 1)."""
@@ -364,3 +433,24 @@ def dim_of(node: fx.Node) -> int:
 
 def model_state(node: object, kinds: dict[fx.Node, SlotKind]) -> bool:
     return isinstance(node, fx.Node) and kinds.get(node) in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.CONSTANT)
+
+
+def check_constants_of_the_length(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], whole: fx.GraphModule | None,
+                                  local: int) -> None:
+    """No live constant tensor of the rank's graph is sized by the sequence's length: a tensor built in Python
+    from it (``torch.tensor(range(S))``, a list of positions) is captured as a constant holding the local length's
+    values, the same on every cp rank, where one device's holds the whole sequence's (it trained silently wrong);
+    found by its shape differing from the constant of the same name captured on whole sequences."""
+    if whole is None:
+        return
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in whole.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    for node in graph.nodes:
+        if node.op != "placeholder" or kinds.get(node) is not SlotKind.CONSTANT or not node.users:
+            continue
+        shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
+        if shape is not None and local in shape and shapes.get(node.name, shape) != shape:
+            raise refused(node, f"a constant tensor of shape {shape} here is {shapes[node.name]} on whole "
+                                f"sequences: built in Python from the sequence's length (torch.tensor(range(S)), "
+                                f"a list of positions), it holds the local length's values on every cp rank; build "
+                                f"it with torch.arange(S), pass it as an input, or run without cp")

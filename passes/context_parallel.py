@@ -16,14 +16,20 @@ tokens (chunks ``i`` and ``2 * cp - 1 - i`` of ``2 * cp``; ``autopar/core/ring_a
   ring over ``cp_ring`` (``autopar/core/usp.py``);
 - each ``aten.arange`` of the local length (cache positions, position ids, RoPE's positions) becomes
   ``autopar::cp_positions``: the global positions of the rank's tokens;
-- each slice ``[0:local]`` of a parameter, buffer or constant along a dim (a position-id buffer, a position
-  table cut to the sequence) becomes an ``index_select`` of those global positions;
+- each slice ``[0:local]`` (or ``narrow`` from 0) of a parameter, buffer or constant along a dim, or of a view
+  of one longer than ``local`` there (a position-id buffer, ``buffer.unsqueeze(0)[:, :S]``, a position table
+  cut to the sequence), becomes an ``index_select`` of those global positions;
 - the label shift of a causal LM loss, ``pad(labels, [0, 1], value=ignore)[:, 1:]`` on a user input (Hugging
   Face's ``ForCausalLMLoss``), becomes the input itself, and the input is recorded in ``shifted``: the runtime
   shifts it on the whole sequence before cutting it (``runtime/batch.py``), so every rank's last token of a
   chunk is scored against the next chunk's first.
 
-Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an attention whose
+Refused with ``UnsupportedError`` naming the node and the source line, never replaced: an ``arange`` of the
+local length from another start or by another step (``arange(2, S + 2)``, ``arange(S - 1, -1, -1)``) or a
+window of the model's state from another start (``table[:, 1:S + 1]``), whose start may or may not follow the
+length, which the rank's capture cannot tell (each rank got the same positions); a loss summing over the tokens
+without dividing by their number (``passes/context_loss.py``); a pointwise op the model runs on whole
+sequences but not on the rank's chunks (its Python branches on the length); an attention whose
 mask ``passes/context_masks.py`` cannot follow, with dropout, or whose query and key lengths are not the
 local length; and what ``passes/context_checks.py`` finds the chunks cannot compute alone: an attention in another form (a softmax over the local length, a batched matmul giving
 (..., local, local): an eager matmul-softmax-matmul ``passes/context_eager.py`` does not match, such as
@@ -54,7 +60,9 @@ from autopar.core.ring_attention import cp_positions, ring_attention
 from autopar.core.ulysses import fake_outputs as ulysses_shapes
 from autopar.core.ulysses import ulysses_attention
 from autopar.core.usp import usp_attention
-from autopar.passes.context_checks import SLICE, check_chunkable, dim_of, live_nodes, model_state
+from autopar.passes.context_checks import (NARROW, SLICE, check_chunkable, check_constants_of_the_length,
+                                           check_no_branch_on_length, dim_of, live_nodes, model_state)
+from autopar.passes.context_loss import check_loss_is_a_token_mean
 from autopar.passes.context_masks import MaskCopies, refused
 
 aten = torch.ops.aten
@@ -65,6 +73,8 @@ ATTENTIONS = {  # the attention ops rewritten -> their positional arguments (the
     SDPA: ("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
     CPU_SDPA: ("query", "key", "value", "dropout_p", "is_causal"),
 }
+STATE_VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default,
+               aten._to_copy.default, aten.alias.default, aten.detach.default}  # keep the dims they do not add
 ARANGES = {aten.arange.default: (None, 0), aten.arange.start: (0, 1), aten.arange.start_step: (0, 1)}  # -> (start arg, end arg)
 RING, POSITIONS = ring_attention._opoverload, cp_positions._opoverload  # autopar::ring_attention, ::cp_positions
 ULYSSES = ulysses_attention._opoverload  # autopar::ulysses_attention
@@ -136,12 +146,16 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     exchange = {"all_to_all": (cp, None), "usp": (split[1] if split else 0, split)}.get(attention, (0, None))
     rings = [_ring(graph, n, local, w, *exchange, exchanged) for n, w in zip(nodes, wholes)]
     shifted = _label_shifts(graph, kinds, local)
-    moved = 0
+    moved, kept = 0, []
     for node in list(graph.nodes):
         if node.target in ARANGES and _arange_of(node) == local:
             _replace(graph, node, _positions(graph, node, local))
             moved += 1
-        elif node.target is SLICE and model_state(node.args[0], kinds) and _slice_to(node) == local:
+        elif node.target in ARANGES and _length(node) == local:
+            kept.append(node)
+        elif _state_window(node, kinds, local)[1] == local and _state_window(node, kinds, local)[0] != 0:
+            kept.append(node)
+        elif _state_window(node, kinds, local) == (0, local):
             with graph.inserting_after(node):
                 pos = _positions(graph, node, local)
                 picked = graph.call_function(aten.index_select.default, (node.args[0], dim_of(node), pos))
@@ -150,7 +164,12 @@ def context_parallel(cap: Captured, cp: int, local: int, whole: fx.GraphModule |
     masks = _attach_masks(graph, whole, kinds, local, rings, wholes)
     _drop_dead_checks(graph)
     graph.eliminate_dead_code()
+    _check_none_kept(graph, kept, local)
+    check_constants_of_the_length(graph, kinds, whole, local)
     check_chunkable(graph, kinds, local)
+    check_loss_is_a_token_mean(graph, kinds, local)
+    if whole is not None:
+        check_no_branch_on_length(whole, cap.gm)
     graph.lint()
     gm.recompile()
     return ContextParallelGraph(gm, [a for _, a in rings], moved, shifted, masks,
@@ -331,10 +350,66 @@ def _arange_of(node: fx.Node) -> int | None:
     return end if start == 0 and step == 1 and isinstance(end, int) else None
 
 
-def _slice_to(node: fx.Node) -> int | None:
-    """The end of a slice ``[0:end]`` with step 1 (None otherwise)."""
+def _check_none_kept(graph: fx.Graph, kept: list[fx.Node], local: int) -> None:
+    """No captured ``arange`` of the local length that does not count from 0 by 1, and no window of the local
+    length of the model's state that does not start at 0 (``kept``), is still read once the masks are the whole
+    graph's: its start may or may not follow the sequence's length (``arange(2, S + 2)``, ``arange(S - 1, -1,
+    -1)``, ``table[:, 1:S + 1]``, ``table[:, max - S:]``), which the rank's capture cannot tell, and kept as
+    captured it gives every cp rank the first chunk's numbers."""
+    live = set(graph.nodes)
+    for node in kept:
+        if node not in live:
+            continue
+        arange = node.target in ARANGES
+        what = ("an arange of the local length {} that does not count from 0 by 1" if arange
+                else "a window of the local length {} of the model's state that does not start at 0")
+        args = ", ".join(map(str, node.args if arange else node.args[1:]))
+        raise refused(node, f"{what.format(local)} ({args}) would give every cp rank the same positions; write it "
+                            f"as torch.arange(S) * step + offset with a constant offset (for a table, table[:, :S] "
+                            f"or an index by such positions), pass the positions as an input, or run without cp")
+
+
+def _of_state(value: fx.Node, kinds: dict[fx.Node, SlotKind], local: int, dim: int) -> bool:
+    """Whether ``value`` is the model's state or a view of it (``pos_ids.unsqueeze(0)``, ``table.expand(B, -1,
+    -1)``, a cast; nothing of a user input) longer than ``local`` along ``dim``: its ``[0:local]`` there is
+    positions 0..local-1 of the model's table, which on a cp rank are the rank's global positions."""
+    if model_state(value, kinds):
+        return True
+    if value.op != "call_function" or value.target not in STATE_VIEWS or not isinstance(value.args[0], fx.Node):
+        return False
+    shape, source = value.meta["val"].shape, value.args[0].meta["val"].shape
+    before = (dim - (1 if dim > value.args[1] % len(shape) else 0) if value.target is aten.unsqueeze.default
+              else dim - (len(shape) - len(source)))  # the dim of the input that ``dim`` reads
+    if shape[dim] <= local or not 0 <= before < len(source) or source[before] != shape[dim]:
+        return False
+    return _of_state(value.args[0], kinds, local, before)
+
+
+def _length(node: fx.Node) -> int | None:
+    """The number of elements of a 1-dim ``arange`` (None for another value)."""
+    val = node.meta.get("val")
+    return int(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 1 else None
+
+
+def _state_window(node: fx.Node, kinds: dict[fx.Node, SlotKind], local: int) -> tuple[int | None, int | None]:
+    """(start, length) of ``node`` where it is a slice or ``narrow`` of the model's state (or a view of it)
+    longer than ``local`` along its dim; (None, None) otherwise."""
+    if node.target not in (SLICE, NARROW) or not _of_state(node.args[0], kinds, local, dim_of(node)):
+        return None, None
+    return _window(node)
+
+
+def _window(node: fx.Node) -> tuple[int | None, int | None]:
+    """(start, length) of a slice with step 1 or a ``narrow`` along its dim; (None, None) for another one."""
+    if node.target is NARROW:
+        start, length = node.args[2:4]
+        return (start, length) if isinstance(start, int) and isinstance(length, int) else (None, None)
     dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
-    return end if start in (0, None) and step == 1 and isinstance(end, int) else None
+    start = start or 0
+    size = node.args[0].meta["val"].shape[dim]
+    if step != 1 or not isinstance(start, int) or not isinstance(end, int) or start < 0:
+        return None, None
+    return start, min(end, size) - start
 
 
 def _positions(graph: fx.Graph, node: fx.Node, local: int) -> fx.Node:
