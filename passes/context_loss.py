@@ -10,7 +10,8 @@ every gradient come out ``cp`` times too small (trained silently wrong before).
 
 Refused with ``UnsupportedError`` naming the node: a sum over all dims (``sum``, a loss op such as
 ``cross_entropy``, ``mse_loss`` or ``kl_div`` reduced by ``"sum"``) of a value holding the tokens (a dim of the
-local sequence length after the batch, or the tokens flattened, (batch * local, ...)), reached from a scalar output
+local sequence length after the batch, the tokens flattened, (batch * local, ...), or a value per position
+reduced over the batch, ``losses.mean(0)``), reached from a scalar output
 through affine ops with numbers (casts, scaling by a constant, sums and differences of terms). A division by a value
 of the inputs (the count of ``global_count``) ends the path: that term is a mean over the whole batch's count.
 
@@ -40,7 +41,8 @@ def check_loss_is_a_token_mean(graph: fx.Graph, kinds: dict[fx.Node, SlotKind], 
                and n.meta["val"].shape[1] == local}
     for term in _terms([v for v in output.args[0] if _scalar(v)], kinds):
         summed = term.args[0]
-        if not model_state(summed, kinds) and _holds_tokens(tuple(summed.meta["val"].shape), batches, local):
+        if not model_state(summed, kinds) and (_holds_tokens(tuple(summed.meta["val"].shape), batches, local)
+                                               or _per_position(summed, batches, local)):
             raise refused(term, f"the loss sums over the tokens of {tuple(summed.meta['val'].shape)} (local sequence "
                                 f"length {local}) without dividing by their number: each cp rank holds a share of "
                                 f"every sequence's tokens, and the loss is averaged over the cp ranks, so it and its "
@@ -98,6 +100,19 @@ def _holds_tokens(shape: tuple[int, ...], batches: set[int], local: int) -> bool
     if not shape or not batches:
         return False
     return (shape[0] in batches | {1} and local in shape[1:]) or shape[0] in {b * local for b in batches}
+
+
+def _per_position(node: fx.Node, batches: set[int], local: int) -> bool:
+    """``node`` is (local, ...): a (batch, local, ...) value reduced over the batch (``losses.mean(0)``), whose
+    sum is a sum over the tokens (a vector of as many experts as tokens, reduced from (batch * local, ...), is not)."""
+    while node.op == "call_function" and node.target in PASS_THROUGH:
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in (aten.mean.dim, aten.sum.dim_IntList):
+        return False
+    shape = tuple(node.args[0].meta["val"].shape)
+    dims = node.args[1] if len(node.args) > 1 else None
+    return len(shape) >= 2 and shape[0] in batches and shape[1] == local and bool(dims) and \
+        [d % len(shape) for d in dims] == [0]
 
 
 def _varies(value: object, kinds: dict[fx.Node, SlotKind]) -> bool:

@@ -38,6 +38,11 @@ def _kl_per_sample(out: object, target: torch.Tensor) -> torch.Tensor:
     return F.kl_div(out.logits.log_softmax(-1), soft, reduction="batchmean")
 
 
+def _per_position(out: object, target: torch.Tensor) -> torch.Tensor:
+    """Each position's loss averaged over the sequences, summed over the positions."""
+    return F.cross_entropy(out.logits.transpose(1, 2), target, reduction="none").mean(0).sum()
+
+
 def _masked_mean(out: object, target: torch.Tensor) -> torch.Tensor:
     losses = F.cross_entropy(out.logits.transpose(1, 2), target, reduction="none")  # (B, S)
     mask = (target > 10).to(losses.dtype)
@@ -62,3 +67,9 @@ def test_a_loss_summed_over_the_tokens_is_refused_under_cp(loss_fn: object, mesh
 @pytest.mark.parametrize("loss_fn", [models.lm_loss, _masked_mean])
 def test_a_mean_over_the_tokens_compiles_under_cp(loss_fn: object) -> None:
     _compile(loss_fn, Mesh(cp=2))
+
+
+def test_a_loss_per_position_summed_is_refused_under_cp() -> None:
+    """``losses.mean(0).sum()``: a mean over the samples, then a sum over the rank's positions."""
+    with pytest.raises(UnsupportedError, match=r"node sum.* sums over the tokens of \(4,\) \(local sequence length 4\)"):
+        _compile(_per_position, Mesh(cp=2))
