@@ -17,6 +17,8 @@ the same shards.
 from __future__ import annotations
 
 import dataclasses
+import weakref
+
 import torch
 
 from autopar.core.graph import SlotKind
@@ -56,12 +58,19 @@ def unused_parameters(program: Program) -> frozenset[str]:
     """Parameters no gradient reaches: the captured graph reads them nowhere, or only through a ``detach``
     (``torch.no_grad()`` blocks are captured as one) or an integer value. ZeRO-3's optimizer step leaves their
     elements of a flat shard untouched (``runtime/zero_untouched.py``), as one device's skips a parameter whose
-    ``grad`` is None; tied names included. (One walk over the graph, asked at each stage-3 step.)"""
+    ``grad`` is None; tied names included. (Asked at each stage-3 step: one walk over each program's graph,
+    remembered with it.)"""
     captured = program.captured
+    if captured.gm in _UNUSED:
+        return _UNUSED[captured.gm]
     reached = _differentiably_reached(captured.gm.graph)
     nodes = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     names = {s.name for n, s in zip(nodes, captured.slots) if s.kind is SlotKind.PARAM and n not in reached}
-    return frozenset(names | {tied for tied, used in captured.aliases.items() if used in names})
+    _UNUSED[captured.gm] = frozenset(names | {tied for tied, used in captured.aliases.items() if used in names})
+    return _UNUSED[captured.gm]
+
+
+_UNUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured graph module -> its unused parameters
 
 
 def _differentiably_reached(graph: torch.fx.Graph) -> set[torch.fx.Node]:

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import SlotKind
+from autopar.core.graph import SlotKind, placeholders_of
 from autopar.passes.context_masks import refused
 
 aten = torch.ops.aten
@@ -81,23 +81,10 @@ def _check_no_scan_of_positions(graph: fx.Graph, live: set[fx.Node], local: int)
             continue
         shape = tuple(node.args[0].meta["val"].shape)
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % max(len(shape), 1)
-        if shape and shape[dim] == local and not _reads_placeholders(node.args[0]):
+        if shape and shape[dim] == local and not placeholders_of(node.args[0]):
             raise refused(node, f"it accumulates along dim {dim} of a tensor {shape} made from the local sequence "
                                 f"length {local} alone (positions counted by a running sum), the same on every cp "
                                 f"rank; use torch.arange(S), pass the positions as an input, or run without cp")
-
-
-def _reads_placeholders(node: fx.Node) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _check_no_sequence_shift(graph: fx.Graph, live: set[fx.Node], kinds: dict[fx.Node, SlotKind],

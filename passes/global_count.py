@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from autopar.core.graph import Captured, Slot, SlotKind, origin, placeholder_kinds
+from autopar.core.graph import Captured, Slot, SlotKind, origin, placeholder_kinds, placeholders_of
 from autopar.core.loss_count import LossCounts
 from autopar.passes.lazy_module import graph_module
 
@@ -301,36 +301,23 @@ def _is_constant(value: object, kinds: dict) -> bool:
     """A one-element tensor computed from constants alone (``torch.tensor(1.0)`` in the loss)."""
     if not isinstance(value, fx.Node) or value.meta.get("val") is None or value.meta["val"].numel() != 1:
         return False
-    return all(kinds.get(p) is SlotKind.CONSTANT for p in _placeholders(value))
+    return all(kinds.get(p) is SlotKind.CONSTANT for p in placeholders_of(value))
 
 
 def _only_inputs(node: object, kinds: dict) -> bool:
     """``node`` is computed from user inputs and from no parameter, buffer or constant tensor."""
-    sources = {kinds.get(p) for p in _placeholders(node)} if isinstance(node, fx.Node) else set()
+    sources = {kinds.get(p) for p in placeholders_of(node)} if isinstance(node, fx.Node) else set()
     return sources == {"input"}
 
 
 def _of_batch(node: object, kinds: dict) -> bool:
     """``node`` is computed from user inputs, maybe constants, and no parameter or buffer."""
-    sources = {kinds.get(p) for p in _placeholders(node)} if isinstance(node, fx.Node) else set()
+    sources = {kinds.get(p) for p in placeholders_of(node)} if isinstance(node, fx.Node) else set()
     return SlotKind.INPUT in sources and sources <= {SlotKind.INPUT, SlotKind.CONSTANT}
 
 
 def _depends_on_inputs_or_state(value: object, kinds: dict) -> bool:
-    return isinstance(value, fx.Node) and bool(_placeholders(value))
-
-
-def _placeholders(node: fx.Node) -> set[fx.Node]:
-    found, stack, seen = set(), [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.add(n)
-        stack.extend(n.all_input_nodes)
-    return found
+    return isinstance(value, fx.Node) and bool(placeholders_of(value))
 
 
 def _copy(node: object, counts: fx.Graph, env: dict) -> object:

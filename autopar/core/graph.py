@@ -144,6 +144,20 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def placeholders_of(node: fx.Node) -> set[fx.Node]:
+    """The placeholders ``node`` is computed from (itself, if it is one)."""
+    found, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
 def placeholder_kinds(graph: fx.Graph, slots: list[Slot]) -> dict[fx.Node, SlotKind]:
     """Each placeholder of ``graph`` (a capture's, in ``slots``' order) -> its slot's kind."""
     return dict(zip([n for n in graph.nodes if n.op == "placeholder"], [s.kind for s in slots]))
