@@ -20,9 +20,9 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.capture import Captured, capture
 from autopar.capture_cache import EXPORTS
 from autopar.core.errors import CaptureError, UnsupportedError
-from autopar.core.graph import SlotKind, StageGraph, origin, placeholder_kinds
+from autopar.core.graph import SlotKind, StageGraph, copy_module, origin, placeholder_kinds
 from autopar.core.mesh import Mesh
-from autopar.core.plan import Collective, Plan, memory
+from autopar.core.plan import Collective, CompiledPlan, Plan, memory
 from autopar.core.schedule import Schedule, add_communication
 from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
@@ -35,6 +35,7 @@ from autopar.passes.context_eager import sdpa_from_eager
 from autopar.passes.context_parallel import ATTENTIONS, CP_AXES, REWRITTEN, context_parallel, same_attention
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
+from autopar.passes.inductor_regions import Regions, inductor_regions
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
 from autopar.precision import apply_to_program, check_model, describe_reductions
@@ -326,6 +327,22 @@ def _recompute(c: Compilation) -> None:
     c.program = apply_recompute(c.program, c.options)
 
 
+def _inductor(c: Compilation) -> None:
+    c.program.graphs.rewrite(_outlined)
+    found = Regions()
+    for st in c.program.own_stages(0):
+        found.add(st.gm.meta["autopar.inductor"])
+    c.program.plan.compiled = CompiledPlan(found.regions, len(found.distinct), found.compiled_ops,
+                                           tuple(found.outside.most_common()))
+    c.detail = f"{found.regions} regions ({len(found.distinct)} distinct), {found.compiled_ops} ops on rank 0"
+
+
+def _outlined(st: StageGraph) -> StageGraph:
+    gm = copy_module(st.gm)
+    gm.meta["autopar.inductor"] = inductor_regions(gm)
+    return dataclasses.replace(st, gm=gm)
+
+
 # the invariants -----------------------------------------------------------------------------
 
 
@@ -405,6 +422,14 @@ def _ensure_graphs_lint(c: Compilation) -> None:
     _graphs_lint([c.program.graph(r) for r in range(c.mesh.size)])
 
 
+def _ensure_regions(c: Compilation) -> None:
+    for r in range(c.mesh.size):
+        gm = c.program.graph(r)
+        gm.graph.lint()
+        if "autopar.inductor" not in gm.meta:
+            raise AssertionError(f"inductor regions: rank {r}'s graph was not outlined")
+
+
 def _nothing(c: Compilation) -> None:
     return None
 
@@ -439,6 +464,8 @@ PASSES: tuple[Pass, ...] = (
          invariant="the plan names the dtype each reduction runs in"),
     Pass("recompute", _recompute, _ensure_graphs_lint, applies=lambda c: c.options.recompute != "none",
          invariant="each recomputed layer's forward outlined into a region backward runs again"),
+    Pass("inductor regions (compile=True)", _inductor, _ensure_regions, applies=lambda c: c.options.compile,
+         invariant="the ATen ops between collectives and exchanges outlined into regions inductor compiles"),
 )
 
 

@@ -35,6 +35,7 @@ class Options:
     batch: str = "global"  # "global": every rank passes the global batch; "local": each its dp shard
     cp_attention: str = "ring"  # cp > 1: "ring" (K/V blocks around the ranks), "all_to_all" (heads for sequence)
     # or "usp" (both, on the sub-axes of Mesh(cp=(ring, a2a)))
+    compile: bool = False  # each rank's graphs run through inductor (passes/inductor_regions.py)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -53,6 +54,8 @@ class Options:
                              f"(each data-parallel rank passes its shard)")
         if self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp_attention={self.cp_attention!r} must be one of {', '.join(CP_ATTENTIONS)}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r} must be True (each rank's graphs through inductor) or False")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
         object.__setattr__(self, "recompute", check_choice(self.recompute))  # a mapping is kept as (key, mode) pairs

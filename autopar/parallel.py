@@ -8,6 +8,7 @@ user's module's parameter storage changes only in ``model_storage``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Iterable, Iterator
 
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from autopar.compiled import ProgramCache
 from autopar.core.graph import tied_aliases
+from autopar.core.inductor import COMPILED
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
 from autopar.model_storage import released
@@ -114,13 +116,22 @@ class ParallelModel:
             loss, norm = train_step(self.model, self.mesh, program, rt, flats, self.options.max_grad_norm)
         if norm is not None:
             self.grad_norm = norm
+        self._compiled_seconds(program)
         return loss
+
+    def _compiled_seconds(self, program: Program) -> None:
+        """compile=True: what compiling the regions has cost this process so far, in the plan."""
+        if program.plan.compiled is not None:
+            program.plan.compiled = dataclasses.replace(program.plan.compiled, seconds=COMPILED.seconds,
+                                                        compiles=COMPILED.compiles)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
         with rt.progress.call("forward"):
-            return forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
+            out = forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
+        self._compiled_seconds(program)
+        return out
 
     def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:
         """This rank's actions of the last step or forward: ``(action, start, end)`` (perf_counter seconds).
@@ -249,6 +260,7 @@ def parallelize(
     sequence_parallel: bool | None = None,
     batch: str = "global",
     cp_attention: str = "ring",
+    compile: bool = False,
 ) -> ParallelModel:
     """Compiles ``model`` for ``mesh``; with ``example_inputs`` (a GLOBAL batch) it compiles now.
 
@@ -297,6 +309,11 @@ def parallelize(
     ``"usp"`` (unified sequence parallelism, ``Mesh(cp=(ring, a2a))``): heads exchanged
     inside each group of ``a2a`` consecutive cp ranks, a ring over the ``ring`` groups;
     the head count must divide by ``a2a`` only.
+    ``compile=True``: each rank's forward, backward and recomputed regions run through inductor
+    (``torch._inductor``), the ATen ops between autopar's collectives and exchanges fused into compiled regions,
+    each distinct region compiled once per process at its first call; the collectives, ZeRO's gathers, the
+    pipeline's sends and the schedule keep their order (``passes/inductor_regions.py``; ``pm.plan`` lists the
+    regions, what stays outside them and, once a step ran, the seconds compiling took).
     """
     if isinstance(mesh, str):
         from autopar.planner import auto_choice
@@ -318,7 +335,8 @@ def parallelize(
                       split_points=tuple(split_points) if split_points else None, stages_per_rank=stages_per_rank,
                       max_grad_norm=max_grad_norm, precision=precision, reduce_dtype=reduce_dtype,
                       recompute="none" if recompute is None else recompute,
-                      sequence_parallel=bool(sequence_parallel), batch=batch, cp_attention=cp_attention)
+                      sequence_parallel=bool(sequence_parallel), batch=batch, cp_attention=cp_attention,
+                      compile=compile)
     check_supported(mesh, options)
     check_model(model, options.policy)
     pm = ParallelModel(model, mesh, options)

@@ -15,7 +15,7 @@ import torch.fx as fx
 from autopar.passes.stage_cuts import module_path
 
 
-def _block_of(node: fx.Node) -> tuple[str, str] | None:
+def block_of(node: fx.Node) -> tuple[str, str] | None:
     """(family, block): ``("model.layers.*", "model.layers.7")`` for a node inside layer 7."""
     for path in module_path(node):
         parts = path.split(".")
@@ -45,7 +45,7 @@ def repeated_blocks(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        found = _block_of(node)
+        found = block_of(node)
         if found is not None:
             family_of[found[1]] = found[0]
             blocks.setdefault(found[1], []).append(node)

@@ -187,6 +187,47 @@ def gemma2_exact(**kw: object) -> nn.Module:
     return with_mixin(gemma2(**kw), "Gemma2RMSNorm", Gemma2Norm)
 
 
+def llama_exact(**kw: object) -> nn.Module:
+    """``llama`` with its RMS norms and rotary angles computing in the model's dtype. Hugging Face's cast to float32:
+    a float64 model then sums each norm's squares and takes cos and sin in float32, where inductor's fused kernels
+    (another order of the sum, other vectorized cos and sin) round otherwise than eager's by float32's 6e-8."""
+    return with_mixin(with_mixin(llama(**kw), "LlamaRMSNorm", RMSNorm), "LlamaRotaryEmbedding", Rotary)
+
+
+def mixtral_exact(**kw: object) -> nn.Module:
+    """``mixtral_eager`` with its norms and router computing in the model's dtype (Hugging Face's router takes
+    its softmax in float32), so that float64 runs compare within 1e-12 also where the sums are reordered."""
+    model = with_mixin(with_mixin(mixtral_eager(**kw), "MixtralRMSNorm", RMSNorm), "MixtralRotaryEmbedding", Rotary)
+    return with_mixin(model, "MixtralTopKRouter", TopKRouter)
+
+
+class RMSNorm:
+    """An RMS norm, ``w * x * rsqrt(mean(x^2) + eps)``, in the dtype of its input; mixed into Hugging Face's
+    class, whose weight and ``variance_epsilon`` it reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class Rotary:
+    """Rotary embeddings' cos and sin in the dtype of the hidden states; mixed into Hugging Face's class, whose
+    ``inv_freq`` and ``attention_scaling`` it reads."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.inv_freq.to(x.dtype)[None, :, None] * position_ids.to(x.dtype)[:, None, :]  # (B, D/2, S)
+        angles = torch.cat((freqs, freqs), dim=1).transpose(1, 2)  # (B, S, D)
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
+
+class TopKRouter:
+    """Mixtral's router (softmax over the experts, the top k renormalised) in the dtype of its input."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        top, chosen = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), chosen
+
+
 class Gemma2Norm:
     """Gemma-2's RMS norm, ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, in the dtype of its input; mixed into
     Hugging Face's class, whose weight and eps it reads."""

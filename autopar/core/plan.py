@@ -223,6 +223,26 @@ def _layer_runs(layers: list[str]) -> str:
 
 
 @dataclass(frozen=True)
+class CompiledPlan:
+    """``compile=True``: the inductor regions of rank 0's graphs, what stays outside them, the compile cost."""
+
+    regions: int
+    distinct: int  # regions of different structure: each compiles once per process and input signature
+    compiled_ops: int
+    outside: tuple[tuple[str, int], ...]  # ops left outside the regions, by kind, with their counts
+    seconds: float | None = None  # inductor's compile time in this process, once a step or forward ran
+    compiles: int = 0
+
+    def render(self) -> list[str]:
+        outside = ", ".join(f"{kind} x{n}" for kind, n in self.outside) or "none"
+        cost = (f"compiled in {self.seconds:.1f} s in this process ({self.compiles} compilations, each distinct "
+                f"region and input signature once)" if self.seconds is not None
+                else "each distinct region compiles at its first call (the first step or forward)")
+        return [f"{self.regions} inductor regions ({self.distinct} distinct) hold {self.compiled_ops} ops of rank 0's "
+                f"graphs; {cost}", f"outside the regions, run as before: {outside}"]
+
+
+@dataclass(frozen=True)
 class MemoryEstimate(Mapping):
     """Bytes per rank by kind (parameters, gradients, optimizer, gathered), for rank ``largest_on``."""
 
@@ -266,6 +286,7 @@ class Plan:
     loss_counts: tuple[str, ...] = ()  # loss nodes divided by the whole batch's count (``passes/global_count.py``)
     experts: tuple[ExpertLayer, ...] = ()  # expert parallelism: each layer's routed experts over ep
     expert_params: dict[str, ExpertParam] = field(default_factory=dict)  # where each expert parameter lives
+    compiled: CompiledPlan | None = None  # compile=True: the inductor regions (None: the graphs run eagerly)
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -309,6 +330,10 @@ class Plan:
             recompute = self.recompute.render()
             lines.append("  activation recomputation: " + recompute[0])
             lines += [f"    {line}" for line in recompute[1:]]
+        if self.compiled is not None:
+            compiled = self.compiled.render()
+            lines.append("  compiled: " + compiled[0])
+            lines += [f"    {line}" for line in compiled[1:]]
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
             lines.append(f"    {c.render()}")

@@ -1,0 +1,146 @@
+"""Regions of a rank's graph run by inductor (``parallelize(..., compile=True)``).
+
+``passes/inductor_regions.py`` outlines the ATen ops of each rank's graph that inductor may fuse into
+``Inductor`` submodules; what stays outside (autopar's collectives, ZeRO's gathers, ring and expert exchanges,
+split-backward matmuls, random ops, writes) runs as before, in the order the graph gives it, so the runtime's
+schedule, prefetches, buckets and sends keep their order.
+
+An ``Inductor`` region compiles at its first call, with the tensors it is called with, through
+``torch._inductor.compile_fx`` (AOTAutograd: a compiled forward and, where an input needs a gradient, a
+compiled backward). Compiled functions are kept in one process-wide ``CompiledRegions`` by the region's
+structure (ops and their arguments, node names left out) and its inputs' shapes, strides, dtypes, devices and
+``requires_grad``: identical layers, and every rank of a process, compile once. Inductor's own caches (its FX
+graph cache on disk) serve other processes of the machine.
+
+Invariant: a region computes what its graph computes, up to the floating-point reassociation of inductor's
+fused kernels (docs/decisions.md, "Compiled rank graphs"); saved-tensor hooks (sequence parallelism's
+re-gathers, ZeRO-3's saved parameters) see the tensors the compiled forward saves for backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import UnsupportedError
+from autopar.core.graph import copy_module, origin
+
+
+def structure(gm: fx.GraphModule) -> str:
+    """``gm``'s ops and arguments with nodes by position: equal for the same computation under other names."""
+    index: dict[fx.Node, int] = {}
+    rows = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        rows.append(f"{node.op} {node.target if node.op != 'placeholder' else ''} {args}")
+    return "\n".join(rows)
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad, a.storage_offset())
+                 if isinstance(a, torch.Tensor) else ("value", repr(a)) for a in args)
+
+
+@dataclass
+class CompiledRegions:
+    """Compiled functions by (structure, input signature, grad mode), and what compiling them cost."""
+
+    functions: dict[tuple, Callable] = field(default_factory=dict)
+    seconds: float = 0.0  # spent in compile_fx by this process
+    compiles: int = 0
+    calls_compiled: int = 0  # region calls served by an already compiled function
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def function(self, region: Inductor, args: tuple) -> Callable:
+        key = (region.key, _signature(args), torch.is_grad_enabled())
+        fn = self.functions.get(key)
+        if fn is not None:
+            self.calls_compiled += 1
+            return fn
+        with self.lock:
+            if key not in self.functions:
+                start = time.perf_counter()
+                self.functions[key] = _compile(region, args)
+                self.seconds += time.perf_counter() - start
+                self.compiles += 1
+        return self.functions[key]
+
+
+COMPILED = CompiledRegions()  # this process's compiled regions (one cache, as ``capture_cache.EXPORTS``)
+
+
+class Inductor(torch.nn.Module):
+    """One region of a rank's graph, run by inductor: ``region`` is its ATen graph (printed, inspectable),
+    compiled at the first call with each new input signature (see the module doc)."""
+
+    def __init__(self, region: fx.GraphModule) -> None:
+        super().__init__()
+        self.region = region
+        self._key: str | None = None
+
+    @property
+    def sources(self) -> list[str]:
+        """The modules of the user's model its ops come from, in order."""
+        return list(dict.fromkeys(origin(n) for n in self.region.graph.nodes if origin(n)))
+
+    @property
+    def key(self) -> str:
+        if self._key is None:  # (after the device arguments were pointed at the rank's device)
+            self._key = structure(self.region)
+        return self._key
+
+    def forward(self, *args: Any) -> Any:
+        return COMPILED.function(self, args)(*args)
+
+    def extra_repr(self) -> str:
+        ops = sum(1 for n in self.region.graph.nodes if n.op == "call_function")
+        return f"{ops} ops"
+
+
+def _compile(region: Inductor, args: tuple) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    gm = copy_module(region.region)  # (compile_fx may rewrite the graph it is given)
+    try:
+        with _outside_hooks_and_modes():
+            return compile_fx(gm, list(args))
+    except Exception as e:  # name the region and where its ops come from; compile=False is the fix
+        raise UnsupportedError(_failure(region, e)) from e
+
+
+def _failure(region: Inductor, error: Exception) -> str:
+    """The error of a region that did not compile: the node it names (else the region's first), where that
+    node comes from in the user's code, inductor's words, and the fix."""
+    text = str(error).strip().splitlines()
+    cause = text[0] if text else type(error).__name__
+    nodes = [n for n in region.region.graph.nodes if n.op == "call_function"]
+    node = next((n for n in nodes if str(n.target) in str(error)), nodes[0])
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    line = next((t for t in reversed(trace) if t.startswith("File ")), "no source line recorded")
+    return (f"inductor could not compile the region holding {node.name} ({node.target}) "
+            f"{origin(node) or 'outside the modules of the model'}, {line}: {type(error).__name__}: {cause}; "
+            f"pass compile=False to run the rank graphs eagerly")
+
+
+@contextlib.contextmanager
+def _outside_hooks_and_modes() -> Iterator[None]:
+    """Compiles as at top level: without the saved-tensor hooks (a recomputed region's, ZeRO-3's, sequence
+    parallelism's) and dispatch modes (selective recomputation's) of the call that reached the region."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    hooks = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:  # noqa: SLF001
+        hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))  # noqa: SLF001
+        torch._C._autograd._pop_saved_tensors_default_hooks()  # noqa: SLF001
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)  # noqa: SLF001

@@ -1,0 +1,142 @@
+"""autopar compile=True against its eager rank graphs, and against torch.compile of torch's own parallel model.
+
+One LLaMA (transformers: RMSNorm, SwiGLU, rotary positions; float32, AdamW) on 2 gloo ranks, for each
+configuration: autopar eager (``compile=False``), autopar compiled (``compile=True``) and torch's equivalent
+with ``torch.compile`` (dp2: DDP around the compiled model; tp2: DTensor's ``parallelize_module`` with the
+Megatron plan of ``tp_vs_dtensor.py``, then compiled; zero3: FSDP2's ``fully_shard`` per layer and the root,
+each layer compiled, as torchtitan applies it). Every variant builds the model from one seed and takes the same
+global batch; after warm-up steps (compilation) their steps alternate order and each one's median step time is
+kept. Ratios: compiled / eager (target <= 0.85) and compiled / torch compiled (target <= 1.0). The first step
+of each variant (export, passes, inductor's compilation, the step) is reported too.
+
+Run: PYTHONPATH=. python benchmarks/compiled_vs_eager.py [--configs dp2,tp2,zero3] [--steps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from tp_vs_dtensor import llama_plan, make_llama, optimizer
+
+CONFIGS = {"dp2": (autopar.Mesh(dp=2), {}), "tp2": (autopar.Mesh(tp=2), {}), "zero3": (autopar.Mesh(dp=2), {"zero": 3})}
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def _autopar(config: str, args: argparse.Namespace, ids: torch.Tensor, compiled: bool) -> Callable[[], float]:
+    mesh, options = CONFIGS[config]
+    pm = autopar.parallelize(make_llama(args), mesh, loss_fn=lm_loss, optimizer=optimizer, compile=compiled,
+                             **options)
+    return lambda: pm.step(ids, target=ids)
+
+
+def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor) -> Callable[[], float]:
+    """torch's own parallel model of ``config``, compiled (see the module doc)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = make_llama(args)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    local = ids if config == "tp2" else ids.chunk(n)[rank]
+    if config == "dp2":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(torch.compile(model))
+    elif config == "tp2":
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+        parallelize_module(model, init_device_mesh("cpu", (n,), mesh_dim_names=("tp",)), llama_plan(model))
+        compiled_model = torch.compile(model)
+        opt = optimizer(list(model.parameters()))
+
+        def tp_step() -> float:
+            with loss_parallel():
+                loss = lm_loss(compiled_model(local), local)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach())
+
+        return tp_step
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer)
+            fully_shard(model.model.layers[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = optimizer(list(model.parameters()))
+
+    def step() -> float:
+        loss = lm_loss(model(local), local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # (autopar's step returns the global loss too)
+        return float(total) / n
+
+    return step
+
+
+def _rank(config: str, args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    steps = {"eager": _autopar(config, args, ids, False), "compiled": _autopar(config, args, ids, True),
+             "torch compiled": _torch(config, args, ids)}
+    first, times, losses = {}, {name: [] for name in steps}, {name: [] for name in steps}
+    for name, fn in steps.items():
+        dist.barrier()
+        t = time.perf_counter()
+        losses[name].append(fn())
+        first[name] = time.perf_counter() - t
+    for i in range(args.warmup + args.steps):
+        order = list(steps.items())
+        for name, fn in order if i % 2 == 0 else reversed(order):
+            dist.barrier()
+            t = time.perf_counter()
+            losses[name].append(fn())
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t)
+    return {"median": {k: statistics.median(v) for k, v in times.items()}, "first": first, "losses": losses}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="dp2,tp2,zero3")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    args = p.parse_args()
+    print(f"LLaMA {args.layers}x{args.width} (heads {args.heads}/{args.kv_heads}), vocab {args.vocab}, batch "
+          f"{args.batch}x{args.seq}, float32, AdamW, 2 gloo ranks of one thread; {args.steps} interleaved steps")
+    for config in args.configs.split(","):
+        results = autopar.launch(_rank, 2, config, args)
+        med = {k: statistics.median(r["median"][k] for r in results) for k in results[0]["median"]}
+        first = {k: max(r["first"][k] for r in results) for k in results[0]["first"]}
+        drift = max(abs(a - b) for a, b in zip(results[0]["losses"]["eager"], results[0]["losses"]["compiled"]))
+        print(f"{config:>6}: median step eager {med['eager'] * 1e3:.1f} ms, compiled {med['compiled'] * 1e3:.1f} ms, "
+              f"torch compiled {med['torch compiled'] * 1e3:.1f} ms; compiled/eager {med['compiled'] / med['eager']:.3f} "
+              f"(target <= 0.85), compiled/torch compiled {med['compiled'] / med['torch compiled']:.3f} (target <= 1.0)")
+        print(f"        first step (export, passes, compilation, the step): eager {first['eager']:.1f} s, compiled "
+              f"{first['compiled']:.1f} s, torch compiled {first['torch compiled']:.1f} s; largest loss difference "
+              f"compiled - eager over the steps {drift:.2e}")
+
+
+if __name__ == "__main__":
+    main()
