@@ -4,7 +4,8 @@ Phase 1, one rank: NCCL with world size 1 on the GPU (on a machine without CUDA,
 script says so). Phase 2, 2 and 4 ranks sharing the one device over gloo (CUDA tensors: gloo stages them
 through host memory): dp=2, tp=2 (also with sequence parallelism), pp=2 under 1F1B and under the
 zero-bubble ZB-H1, dp=2 with ZeRO-3 and full recomputation, two 2x2 meshes, and two with ``precision="mixed"``
-(bf16 parameters and gradients, float32 masters in the optimizer). Each configuration trains a small GPT-2 or LLaMA (Hugging Face
+(bf16 parameters and gradients, float32 masters in the optimizer), and three with ``compile=True`` (each rank's
+graphs through inductor), timed against their eager twins. Each configuration trains a small GPT-2 or LLaMA (Hugging Face
 configurations, random weights) for ``--steps`` steps with ``precision="bf16"`` and ``recompute="selective"``
 (or "full"), then compares the losses, the forward output and the update of the parameters with
 ``autopar.testing.MixedPrecisionReference`` (the same policy as an eager loop on the same device) within
@@ -69,7 +70,11 @@ CONFIGS = [
     Config("dp=2 zero=1 mixed", "gpt2", dict(dp=2), dict(zero=1), precision="mixed"),
     Config("dp=2 x pp=2 zero=3 mixed", "llama", dict(dp=2, pp=2), dict(zero=3, microbatches=2), precision="mixed"),
     Config("pp=2 x tp=2 float64", "llama", dict(pp=2, tp=2), dict(microbatches=2), exact=True),
+    Config("1 rank compiled", "gpt2", dict(dp=1), dict(compile=True)),  # compile=True beside its eager twin
+    Config("tp=2 compiled", "llama", dict(tp=2), dict(compile=True)),
+    Config("dp=2 zero=3 recompute=full compiled", "llama", dict(dp=2), dict(zero=3, recompute="full", compile=True)),
 ]
+COMPILED = " compiled"  # a configuration named so is timed against the one named without it (target >= 1.15x)
 
 
 def gpt2(dtype: torch.dtype) -> torch.nn.Module:
@@ -192,10 +197,21 @@ def main() -> int:
             rows.append((config, out))
             print(f"  {config.name}: {'PASS' if out['ok'] else 'FAIL'} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print_table(rows)
+    print_speedups(rows)
     failed = [(c, out) for c, out in rows if not out["ok"]]
     for config, out in failed:
         print(f"\n{config.name} failed:\n{out.get('detail', out['error'])}")
     return 1 if failed else 0
+
+
+def print_speedups(rows: list[tuple[Config, dict[str, Any]]]) -> None:
+    """compile=True against eager: each compiled configuration's median step beside its twin's."""
+    times = {config.name: out["step_s"] for config, out in rows if "step_s" in out}
+    for name, compiled in times.items():
+        eager = times.get(name.removesuffix(COMPILED)) if name.endswith(COMPILED) else None
+        if eager is not None:
+            print(f"compile=True, {name.removesuffix(COMPILED)}: eager {eager * 1e3:.1f} ms / compiled "
+                  f"{compiled * 1e3:.1f} ms = {eager / compiled:.2f}x (target >= 1.15x on a GPU)")
 
 
 def print_table(rows: list[tuple[Config, dict[str, Any]]]) -> None:
