@@ -18,6 +18,7 @@ from autopar.core.errors import UnsupportedError
 from autopar.core.inductor import Inductor
 from autopar.testing import Report, assert_equivalent
 from harness.exactness import IDS, TARGET
+from harness.mixed import assert_mixed
 
 FLOAT32_INSIDE = 1e-4  # relative update error where the model computes in float32 (docs/decisions.md)
 
@@ -79,6 +80,27 @@ def test_recomputed_layers_are_outlined_inside() -> None:
         "llama-selective", "llama-full-zero3"])
 def test_compiled_training_is_exact(launcher, make, mesh: Mesh, options: dict) -> None:
     _equivalent(models.factory(make), mesh, launcher, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, options", [
+    (Mesh(dp=2), {"zero": 1}), (Mesh(dp=2), {"zero": 2}), (Mesh(dp=(2, 2)), {"zero": 3}),
+    (Mesh(pp=2), {"schedule": "interleaved-1f1b", "microbatches": 2}),
+    (Mesh(pp=2), {"schedule": "zbv", "microbatches": 4}), (Mesh(pp=2), {"schedule": "dualpipev", "microbatches": 4}),
+    (Mesh(dp=2, pp=2, tp=2), {"zero": 1, "microbatches": 2}),
+], ids=["zero1", "zero2", "hybrid-zero3", "interleaved", "zbv", "dualpipev", "3d-zero1"])
+def test_compiled_training_composes(launcher, mesh: Mesh, options: dict) -> None:
+    _equivalent(models.factory(models.llama_exact, layers=4), mesh, launcher, **options)
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("mixed", marks=pytest.mark.slow)])
+def test_compiled_mixed_precision(launcher, precision: str) -> None:
+    """bf16 compute with float32 masters, compiled: each parameter's update within the bounds of the eager
+    mixed-precision reference (``harness.mixed``: SGD, so that a gradient off by a factor shows)."""
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(2))
+    assert_mixed(models.factory(models.gpt2, dtype=torch.float32), Mesh(dp=2), (ids,), target, models.lm_loss,
+                 models.sgd, 3, launcher, precision, compile=True)
 
 
 def test_llama_with_float32_norms_is_within_the_derived_bound(launcher) -> None:
