@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,7 +23,7 @@ from autopar.capture_cache import EXPORTS
 from autopar.core.errors import CaptureError, UnsupportedError
 from autopar.core.graph import SlotKind, StageGraph, copy_module, origin, placeholder_kinds
 from autopar.core.mesh import Mesh
-from autopar.core.plan import Collective, CompiledPlan, Plan, memory
+from autopar.core.plan import Collective, CompiledPlan, Plan, Timings, memory
 from autopar.core.schedule import Schedule, add_communication
 from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
@@ -486,17 +487,21 @@ def compile_program(
     c = Compilation(model, mesh, options, local, with_loss, split_points=split_points, pinned=placements,
                     whole=whole)
     check = os.environ.get(CHECK, "") not in ("", "0")
+    seconds = []  # each pass's wall time, the capture's first
     for p in PASSES:
         if not p.applies(c):
             continue
         c.detail = ""
+        start = time.perf_counter()
         with log_pass(p.name.format(c=c), _nodes(c)) as info:
             p.run(c)
             info["nodes"] = _nodes(c)
             if c.detail:
                 info["detail"] = c.detail
+        seconds.append(time.perf_counter() - start)
         if check:
             p.ensures(c)
+    c.program.plan.timings = Timings(export=seconds[0], passes=sum(seconds[1:]))
     return c.program
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -64,7 +65,10 @@ class ParallelModel:
     # run time ---------------------------------------------------------------
     def _runtime(self, program: Program) -> RankRuntime:
         if self._rt is None:
+            start = time.perf_counter()
             self._rt = start_runtime(self.model, self.mesh, self.options, program)
+            if program.plan.timings is not None:
+                program.plan.timings = dataclasses.replace(program.plan.timings, runtime=time.perf_counter() - start)
         return self._rt
 
     def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[list]]:
@@ -112,15 +116,20 @@ class ParallelModel:
         if self.options.optimizer is None:
             raise ValueError("step() needs an optimizer: parallelize(..., optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
         program, rt, flats = self._prepare((args, kwargs, target), with_loss=True)
+        start = time.perf_counter()
         with rt.progress.call("step"):
             loss, norm = train_step(self.model, self.mesh, program, rt, flats, self.options.max_grad_norm)
         if norm is not None:
             self.grad_norm = norm
-        self._compiled_seconds(program)
+        self._first_run(program, time.perf_counter() - start)
         return loss
 
-    def _compiled_seconds(self, program: Program) -> None:
-        """compile=True: what compiling the regions has cost this process so far, in the plan."""
+    def _first_run(self, program: Program, seconds: float) -> None:
+        """The plan told what the program's first step or forward took; under compile=True, what compiling the
+        regions has cost this process so far."""
+        timings = program.plan.timings
+        if timings is not None and timings.first_step is None:
+            program.plan.timings = dataclasses.replace(timings, first_step=seconds)
         if program.plan.compiled is not None:
             program.plan.compiled = dataclasses.replace(program.plan.compiled, seconds=COMPILED.seconds,
                                                         compiles=COMPILED.compiles)
@@ -128,9 +137,10 @@ class ParallelModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only (no autograd graph is kept); the full output on every rank."""
         program, rt, flats = self._prepare((args, kwargs, None), with_loss=False)
+        start = time.perf_counter()
         with rt.progress.call("forward"):
             out = forward(self.mesh, program, rt, flats, gather=self.options.batch == "global")
-        self._compiled_seconds(program)
+        self._first_run(program, time.perf_counter() - start)
         return out
 
     def timeline(self, *, layers: bool = False) -> list[tuple[str, float, float]]:

@@ -19,6 +19,7 @@ from autopar.options import Options
 from autopar.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
+from autopar.runtime.host_memory import keep_freed_memory
 from autopar.runtime.master import Masters, build_optimizer, check_groups_unsharded
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.progress import Progress
@@ -31,6 +32,8 @@ from autopar.zero_compile import shared_across_pp
 def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program: Program) -> RankRuntime:
     """This rank's runtime for ``program``; every later program of the model must keep its parameter placement."""
     groups = join(mesh)
+    if groups.device.type == "cpu":
+        keep_freed_memory()  # (runtime/host_memory.py: warm pages for each microbatch's tensors)
     place_on_rank(model, groups.device)
     binding = Binding(dict(groups.by_axis))  # the autopar::* ops of this rank's steps run on it (autopar/step.py)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coords.tp)

@@ -243,6 +243,29 @@ class CompiledPlan:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """Wall seconds from ``parallelize`` to the end of the first step, in this process.
+
+    ``export``: ``torch.export`` of the model (or reading an export another process wrote); ``passes``: every
+    pass after it, for every rank's graphs; ``runtime``: the runtime's start at the first step (process groups,
+    parameters placed and sharded, optimizer); ``first_step``: the first step or forward itself (inductor's
+    compilation of the regions included under ``compile=True``).
+    """
+
+    export: float
+    passes: float
+    runtime: float | None = None
+    first_step: float | None = None
+
+    def render(self) -> str:
+        parts = [f"export {self.export:.2f} s", f"passes {self.passes:.2f} s"]
+        parts += [] if self.runtime is None else [f"runtime start {self.runtime:.2f} s"]  # (None: started before)
+        parts += [] if self.first_step is None else [f"first step {self.first_step:.2f} s"]
+        total = self.export + self.passes + (self.runtime or 0.0) + (self.first_step or 0.0)
+        return ", ".join(parts) + f" ({total:.2f} s in all, this process)"
+
+
+@dataclass(frozen=True)
 class MemoryEstimate(Mapping):
     """Bytes per rank by kind (parameters, gradients, optimizer, gathered), for rank ``largest_on``."""
 
@@ -287,6 +310,7 @@ class Plan:
     experts: tuple[ExpertLayer, ...] = ()  # expert parallelism: each layer's routed experts over ep
     expert_params: dict[str, ExpertParam] = field(default_factory=dict)  # where each expert parameter lives
     compiled: CompiledPlan | None = None  # compile=True: the inductor regions (None: the graphs run eagerly)
+    timings: Timings | None = None  # compile time; rendered once the first step ran (``Timings``)
 
     def __str__(self) -> str:
         return self.render(per_parameter=True)
@@ -334,6 +358,8 @@ class Plan:
             compiled = self.compiled.render()
             lines.append("  compiled: " + compiled[0])
             lines += [f"    {line}" for line in compiled[1:]]
+        if self.timings is not None and self.timings.first_step is not None:
+            lines.append("  time to the first step: " + self.timings.render())
         lines.append("  collectives per step (per rank):")
         for c in self.collectives:
             lines.append(f"    {c.render()}")
