@@ -17,23 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.compiled import ProgramCache
+from autopar.compiler.compiled import ProgramCache
 from autopar.core.graph import tied_aliases
 from autopar.core.inductor import COMPILED
 from autopar.core.mesh import Mesh
 from autopar.core.plan import Plan
-from autopar.model_storage import released
+from autopar.rank.model_storage import released
 from autopar.options import Options, Parallelism
 from autopar.precision import check_model
-from autopar.program import Program, check_supported
-from autopar.rank_batch import is_empty, rank_inputs, reads_batch
-from autopar.rank_loader import in_step
-from autopar.rank_runtime import check_ownership, seed_rng, start_runtime
-from autopar.rank_state import checkpoint_state, full_state, local_state
+from autopar.compiler.program import Program, check_supported
+from autopar.rank.inputs import is_empty, rank_inputs, reads_batch
+from autopar.rank.loader import in_step
+from autopar.rank.build import check_ownership, seed_rng, start_runtime
+from autopar.rank.state import checkpoint_state, full_state, local_state
 from autopar.runtime import checkpoint
 from autopar.runtime.groups import ensure_initialized, job_device
 from autopar.runtime.rank import Optimizer, RankRuntime
-from autopar.step import forward, train_step
+from autopar.rank.step import forward, train_step
 
 
 class ParallelModel:
@@ -73,7 +73,7 @@ class ParallelModel:
 
     def _prepare(self, batch: tuple[tuple, dict, Any], *, with_loss: bool) -> tuple[Program, RankRuntime, list[list]]:
         """The program for ``batch``, the runtime, and this rank's microbatches of ``batch`` on its device,
-        each as the flat inputs of the program's graphs (``autopar/rank_batch.py``)."""
+        each as the flat inputs of the program's graphs (``autopar/rank/inputs.py``)."""
         local = self.options.batch == "local"
         program = self._programs.require() if local and is_empty(batch) else self.compile(*batch, with_loss=with_loss)
         rt = self._runtime(program)
@@ -107,7 +107,7 @@ class ParallelModel:
         """``loader``'s batches, each once every rank has one: ``for x, y in pm.batches(loader): pm.step(...)``.
         Loaders that yield different numbers of batches on different ranks are an error on every rank naming
         the ranks and their counts (before the first batch where they have lengths), not a hang in the next
-        step (``autopar/rank_loader.py``). Every rank iterates through it."""
+        step (``autopar/rank/loader.py``). Every rank iterates through it."""
         ensure_initialized()
         return in_step(loader, job_device())
 

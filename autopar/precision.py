@@ -1,4 +1,4 @@
-"""Mixed precision: the policy, its checks, the capture in the compute dtype, and the rewrite of every rank's graph.
+"""Mixed precision: the policy, its checks and the capture in the compute dtype.
 
 ``precision="bf16"`` trains as FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` does: the model's parameters stay float32 and are the
@@ -12,7 +12,8 @@ How: the model is captured with fake bfloat16 parameters (and floating inputs),
 so its own dtype logic (a norm's ``.to(float32)`` and back) runs as it does
 under FSDP2; tensor parallelism and pipeline cuts work on that graph; then
 ``passes/mixed_precision.py`` gives every rank's graph float32 parameter
-placeholders with a cast at their first use, and a float32 loss.
+placeholders with a cast at their first use, and a float32 loss
+(``autopar/compiler/precision_program.py`` applies it to a program).
 
 ``precision="mixed"`` is the ZeRO paper's layout (DeepSpeed's and Megatron-LM's
 bf16 training): the runtime stores the trainable parameters in bfloat16 (2
@@ -31,20 +32,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.core.comm import OPS
-from autopar.core.graph import SlotKind
 from autopar.core.plan import dtype_name
-from autopar.passes.mixed_precision import cast_outputs, cast_placeholders
 from autopar.runtime.groups import job_device
-
-if TYPE_CHECKING:  # (the program's module imports this one)
-    from autopar.program import Program
 
 NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIXED = "mixed"  # bf16 parameters and gradients, fp32 masters in the optimizer (the ZeRO paper's 2 + 2 + 12)
@@ -198,61 +193,3 @@ def widened(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with its floating tensors narrower than ``dtype`` cast to ``dtype`` (model outputs before a loss)."""
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                            and x.dtype.itemsize < dtype.itemsize else x, tree)
-
-
-def apply_to_program(program: Program, model: torch.nn.Module, pol: Policy, *, with_loss: bool) -> None:
-    """Every graph of ``program`` takes its parameters and inputs as fed (float32 masters, the user's inputs)
-    and casts them where they are used; a loss graph returns a float32 loss (``passes/mixed_precision.py``)."""
-    params = {n: stored_dtype(p, pol) for n, p in model.named_parameters()}
-    inputs = program.captured.input_dtypes
-    for st in program.graphs.distinct():  # (tp indices may share a graph: each once)
-        fed = []
-        for slot in st.slots:
-            if slot.kind is SlotKind.PARAM:
-                fed.append(params.get(slot.name))
-            elif slot.kind is SlotKind.INPUT:
-                index = slot.index
-                fed.append(inputs[index] if index < len(inputs) else None)
-            else:
-                fed.append(None)
-        cast_placeholders(st.gm, fed)
-        if with_loss and st.is_last:
-            cast_outputs(st.gm, torch.float32, skip=len(program.captured.mutated_buffers))
-    _describe_graphs(program, model, pol)
-
-
-def _describe_graphs(program: Program, model: torch.nn.Module, pol: Policy) -> None:
-    """The plan shows each parameter's dtypes, the dtypes of the tp collectives and of the pipeline's hops."""
-    plan = program.plan
-    params = dict(model.named_parameters())
-    plan.precision = pol.describe()
-    plan.params = [dataclasses.replace(p, dtypes=(stored_dtype(params[p.name], pol), pol.compute))
-                   if params[p.name].is_floating_point() else p for p in plan.params]
-    graphs = [st.gm for st in program.graphs.by_tp[0]]
-    found: dict[tuple[str, str], dict[torch.dtype, None]] = {}
-    for gm in graphs:
-        for nd in gm.graph.nodes:
-            val = nd.meta.get("val")
-            if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "autopar" \
-                    or not isinstance(val, torch.Tensor):
-                continue
-            op = OPS.get(nd.target._opname)
-            for direction, collective in (("forward", op and op.forward), ("backward", op and op.backward)):
-                if collective:
-                    found.setdefault((direction, collective), {})[val.dtype] = None
-    plan.collectives = [dataclasses.replace(c, dtypes=tuple(found.get((c.direction, c.op), ())))
-                        if c.axis == "tp" else c for c in plan.collectives]
-    if plan.pipeline is not None:
-        sends = {st.index: tuple(b.dtype for b in st.send) for st in program.pipeline_stages}
-        stages = tuple(dataclasses.replace(sp, dtypes=sends[sp.index]) for sp in plan.pipeline.stages)
-        plan.pipeline = dataclasses.replace(plan.pipeline, stages=stages)
-
-
-def describe_reductions(program: Program, pol: Policy | None) -> Program:
-    """Data-parallel gradient all-reduces travel in ``pol.reduce`` (their bytes scaled to it); returns ``program``."""
-    if pol is None:
-        return program
-    program.plan.collectives = [
-        dataclasses.replace(c, bytes=c.bytes * pol.reduce.itemsize // pol.stored.itemsize, dtypes=(pol.reduce,))
-        if c.axis == "dp" and c.op == "all_reduce" and not c.dtypes else c for c in program.plan.collectives]
-    return program

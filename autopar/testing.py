@@ -90,7 +90,7 @@ def reference_run(make_model: Callable, inputs: tuple, target: Any, loss_fn: Cal
     ``precision="bf16"``: the mixed-precision policy as a plain eager loop (``MixedPrecisionReference``).
     ``device``: where the model trains; the run's tensors are returned on the CPU, as ``parallel_run``'s.
     """
-    from autopar.capture import model_loss
+    from autopar.compiler.capture import model_loss
 
     model = make_model().to(device)
     inputs, target, kwargs = _to((inputs, target, kwargs), device)
@@ -144,7 +144,7 @@ def _merged(outs: list[Any], weights: list[float]) -> Any:
 def part_weights(make_model: Callable, parts: list[Any], loss_fn: Callable | None) -> list[float]:
     """Each part's weight in the whole batch's loss: its share of the items the loss counts where the loss
     is one mean over a count of its inputs (``passes/global_count.py``, e.g. tokens not ignored), else equal."""
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
     from autopar.passes.global_count import normalize_by_global_count
 
     (args, kw), tgt = parts[0]
@@ -188,7 +188,7 @@ class MixedPrecisionReference:
     def forward_backward(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable | None,
                          weight: float) -> torch.Tensor:
         """One part's loss (float32), back-propagated as ``loss * weight``; its gradients added to the masters'."""
-        from autopar.capture import model_loss
+        from autopar.compiler.capture import model_loss
 
         self._sync()
         args, kwargs = self._cast((args, kwargs))

@@ -2,7 +2,7 @@
 
 Models are built on the meta device (no weights are allocated, so 7B-shaped models fit anywhere) and
 captured with their loss on a meta batch of ids (1, 128). Two timings per model:
-  export  ``autopar.capture.capture(model, (ids,), {}, with_loss=True, ...)``: torch.export, non-strict,
+  export  ``autopar.compiler.capture.capture(model, (ids,), {}, with_loss=True, ...)``: torch.export, non-strict,
           plus autopar's small bookkeeping on the exported program;
   passes  ``passes.tensor_parallel.tensor_parallel(cap, tp, trainable)``: everything tensor parallelism
           does at compile time; the sharding solver (candidate strategies, repeated-block detection, the
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 import autopar.passes.tensor_parallel as tp_pass
 
 

@@ -23,7 +23,7 @@ that DCP's planner writes once.
 holds this model (the same keys, shapes and dtypes) and names the first key
 that differs; then each rank reads exactly the boxes its own layout needs,
 whatever mesh and ZeRO stage wrote them. A rank's ``RankState`` (built by
-``autopar/rank_state.py``) says what it stores.
+``autopar/rank/state.py``) says what it stores.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.runtime.checkpoint_optim import optimizer_items, optimizer_targets, restore_optimizer
-from autopar.runtime.reshard import Geometry, LoadPlanner, Pieces, SavePlanner
+from autopar.runtime.reshard import Entry, LoadPlanner, SavePlanner
 
 if TYPE_CHECKING:
     from autopar.runtime.rank import RankRuntime
@@ -49,26 +49,6 @@ if TYPE_CHECKING:
 LATEST = "LATEST"
 PREFIX = "ckpt-"
 FORMAT = 2  # 1: per-mesh keys (before checkpoints resharded); 2: logical keys, resharded at load
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One parameter or buffer as this rank stores it."""
-
-    name: str  # the model's (canonical) key
-    geometry: Geometry  # where this rank's copy lies in the logical tensor
-    tensor: torch.Tensor  # what the rank stores: the parameter or buffer, or under ZeRO its group's flat shard
-    window: tuple[int, int] | None = None  # ZeRO: the part of ``tensor`` that holds this parameter's elements
-    writes: bool = True  # False on a replica whose elements another rank writes (tp or pp copies)
-    trainable: bool = False  # ``tensor`` is a parameter of the optimizer
-
-    def data(self, like: torch.Tensor) -> torch.Tensor:
-        """This entry's elements of ``like``, a tensor shaped as ``tensor`` (it, or one of its optimizer states)."""
-        return like[self.window[0]: self.window[1]] if self.window is not None else like
-
-    def pieces(self, like: torch.Tensor) -> Pieces:
-        """``like``'s part of the logical tensor, as the boxes DCP writes from or reads into (views, no copies)."""
-        return Pieces(self.geometry.shape, like.dtype, self.geometry.pieces(self.data(like)))
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ element exactly as the optimizer that saved it would have.
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-if TYPE_CHECKING:
-    from autopar.runtime.checkpoint import Entry
+from autopar.runtime.reshard import Entry
 
 SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})  # torch optimizers' 0-d per-parameter state
 

@@ -103,7 +103,7 @@ def _worker(index: int, tasks: Any, results: Connection, sys_path: list[str], en
             results.send((job, rank, False, traceback.format_exc(), phase))
 
 
-PRELOAD = ("torch", "torch.distributed", "autopar.parallel", "autopar.compiler", "autopar.runtime.launch")
+PRELOAD = ("torch", "torch.distributed", "autopar.parallel", "autopar.compiler.driver", "autopar.runtime.launch")
 
 
 def _context() -> Any:

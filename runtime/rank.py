@@ -1,7 +1,7 @@
 """``RankRuntime``: what one rank holds while it runs a program.
 
 The runtime functions that read a rank's state (``clip``, ``checkpoint``, the
-full-state gather) take this type; ``autopar/rank_runtime.py`` builds it once,
+full-state gather) take this type; ``autopar/rank/build.py`` builds it once,
 at the first step or forward, from the program and the job's process groups.
 """
 from __future__ import annotations

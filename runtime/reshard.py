@@ -176,3 +176,23 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter or buffer as this rank stores it."""
+
+    name: str  # the model's (canonical) key
+    geometry: Geometry  # where this rank's copy lies in the logical tensor
+    tensor: torch.Tensor  # what the rank stores: the parameter or buffer, or under ZeRO its group's flat shard
+    window: tuple[int, int] | None = None  # ZeRO: the part of ``tensor`` that holds this parameter's elements
+    writes: bool = True  # False on a replica whose elements another rank writes (tp or pp copies)
+    trainable: bool = False  # ``tensor`` is a parameter of the optimizer
+
+    def data(self, like: torch.Tensor) -> torch.Tensor:
+        """This entry's elements of ``like``, a tensor shaped as ``tensor`` (it, or one of its optimizer states)."""
+        return like[self.window[0]: self.window[1]] if self.window is not None else like
+
+    def pieces(self, like: torch.Tensor) -> Pieces:
+        """``like``'s part of the logical tensor, as the boxes DCP writes from or reads into (views, no copies)."""
+        return Pieces(self.geometry.shape, like.dtype, self.geometry.pieces(self.data(like)))

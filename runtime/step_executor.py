@@ -77,7 +77,7 @@ def _post_recv(metas: list[tuple[tuple[int, ...], torch.dtype]], src: int, tag: 
 
 @dataclass
 class StepHandlers:
-    """What this rank does for the step actions that are not pipeline work (``autopar.step`` builds them).
+    """What this rank does for the step actions that are not pipeline work (``autopar.rank.step`` builds them).
 
     ``arm`` is called before every ``B`` with whether it is the stage's last
     before ``REDUCE_GRAD`` (gradient hooks may launch reductions during it).

@@ -116,7 +116,7 @@ class ZeroRuntime:
         self.groups = groups
         self.stage = settings.stage
         # parameters the running program sends no gradient to: stages 1-2 see those that got one from autograd's
-        # hooks, stage 3 reduces whole layers in its graph, so the step sets them (``autopar/step.py``); the
+        # hooks, stage 3 reduces whole layers in its graph, so the step sets them (``autopar/rank/step.py``); the
         # optimizer step leaves both kinds untouched (``runtime/zero_untouched.py``)
         self.unused: frozenset[str] = frozenset()
         self.alone = frozenset(alone)

@@ -69,7 +69,7 @@ POOL_SIZE = 8
 # the tests run their ranks on the CPU (over gloo) on any machine; benchmarks/gpu_check.py runs the CUDA path
 os.environ.setdefault("AUTOPAR_DEVICE", "cpu")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # compile=True: no pool of compile workers per rank
-os.environ.setdefault("AUTOPAR_CHECK_PASSES", "1")  # each compiler pass's invariant checked (autopar/compiler.py)
+os.environ.setdefault("AUTOPAR_CHECK_PASSES", "1")  # each compiler pass's invariant checked (autopar/compiler/driver.py)
 os.environ.setdefault("AUTOPAR_DESYNC_CHECK_S", "1")  # ranks out of step looked for after 1 s (runtime/progress.py)
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import models
 from autopar import Mesh, UnsupportedError, parallelize
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.testing import assert_equivalent
 from harness.exactness import IDS, TARGET
 

@@ -7,7 +7,7 @@ from torch.utils import _pytree as pytree
 
 import models
 from autopar import CaptureError, Mesh, parallelize
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.core.graph import Slot, SlotKind
 from autopar.passes.stage_cuts import split_stages
 

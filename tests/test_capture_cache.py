@@ -1,4 +1,4 @@
-"""A process remembers exports only under a key that holds everything the export reads (autopar/export_key.py)."""
+"""A process remembers exports only under a key that holds everything the export reads (autopar/compiler/export_key.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models
-from autopar.capture import capture
-from autopar.capture_cache import EXPORTS
-from autopar.export_key import export_key
+from autopar.compiler.capture import capture
+from autopar.compiler.capture_cache import EXPORTS
+from autopar.compiler.export_key import export_key
 
 IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
 

@@ -150,7 +150,7 @@ def test_eager_dropout_in_training_is_refused() -> None:
 def test_rewritten_capture_computes_the_model(name: str) -> None:
     """The pass alone, on one device: the captured eager graph with each layer's chain as SDPA computes the
     model's logits on SDPA (float64) within 1e-13, and holds no softmax."""
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
     from autopar.passes.context_eager import sdpa_from_eager
 
     model = eager(name)
@@ -166,7 +166,7 @@ def test_rewritten_capture_computes_the_model(name: str) -> None:
 def test_returned_attention_weights_are_left_alone() -> None:
     """With ``output_attentions=True`` the probabilities are read outside the chain: nothing is replaced (under
     cp the existing check then refuses the softmax over the local sequence)."""
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
     from autopar.passes.context_eager import sdpa_from_eager
 
     cap = capture(eager("llama"), (IDS,), {"output_attentions": True}, with_loss=False)

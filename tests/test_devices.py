@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 import models
 from autopar import Mesh, WorkerPool, launch, parallelize
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.passes.device import retarget_device
 from autopar.runtime import groups
 from autopar.runtime.groups import default_backend, message_device, rank_device, requested_device

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 import models
 from autopar import CaptureError, Mesh
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.testing import assert_equivalent
 
 IDS = torch.randint(3, 96, (4, 8), generator=torch.Generator().manual_seed(1))
@@ -127,7 +127,7 @@ def test_a_router_it_does_not_recognise_is_refused() -> None:
 
 
 def test_a_second_capture_of_the_same_model_is_remembered_and_static() -> None:
-    from autopar.capture_cache import EXPORTS
+    from autopar.compiler.capture_cache import EXPORTS
 
     make = models.factory(models.qwen3_moe_eager, layers=1, aux=False)
     capture(make(), (IDS,), {})

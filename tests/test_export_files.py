@@ -1,4 +1,4 @@
-"""Exports as bytes (autopar/export_files.py): read back as they were written, and written once for the ranks of a
+"""Exports as bytes (autopar/compiler/export_files.py): read back as they were written, and written once for the ranks of a
 job that share ``AUTOPAR_SOLVED_DIR``."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from torch.export.graph_signature import InputKind
 
 import models
-from autopar import capture as capture_module
-from autopar.capture import _export, capture
-from autopar.capture_cache import EXPORTS, Export
-from autopar.export_key import export_key
-from autopar.export_files import _autopar_files, decode, digest, encode
+from autopar.compiler import capture as capture_module
+from autopar.compiler.capture import _export, capture
+from autopar.compiler.capture_cache import EXPORTS, Export
+from autopar.compiler.export_key import export_key
+from autopar.compiler.export_files import _autopar_files, decode, digest, encode
 from harness.shared_dir import shared_dir
 
 

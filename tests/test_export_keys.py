@@ -1,6 +1,6 @@
 """Two models whose exports differ never share one: each case captures one model, then another that the export of
 the first would answer wrongly, and checks the second's graph against the model itself (float64, eager) and a
-fresh export (autopar/export_key.py, autopar/export_files.py ``digest``)."""
+fresh export (autopar/compiler/export_key.py, autopar/compiler/export_files.py ``digest``)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 import models
-from autopar.capture import capture
-from autopar.capture_cache import EXPORTS
+from autopar.compiler.capture import capture
+from autopar.compiler.capture_cache import EXPORTS
 from autopar.core.graph import Captured, SlotKind
 from harness.shared_dir import shared_dir
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import models
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.core.layout import Interleave, from_storage, to_storage
 from autopar.passes.fused_projections import interleave_fused_projections
 

@@ -145,7 +145,7 @@ def test_runnable_cp_candidates_are_exactly_those_the_runtime_accepts(profile, p
     """Each cp candidate's runnability against the runtime's own check (``program.check_context_parallel``)."""
     from autopar.core.errors import UnsupportedError
     from autopar.options import Options
-    from autopar.program import check_context_parallel
+    from autopar.compiler.program import check_context_parallel
 
     result = _plan(profile, 16384, precision=precision, zero=(0, 3), top=None)
     cps = [c for c in result.every.values() if c.config.cp > 1 and not c.config.dp_shard and c.config.ep == 1]

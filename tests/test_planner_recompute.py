@@ -19,7 +19,7 @@ from autopar.planner import plan
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import PRECISIONS, Config, CostModel
 from autopar.planner.model_profile import profile_model
-from autopar.planner.report import rc_label
+from autopar.planner.result import rc_label
 
 SEQ = 32
 IDS = torch.randint(0, 96, (4, SEQ), generator=torch.Generator().manual_seed(1))

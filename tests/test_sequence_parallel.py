@@ -213,7 +213,7 @@ def test_values_between_layers_stay_sharded() -> None:
     partial sums of the whole activation: reducing before or after a residual add costs the same, and the
     solver breaks that tie toward the fewer bytes (a GPT-3 530B-wide 2-layer model at tp=8, where it once
     picked the partial sums)."""
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
     from autopar.passes.stage_cuts import node_layer
     from autopar.passes.tensor_parallel import tensor_parallel
     from autopar.planner.fake_cpu import as_fake_cpu

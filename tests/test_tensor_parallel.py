@@ -137,7 +137,7 @@ def test_gpt2_plan_reads_like_megatron() -> None:
 
 
 def test_repeated_layers_are_solved_once() -> None:
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
     from autopar.passes.blocks import repeated_blocks
 
     model = models.llama(layers=4)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import models
 from autopar import Mesh, parallelize
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.core.errors import UnsupportedError
 from autopar.passes.fused_projections import interleave_fused_projections
 from autopar.passes.inplace_views import check_writes

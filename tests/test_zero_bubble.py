@@ -83,7 +83,7 @@ def test_a_deferred_weight_gradient_is_the_same_gradient() -> None:
 
 
 def test_the_pass_splits_trainable_weight_matmuls_only() -> None:
-    from autopar.capture import capture
+    from autopar.compiler.capture import capture
 
     model = models.factory(models.gpt2, layers=2)()
     cap = capture(model, (IDS[:2],), {}, with_loss=True, loss_fn=models.lm_loss, target=TARGET[:2])

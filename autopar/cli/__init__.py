@@ -14,16 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.cli.arguments import parse_mesh
 from autopar.core.mesh import Mesh
-
-
-def parse_mesh(text: str) -> Mesh:
-    """``"dp=2,tp=2"`` -> ``Mesh(dp=2, tp=2)``."""
-    try:
-        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
-    except ValueError:
-        raise ValueError(f"cannot read mesh {text!r}; write it like dp=2,pp=2,tp=2") from None
-    return Mesh(**sizes)
 
 
 def load_factory(spec: str) -> Callable[[], Any]:

@@ -85,7 +85,7 @@ def _rank(mesh: Mesh, args: argparse.Namespace, reference: list[float]) -> dict:
 
 
 def run(argv: list[str]) -> int:
-    from autopar.cli import parse_mesh
+    from autopar.cli.arguments import parse_mesh
     from autopar.runtime.launch import launch
     from autopar.runtime.trace import save_chrome_trace, save_gantt
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.core.mesh import Mesh
 from autopar.core.zero_layout import layer_of
-from autopar.program import Program
+from autopar.compiler.program import Program
 
 
 def plan_grid(program: Program, mesh: Mesh) -> tuple[list[str], dict[tuple[int, int], dict[str, str]]]:

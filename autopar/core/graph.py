@@ -1,6 +1,6 @@
 """The graph IR that passes rewrite and the runtime executes.
 
-``Captured`` is one functional ATen graph (``autopar.capture`` makes it) with the
+``Captured`` is one functional ATen graph (``autopar.compiler.capture`` makes it) with the
 signature of its placeholders (``Slot``) and outputs; ``StageGraph`` is one
 pipeline stage of it (``passes.stage_cuts`` cuts it) with the values that cross
 its cuts (``Boundary``). Parameter names are the user's model's state-dict

@@ -3,7 +3,7 @@
 When ``AUTOPAR_SOLVED_DIR`` names a directory the processes share (the ranks of a job, the workers of a test
 run), the first process to take the lock of ``key`` computes the value and writes it there, and the others wait
 on the lock and read it, instead of each computing it again. The sharding program's solution
-(passes/sharding_program.py) and the model's export (autopar/export_files.py) are shared so: the ranks of a job
+(passes/sharding_program.py) and the model's export (autopar/compiler/export_files.py) are shared so: the ranks of a job
 solve the same program and export the same model at the same time. A lock whose holder died is free again (the
 system drops it with the process). Without the directory every call computes.
 """

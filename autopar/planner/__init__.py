@@ -34,7 +34,8 @@ from autopar.planner.auto import auto_choice, sequence_of
 from autopar.planner.gpt import GPT, gpt, gpt3_175b, gpt_1t
 from autopar.planner.llama import Llama, llama, llama3_8b, llama3_70b, llama3_405b
 from autopar.planner.report import explain
-from autopar.planner.search import Candidate, PlanResult, plan, search_space
+from autopar.planner.result import Candidate, PlanResult
+from autopar.planner.search import plan, search_space
 
 __all__ = ["Candidate", "PlanResult", "plan", "search_space", "explain", "auto_choice", "sequence_of", "GPT", "gpt",
            "gpt3_175b", "gpt_1t", "Llama", "llama", "llama3_8b", "llama3_70b", "llama3_405b"]

@@ -89,7 +89,7 @@ def _optimizer_states(optimizer: Callable | None) -> str:
     if optimizer is None:
         return "sgd"
     from autopar.options import Options
-    from autopar.program import optimizer_state_factor
+    from autopar.compiler.program import optimizer_state_factor
 
     return {2: "adam", 1: "sgd-momentum", 0: "sgd"}[optimizer_state_factor(Options(optimizer=optimizer))]
 

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from autopar.planner.search import Candidate
+from autopar.planner.result import Candidate
 
 SLACK = 1e-9  # a bound is summed in another order than the step time: it may exceed it by rounding
 

@@ -10,14 +10,12 @@ split) and the exposed seconds of each other form searched for the same configur
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from autopar.planner.cluster import gb
 from autopar.planner.context_cost import LONG_SEQUENCE
-
-if TYPE_CHECKING:
-    from autopar.planner.config import Config
-    from autopar.planner.search import Candidate, PlanResult
+from autopar.planner.config import Config
+from autopar.planner.result import Candidate, PlanResult
+from autopar.planner.units import as_seconds
 
 
 def context_reasons(result: PlanResult) -> list[str]:
@@ -54,9 +52,9 @@ def _versus(a: Candidate, b: Candidate) -> str:
     slower, faster = (a, b) if a.step_time > b.step_time else (b, a)
     part = lambda k: float(slower.estimate.time[k]) - float(faster.estimate.time[k])  # noqa: E731
     key = max(slower.estimate.time, key=part)
-    worse = (f", the slower's largest extra: {key.replace('_', ' ')} {_seconds(float(slower.estimate.time[key]))} "
-             f"vs {_seconds(float(faster.estimate.time[key]))}") if part(key) > 0 else ""
-    return (f"{_seconds(a.step_time)} per step vs {_seconds(b.step_time)} for the best "
+    worse = (f", the slower's largest extra: {key.replace('_', ' ')} {as_seconds(float(slower.estimate.time[key]))} "
+             f"vs {as_seconds(float(faster.estimate.time[key]))}") if part(key) > 0 else ""
+    return (f"{as_seconds(a.step_time)} per step vs {as_seconds(b.step_time)} for the best "
             f"{'without' if a.config.cp > 1 else 'with'} cp ({b.config.describe()}){worse}; activations "
             f"{gb(a.memory['activations'])} vs {gb(b.memory['activations'])} per device")
 
@@ -73,14 +71,14 @@ def _ring(result: PlanResult, c: Candidate) -> str:
         ring, a2a = cfg.cp_split
         return (f"its attentions run usp on cp={cfg.cp_split}: heads exchanged for sequence inside groups of {a2a} "
                 f"ranks, then a ring of {ring} groups; {exchanges} all-to-alls and ring exchanges over {attentions} "
-                f"attentions send {gb(float(nbytes))} per rank and step ({where}), {_seconds(exposed)} exposed "
+                f"attentions send {gb(float(nbytes))} per rank and step ({where}), {as_seconds(exposed)} exposed "
                 f"({exposed / c.step_time:.1%} of the step){others}")
     if cfg.cp_attention == "all_to_all":
         return (f"its attentions exchange heads for sequence: {exchanges} all-to-alls over {attentions} attentions "
-                f"send {gb(float(nbytes))} per rank and step ({where}), {_seconds(exposed)} "
+                f"send {gb(float(nbytes))} per rank and step ({where}), {as_seconds(exposed)} "
                 f"({exposed / c.step_time:.1%} of the step), none of it overlapped{others}")
     return (f"its ring sends {gb(float(nbytes))} of K/V blocks and their gradients per rank and step "
-            f"({exchanges} exchanges over {attentions} attentions, {where}), {_seconds(exposed)} of it exposed "
+            f"({exchanges} exchanges over {attentions} attentions, {where}), {as_seconds(exposed)} of it exposed "
             f"beyond the block computations ({exposed / c.step_time:.1%} of the step){others}")
 
 
@@ -90,14 +88,10 @@ def _forms(result: PlanResult, c: Candidate) -> str:
             and dataclasses.replace(o.config, cp_attention=c.config.cp_attention, cp_a2a=c.config.cp_a2a) == c.config]
     if not same:
         return ""
-    return "; chosen over " + ", ".join(f"{_form(o.config)} ({_seconds(float(o.estimate.time['context_parallel']))} "
+    return "; chosen over " + ", ".join(f"{_form(o.config)} ({as_seconds(float(o.estimate.time['context_parallel']))} "
                                         f"exposed)" for o in same)
 
 
 def _form(cfg: Config) -> str:
     return f"usp on cp={cfg.cp_split}" if cfg.cp_split else {"all_to_all": "the all-to-all"}.get(
         cfg.cp_attention, "the ring")
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"

@@ -1,7 +1,7 @@
 """Routed experts as the planner sees them, and what expert parallelism changes in a configuration's cost.
 
 ``expert_profile(model)`` finds the model's routed-experts modules by what they hold (Hugging Face's stacked
-``(E, ...)`` expert weights, ``gate_up_proj`` or ``up_proj`` and ``down_proj``; ``autopar/experts.py``
+``(E, ...)`` expert weights, ``gate_up_proj`` or ``up_proj`` and ``down_proj``; ``autopar/compiler/experts.py``
 recognises the same modules for the runtime), with each layer's expert count ``E``, top-k ``k``, hidden
 width ``H`` and expert parameter elements. The graph profile (``model_profile.py``) captures such a model
 with its experts as one grouped matmul (the form that exports with symbolic shapes), whose FLOPs are the

@@ -8,14 +8,12 @@ the imbalance under ep), the all-to-alls and the link the ep group lands on, and
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from autopar.planner.bound import measure
 from autopar.planner.cluster import gb
 from autopar.planner.config import Config
-
-if TYPE_CHECKING:
-    from autopar.planner.search import Candidate, PlanResult
+from autopar.planner.result import Candidate, PlanResult
+from autopar.planner.units import as_seconds
 
 
 def expert_reasons(result: PlanResult) -> list[str]:
@@ -56,10 +54,10 @@ def _compare(result: PlanResult, other: Candidate, best: Candidate) -> str:
     link = result.cluster.link(span)
     where = "inside a node" if span <= result.cluster.devices_per_node else "across nodes"
     state = [x.memory["parameters"] + x.memory["gradients"] + x.memory["optimizer"] for x in (other, best)]
-    line = (f"ep={o.ep} instead of {b.ep}: {verdict}; experts' compute {_seconds(expert_seconds(result, o))} vs "
-            f"{_seconds(expert_seconds(result, b))} per step, all-to-all "
-            f"{_seconds(float(other.estimate.time['expert_parallel']))} vs "
-            f"{_seconds(float(best.estimate.time['expert_parallel']))} (at ep={ep.ep}: {calls} calls, "
+    line = (f"ep={o.ep} instead of {b.ep}: {verdict}; experts' compute {as_seconds(expert_seconds(result, o))} vs "
+            f"{as_seconds(expert_seconds(result, b))} per step, all-to-all "
+            f"{as_seconds(float(other.estimate.time['expert_parallel']))} vs "
+            f"{as_seconds(float(best.estimate.time['expert_parallel']))} (at ep={ep.ep}: {calls} calls, "
             f"{gb(float(nbytes))} sent per rank per step, {where} at {gb(link.bandwidth)}/s), parameters+gradients+"
             f"optimizer {gb(state[0])} vs {gb(state[1])} per device")
     if not other.runnable:
@@ -75,7 +73,3 @@ def expert_seconds(result: PlanResult, c: Config) -> float:
     tokens = c.global_batch // c.dp * cost.seq_len
     flops = sum(x.flops_per_token(c.ep, cost.imbalance) for x in experts.layers) * tokens * 3 / c.pp
     return flops / (cl.peak(result.precision.name) * cl.efficiency)
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"

@@ -51,7 +51,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
-from autopar.capture import capture
+from autopar.compiler.capture import capture
 from autopar.core.buffer_writes import written_placeholders
 from autopar.core.comm import OPS
 from autopar.core.graph import PREFIX, SlotKind, tied_aliases

@@ -13,88 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING
-
 from autopar.planner.bound import measure
 from autopar.planner.cluster import gb
 from autopar.planner.cost_model import ZERO_BUBBLE, Config, b_sym, s_sym
 from autopar.planner.context_report import context_reasons
 from autopar.planner.expert_report import expert_reasons
 from autopar.planner.megatron import HELD_OUT_ERROR
-
-if TYPE_CHECKING:
-    from autopar.planner.search import Candidate, PlanResult
+from autopar.planner.result import Candidate, PlanResult
+from autopar.planner.units import as_bytes, as_count, as_rate, as_seconds
 
 TIME_KEYS = ("compute", "tensor_parallel", "pipeline_p2p", "expert_parallel", "context_parallel", "bubble",
              "shared_cores", "data_parallel", "contention", "optimizer")
 AXIS_WORDS = {"dp": "data parallel", "tp": "tensor parallel", "pp": "pipeline",
               "dp_shard": "ZeRO inside a replica", "dp_replicate": "all-reduce across replicas, beside backward"}
-
-
-# ---------------------------------------------------------------------------
-# the table
-# ---------------------------------------------------------------------------
-
-RC = {"none": "-", "selective": "s", "full": "f"}
-
-
-def rc_label(cfg: Config) -> str:
-    """The ``rc`` column: ``-``, ``s``, ``f``, or a mix: ``f3+s`` (full on 3 layers per stage, selective on the
-    rest), ``f3`` (full on 3, none on the rest)."""
-    if not cfg.full_layers:
-        return RC[cfg.recompute]
-    return f"f{cfg.full_layers}" + ("" if cfg.recompute == "none" else f"+{RC[cfg.recompute]}")
-
-
-def render_table(result: PlanResult, top: int = 10) -> str:
-    """The ranked candidates, ``top`` rows: mesh, ZeRO, schedule, memory, step time, throughput."""
-    head = (f"{'#':>3}  {'mesh dp x pp x tp':<18} {'zero':>4}  {'schedule':<18} {'m x b':>8}  {'rc':<5} "
-            f"{'params+grads+opt':>16} {'activ.':>9} {'total':>9}  {'step':>9} {'tokens/s':>10} {'TF/dev':>7}  run")
-    lines = [head]
-    for i, c in enumerate(result.candidates[:top], 1):
-        if result.top is not None and i == result.top + 1:
-            lines.append(f"  (below row {result.top}: the best of the other tp and pp sizes and what else was timed, "
-                         f"not every configuration; plan with top={top} to rank {top})")
-        cfg, m = c.config, c.memory
-        v = f"/{cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
-        sched = "-" if cfg.pp == 1 else cfg.schedule + v
-        state = m["parameters"] + m["gradients"] + m["optimizer"]
-        mesh = f"{cfg.dp_label()}{_ep(cfg)} x {cfg.pp} x {cfg.tp}" + ("+sp" if cfg.sequence_parallel else "")
-        lines.append(
-            f"{i:>3}  {mesh:<18} "
-            f"{cfg.zero:>4}  {sched:<18} "
-            f"{f'{cfg.microbatches}x{cfg.microbatch_size}':>8}  {rc_label(cfg):<5} "
-            f"{gb(state):>16} {gb(m['activations']):>9} {gb(c.total_memory):>9}{'' if c.fits else '!'} "
-            f"{_seconds(c.step_time):>9} {c.estimate.tokens_per_s:>10,.0f} "
-            f"{c.estimate.flops_per_device / 1e12:>7.1f}"
-            f"  {'yes' if c.runnable else 'no'}")
-    return "\n".join(lines)
-
-
-def _ep(cfg: Config) -> str:
-    """The mesh column's expert and context parallelism: ``" ep4"`` (folded onto dp), ``" cp4"`` (its own axis,
-    multiplying the ranks), nothing at 1."""
-    return (f" ep{cfg.ep}" if cfg.ep > 1 else "") + (f" cp{cfg.cp}" if cfg.cp > 1 else "")
-
-
-def _batch(result: PlanResult) -> str:
-    if result.local_batch:
-        return f"local batch {result.local_batch} per data-parallel rank"
-    return f"global batch {result.global_batch}"
-
-
-def render_plan(result: PlanResult, top: int = 10) -> str:
-    """The header, the ranked table (``top`` rows) and the explanation."""
-    lines = [f"autopar plan: {result.model} ({_count(result.profile.total_params)} parameters) on {result.devices} x "
-             f"{result.cluster.name}; {_batch(result)} x {result.seq_len} tokens, "
-             f"{result.precision.name} precision",
-             f"  {result.considered} configurations planned in {result.seconds:.1f} s ({result.timed} timed, the "
-             f"others' lower bounds could not rank), {result.fitting} fit "
-             f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "
-             "f full, f2+s full on 2 layers per stage and selective on the others), +sp = sequence parallelism, "
-             "run = autopar runs it today", "", render_table(result, top), "", "why:"]
-    lines += [f"  - {line}" for line in result.explanation]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
@@ -124,8 +55,8 @@ def explain(result: PlanResult) -> list[str]:
                f"that fits {gb(mem)} is {b_max}; chosen b={c.microbatch_size} with {c.microbatches} microbatches")
     t = {k: float(v) for k, v in e.time.items()}
     total = best.step_time
-    parts = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)} ({v / total:.0%})" for k, v in t.items() if v > 0)
-    out.append(f"step time {_seconds(total)}: {parts}")
+    parts = ", ".join(f"{k.replace('_', ' ')} {as_seconds(v)} ({v / total:.0%})" for k, v in t.items() if v > 0)
+    out.append(f"step time {as_seconds(total)}: {parts}")
     out += _links(best) + _margin(result)
     if c.pp > 1 and c.schedule in ZERO_BUBBLE:
         share = float(e.time["bubble"]) / float(e.time["compute"])
@@ -138,11 +69,11 @@ def explain(result: PlanResult) -> list[str]:
     out += _recompute_reason(result) + _sequence_parallel_reason(result) + _layer_collectives(result) \
         + _split_reduce_scatters(result)
     peak = result.cluster.peak(prec.name)
-    out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {_rate(e.flops_per_device)} of model FLOPs per device = "
-               f"{e.flops_per_device / peak:.0%} of the {_rate(peak)} peak")
+    out.append(f"throughput {e.tokens_per_s:,.0f} tokens/s; {as_rate(e.flops_per_device)} of model FLOPs per device = "
+               f"{e.flops_per_device / peak:.0%} of the {as_rate(peak)} peak")
     runnable = next((x for x in cands if x.fits and x.runnable), None)
     if not best.runnable:
-        other = (f"{runnable.config.describe()} at {_seconds(runnable.step_time)}" if runnable
+        other = (f"{runnable.config.describe()} at {as_seconds(runnable.step_time)}" if runnable
                  else "none fits" if any(x.runnable for x in cands) else "none of these")
         out.append(f"the best is not run by autopar today ({best.not_runnable}); the best it runs: {other}")
     return out
@@ -162,11 +93,11 @@ def _links(best: Candidate) -> list[str]:
     parts = []
     for axis, x in e.links.items():
         where = "inside a node" if x.link == "intra" else "between nodes"
-        said = (f"{axis} ({AXIS_WORDS[axis]}, {where} at {gb(x.bandwidth)}/s): busy {_seconds(x.busy)}, "
+        said = (f"{axis} ({AXIS_WORDS[axis]}, {where} at {gb(x.bandwidth)}/s): busy {as_seconds(x.busy)}, "
                 f"{x.busy / e.step_time:.0%} of the step")
         if x.hidden > 0:
-            said += f"; {_seconds(x.hidden)} hidden behind compute, {_seconds(x.exposed)} exposed"
-            said += f", and compute {_seconds(x.contention)} slower beside it" if x.contention else ""
+            said += f"; {as_seconds(x.hidden)} hidden behind compute, {as_seconds(x.exposed)} exposed"
+            said += f", and compute {as_seconds(x.contention)} slower beside it" if x.contention else ""
         else:
             said += ", all exposed (compute waits for it)"
         parts.append(said)
@@ -197,7 +128,7 @@ def _largest_layer(result: PlanResult) -> str:
     seg = max(layers, key=lambda s: s.parts[1].param_elements)
     n = seg.parts[1].param_elements
     count = sum(s.count for s in layers)
-    return (f"{count} layers; the largest ({seg.name}) has {_count(n)} parameters and needs {gb(n * per_param)} "
+    return (f"{count} layers; the largest ({seg.name}) has {as_count(n)} parameters and needs {gb(n * per_param)} "
             f"for parameters, gradients and optimizer state ({prec.name}: {per_param} bytes per parameter)")
 
 
@@ -220,7 +151,7 @@ def _axis_reasons(result: PlanResult, axis: str) -> list[str]:
             fastest = min(fitting, key=lambda c: c.pace)
             worse = _biggest_difference(fastest, best)
             out.append(f"{axis}={size} fits but its best ({fastest.config.describe()}) takes "
-                       f"{_seconds(fastest.step_time)} per step, {fastest.pace / best.pace:.2f}x the best"
+                       f"{as_seconds(fastest.step_time)} per step, {fastest.pace / best.pace:.2f}x the best"
                        + (f" ({worse})" if worse else ""))
     if axis == "tp" and chosen > 1:
         span = result.cluster.devices_per_node
@@ -234,8 +165,8 @@ def _biggest_difference(other: Candidate, best: Candidate) -> str:
     key = max(diffs, key=lambda k: diffs[k])
     if diffs[key] <= 0:
         return ""
-    return (f"{key.replace('_', ' ')} {_seconds(float(other.estimate.time[key]))} vs "
-            f"{_seconds(float(best.estimate.time[key]))}")
+    return (f"{key.replace('_', ' ')} {as_seconds(float(other.estimate.time[key]))} vs "
+            f"{as_seconds(float(best.estimate.time[key]))}")
 
 
 def _zero_reason(result: PlanResult) -> list[str]:
@@ -278,14 +209,14 @@ def _hybrid_reason(result: PlanResult) -> list[str]:
     across = h.estimate.links.get("dp_replicate")
     busy, exposed = (across.busy, across.exposed) if across is not None else (0.0, 0.0)
     how = (f"dp=({c.replicas}, {c.dp_shard}) shards ZeRO-{c.zero} over {c.dp_shard} ranks {where} and all-reduces "
-           f"each shard's gradients across the {c.replicas} replicas beside backward, {_seconds(busy)} of them, "
-           f"{_seconds(exposed)} exposed (docs/zero.md)")
+           f"each shard's gradients across the {c.replicas} replicas beside backward, {as_seconds(busy)} of them, "
+           f"{as_seconds(exposed)} exposed (docs/zero.md)")
     ratio = other.pace / best.pace
     worse = _biggest_difference(other, best)
     if hybrid:
         return [f"hybrid sharding wins: {how}; the best without it ({other.config.describe()}) takes "
-                f"{_seconds(other.step_time)}, {ratio:.2f}x" + (f" ({worse})" if worse else "")]
-    return [f"hybrid sharding loses: its best ({c.describe()}) takes {_seconds(h.step_time)}, {ratio:.2f}x the best"
+                f"{as_seconds(other.step_time)}, {ratio:.2f}x" + (f" ({worse})" if worse else "")]
+    return [f"hybrid sharding loses: its best ({c.describe()}) takes {as_seconds(h.step_time)}, {ratio:.2f}x the best"
             + (f" ({worse})" if worse else "") + f"; {how}"]
 
 
@@ -305,7 +236,7 @@ def _recompute_reason(result: PlanResult) -> list[str]:
         out += (f": {gb(best.total_memory)} per device fits {gb(result.cluster.memory)}, where {c.recompute} on "
                 f"every layer needs {gb(base.total_memory)}")
     if full is not None:
-        out += f"; full on every layer takes {_seconds(full.step_time)} ({full.pace / best.pace:.2f}x)"
+        out += f"; full on every layer takes {as_seconds(full.step_time)} ({full.pace / best.pace:.2f}x)"
     return [out]
 
 
@@ -342,7 +273,7 @@ def _layer_collectives(result: PlanResult) -> list[str]:
 
     def listed(direction: str) -> str:
         found = sorted(((op, nbytes, param), n) for (d, op, nbytes, param), n in calls.items() if d == direction)
-        return ", ".join(f"{n} {op.replace('_', '-')}{'s' * (n > 1)} of {_bytes(nbytes)}"
+        return ", ".join(f"{n} {op.replace('_', '-')}{'s' * (n > 1)} of {as_bytes(nbytes)}"
                          + (" (parameters' gradients)" if param else "")
                          for (op, nbytes, param), n in sorted(found, key=lambda x: order.index(x[0][0]))) or "none"
 
@@ -368,7 +299,7 @@ def _split_reduce_scatters(result: PlanResult) -> list[str]:
     if c.zero != 3 or c.dp == 1 or c.pp == 1 or c.schedule not in ZERO_BUBBLE:
         return []
     t = float(result.candidates[0].estimate.time["data_parallel"])
-    return [f"zero=3 with {c.schedule}: {_repeats(result, c)}; data parallel {_seconds(t)} per step"]
+    return [f"zero=3 with {c.schedule}: {_repeats(result, c)}; data parallel {as_seconds(t)} per step"]
 
 
 def _repeats(result: PlanResult, c: Config) -> str:
@@ -378,27 +309,3 @@ def _repeats(result: PlanResult, c: Config) -> str:
     return (f"each layer's gradients are reduce-scattered after B and again after each of its weight gradients "
             f"in W, {split[0]:,} times per step and {gb(split[1])} on the busiest rank instead of {whole[0]:,} "
             f"times and {gb(whole[1])}")
-
-
-# ---------------------------------------------------------------------------
-# units
-# ---------------------------------------------------------------------------
-
-def _count(n: float) -> str:
-    """1234567 -> "1.2M"; parameters, in the units people quote them."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.1f}{unit}" if n < 100 * scale else f"{n / scale:,.0f}{unit}"
-    return f"{n:.0f}"
-
-
-def _rate(flops: float) -> str:
-    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else gb(n)
-
-
-def _seconds(t: float) -> str:
-    return f"{t:.2f} s" if t >= 1 else f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"

@@ -18,13 +18,13 @@ from torch.utils import _pytree as pytree
 from autopar.core.collectives import bind
 from autopar.core.errors import UnsupportedError
 from autopar.core.mesh import Mesh
-from autopar.program import Program
-from autopar.rank_runtime import pp_rank_fn
+from autopar.compiler.program import Program
+from autopar.rank.build import pp_rank_fn
 from autopar.runtime.batch import cp_unshard
 from autopar.runtime.clip import clip, global_grad_norm
 from autopar.runtime.step_executor import StepHandlers, output_metas
 from autopar.runtime.rank import RankRuntime
-from autopar.zero_compile import unused_parameters
+from autopar.compiler.zero_program import unused_parameters
 
 
 def train_step(model: torch.nn.Module, mesh: Mesh, program: Program, rt: RankRuntime, flats: list[list[Any]],

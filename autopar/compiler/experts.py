@@ -10,7 +10,7 @@ holds and how it is called, not by its class: stacked expert weights (``gate_up_
 While exporting, ``loop_over_all_experts`` gives each such module a forward that computes the same thing
 with a loop over every expert and ``torch.where(top_k_index == e)``; ``passes/expert_loops.py`` then makes
 that loop static (dense dispatch). The forward depends only on the module, so an export of the same model is
-the same graph (the export cache's key, ``autopar/export_key.py``, stays exact).
+the same graph (the export cache's key, ``autopar/compiler/export_key.py``, stays exact).
 """
 from __future__ import annotations
 

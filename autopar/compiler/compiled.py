@@ -15,11 +15,11 @@ from torch.distributed.tensor import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.core.mesh import Mesh
-from autopar.model_storage import full_size_for_capture
+from autopar.rank.model_storage import full_size_for_capture
 from autopar.options import Options
-from autopar.compiler import compile_program
-from autopar.program import Program, capture_device
-from autopar.rank_batch import split_parts
+from autopar.compiler.driver import compile_program
+from autopar.compiler.program import Program, capture_device
+from autopar.rank.inputs import split_parts
 from autopar.runtime.batch import signature
 from autopar.runtime.rank import RankRuntime
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from autopar.core.collectives import Binding
 from autopar.core.mesh import Mesh
-from autopar.model_storage import hold_experts, place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
+from autopar.rank.model_storage import hold_experts, place_on_rank, release_other_stages, shard_for_tp, store_trainable_in
 from autopar.options import Options
-from autopar.program import Program
+from autopar.compiler.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
 from autopar.runtime.host_memory import keep_freed_memory
@@ -26,7 +26,7 @@ from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
 from autopar.runtime.rank import GradSync, NoParameters, Optimizer, RankRuntime
 from autopar.runtime.zero import ZeroRuntime, ZeroSettings
-from autopar.zero_compile import shared_across_pp
+from autopar.compiler.zero_program import shared_across_pp
 
 
 def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program: Program) -> RankRuntime:
@@ -35,7 +35,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     if groups.device.type == "cpu":
         keep_freed_memory()  # (runtime/host_memory.py: warm pages for each microbatch's tensors)
     place_on_rank(model, groups.device)
-    binding = Binding(dict(groups.by_axis))  # the autopar::* ops of this rank's steps run on it (autopar/step.py)
+    binding = Binding(dict(groups.by_axis))  # the autopar::* ops of this rank's steps run on it (autopar/rank/step.py)
     full_shapes = shard_for_tp(model, program.placements, program.layouts, mesh.tp, groups.coords.tp)
     experts = program.plan.expert_params
     elsewhere = hold_experts(model, experts, groups.coord("ep")) if experts else set()  # other ep ranks' experts

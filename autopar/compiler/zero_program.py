@@ -29,7 +29,7 @@ from autopar.core.zero_layout import ZeroLayout, zero_layout
 from autopar.options import Options
 from autopar.passes.zero_graphs import insert_gathers, memory_estimate, zero_collectives, zero_placements
 from autopar.precision import Policy, stored_dtype
-from autopar.program import Program
+from autopar.compiler.program import Program
 
 
 def held_names(program: Program, rank: int) -> set[str] | None:

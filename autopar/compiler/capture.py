@@ -18,14 +18,14 @@ from torch.fx import config as fx_config
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.capture_cache import EXPORTS, Export, split_outputs
-from autopar.export_key import export_key
+from autopar.compiler.capture_cache import EXPORTS, Export, split_outputs
+from autopar.compiler.export_key import export_key
 from autopar.core.errors import CaptureError
 from autopar.core.grad_regions import inline_grad_regions
 from autopar.core.graph import PREFIX, Captured, Slot, SlotKind, tied_aliases
-from autopar.experts import loop_over_all_experts
-from autopar.export_files import exported
-from autopar.log import log_pass
+from autopar.compiler.experts import loop_over_all_experts
+from autopar.compiler.export_files import exported
+from autopar.compiler.log import log_pass
 from autopar.passes.constant_masks import fold_constant_masks
 from autopar.passes.expert_loops import densify_expert_loops
 from autopar.passes.lazy_module import lazy_exports

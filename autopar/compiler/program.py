@@ -1,6 +1,6 @@
 """The compiled program (each rank's graphs, the step schedule, the plan) and what the passes use to build it.
 
-The passes run in order in ``autopar/compiler.py``.
+The passes run in order in ``autopar/compiler/driver.py``.
 
 Compilation needs no process group: every rank's program (and the plan that
 describes them all) is computed in one process from the mesh and the model.
@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate
 
-from autopar.capture import Captured
+from autopar.compiler.capture import Captured
 from autopar.core.buckets import assign_buckets, bucket_sizes
 from autopar.core.buffer_writes import written_placeholders
 from autopar.core.errors import UnsupportedError
@@ -388,7 +388,7 @@ def initial_plan(model: torch.nn.Module, mesh: Mesh, options: Options, cap: Capt
         collectives=collectives,
         tied=dict(cap.aliases),
         loss_counts=tuple(cap.counts.sources) if cap.counts else (),
-    )  # the memory estimate comes later (autopar/compiler.py), from each rank's graphs
+    )  # the memory estimate comes later (autopar/compiler/driver.py), from each rank's graphs
 
 
 def optimizer_state_factor(options: Options) -> int:

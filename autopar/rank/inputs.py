@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.graph import SlotKind
 from autopar.core.mesh import Mesh
-from autopar.program import Program
+from autopar.compiler.program import Program
 from autopar.runtime.batch import cp_shard, shift_left, signature, split_batch
 from autopar.runtime.rank import RankRuntime
 

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Shard
 
-from autopar.capture import Captured, capture
-from autopar.capture_cache import EXPORTS
+from autopar.compiler.capture import Captured, capture
+from autopar.compiler.capture_cache import EXPORTS
 from autopar.core.errors import CaptureError, UnsupportedError
 from autopar.core.graph import SlotKind, StageGraph, copy_module, origin, placeholder_kinds
 from autopar.core.mesh import Mesh
@@ -27,7 +27,7 @@ from autopar.core.plan import Collective, CompiledPlan, Plan, Timings, memory
 from autopar.core.schedule import Schedule, add_communication
 from autopar.core.schedules import make_schedule
 from autopar.core.simulate import simulate
-from autopar.log import log_pass
+from autopar.compiler.log import log_pass
 from autopar.options import Options
 from autopar.passes.batch_checks import check_no_share_statistics, check_samples_apart, sums_over_samples
 from autopar.passes.context_checks import check_same_numbers
@@ -39,16 +39,17 @@ from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.inductor_regions import Regions, inductor_regions
 from autopar.passes.stage_cuts import choose_split_points, split_stages
 from autopar.passes.tensor_parallel import tensor_parallel, with_graph
-from autopar.precision import apply_to_program, check_model, describe_reductions
-from autopar.program import (
+from autopar.compiler.precision_program import apply_to_program, describe_reductions
+from autopar.precision import check_model
+from autopar.compiler.program import (
     Program, RankGraphs, add_pipeline_to_plan, add_tensor_parallel_to_plan, capture_device, check_buffer_updates,
     check_supported,
     initial_plan, optimizer_state_factor, rank_expert_bytes, rank_gradient_buckets, rank_parameter_bytes,
     split_backward, step_schedule, whole_graph_stage,
 )
-from autopar.recompute_compile import apply_recompute
+from autopar.compiler.recompute_program import apply_recompute
 from autopar.runtime.batch import batch_size, cp_shard, later_sequence_dims, sequence_length
-from autopar.zero_compile import apply_zero
+from autopar.compiler.zero_program import apply_zero
 
 CHECK = "AUTOPAR_CHECK_PASSES"  # set (to 1): check each pass's invariant before the next runs
 
@@ -109,7 +110,7 @@ def _capture(c: Compilation) -> None:
     _check_samples_apart(c)
     c.trainable = {n for n, p in c.model.named_parameters() if p.requires_grad}
     c.lowered = [c.captured]
-    c.detail = "the same export as before (autopar/capture_cache.py)" if EXPORTS.hits > hits else "exported"
+    c.detail = "the same export as before (autopar/compiler/capture_cache.py)" if EXPORTS.hits > hits else "exported"
 
 
 def _check_samples_apart(c: Compilation) -> None:

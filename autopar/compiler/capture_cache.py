@@ -2,7 +2,7 @@
 
 ``torch.export`` is most of a compile's time, and a process often exports the same model on the same
 signature again: a second ``parallelize`` of a freshly built identical model, the ranks of a worker pool
-running job after job. Each export is kept under its key (``autopar/export_key.py``), which holds everything the
+running job after job. Each export is kept under its key (``autopar/compiler/export_key.py``), which holds everything the
 export reads.
 
 A training export also answers the forward-only export of the same model on the same inputs: it is exported

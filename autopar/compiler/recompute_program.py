@@ -31,12 +31,12 @@ from autopar.core.graph import SlotKind
 from autopar.core.plan import RecomputePlan
 from autopar.core.recompute_modes import mode_of, unmatched_keys
 from autopar.core.schedule import B, F, REDUCE_GRAD, Action, Schedule
-from autopar.log import log_pass
+from autopar.compiler.log import log_pass
 from autopar.options import Options
 from autopar.passes.expert_parallel import recomputed_exchanges
 from autopar.passes.peak_memory import simulated_peak
 from autopar.passes.recompute import layers, recompute
-from autopar.program import Program
+from autopar.compiler.program import Program
 
 
 class _Rewrite:

@@ -29,10 +29,10 @@ from autopar.core.layout import from_storage, local_shape, to_storage
 from autopar.core.mesh import Coords, Mesh
 from autopar.runtime import checkpoint
 from autopar.runtime.reshard import Geometry
-from autopar.zero_compile import held_names
+from autopar.compiler.zero_program import held_names
 
 if TYPE_CHECKING:
-    from autopar.program import Program
+    from autopar.compiler.program import Program
     from autopar.runtime.rank import RankRuntime
 
 

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.node import map_aggregate
 
-from autopar.capture_cache import Export
+from autopar.compiler.capture_cache import Export
 from autopar.core.shared_dir import shared
 from autopar.passes.lazy_module import graph_module
 
