@@ -15,7 +15,11 @@ once per stage and bound per rank on first use).
 ``--check``: every row under 30 s of CPU, and growth at most logarithmic in the ranks: each row's CPU
 seconds within ``t8 * (1 + 0.1 * log2(ranks / 8))`` of the 8-rank row of its kind (``t8``), i.e. at most
 a tenth of the 8-rank time per doubling of the job (0.9x more at 4,096 ranks; linear growth would be 512x).
-Run: python benchmarks/compile_scaling.py [--check] [--layers 32] [--seq 4096]
+``--first-step``: the time to a job's first step on 4 local gloo ranks, as ``pm.plan`` reports it (export,
+passes, the runtime's start, the first step itself), for a 32-layer LLaMA-3-shaped model narrowed to hidden
+256 (real weights: the 8B shape does not fit this machine's memory four times over) on dp2 x pp2 and dp2 x tp2
+with ZeRO-3.
+Run: python benchmarks/compile_scaling.py [--check] [--layers 32] [--seq 4096] [--first-step]
 """
 from __future__ import annotations
 
@@ -82,6 +86,26 @@ def row(ranks: int, kind: str, layers: int, seq: int) -> dict:
             "export": pm.plan.timings.export, "bind": bind}
 
 
+def _first_step(layers: int, mesh_axes: dict, zero: int) -> str:
+    mesh = autopar.Mesh(**mesh_axes)
+    model = llama(layers, 256).to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0))
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                             microbatches=2 * mesh.pp, zero=zero)
+    pm.step(ids, target=ids)
+    return pm.plan.timings.render()
+
+
+def first_steps(layers: int) -> None:
+    print(f"time to the first step, {layers}-layer LLaMA-3 shape at hidden 256, 4 local gloo ranks (rank 0's "
+          "pm.plan)")
+    for axes, zero in (({"dp": 2, "pp": 2}, 1), ({"dp": 2, "tp": 2}, 3)):
+        text = autopar.launch(_first_step, 4, layers, axes, zero)[0]
+        print(f"  {str(autopar.Mesh(**axes)):<24} zero {zero}: {text}", flush=True)
+
+
 def run_row(ranks: int, kind: str, layers: int, seq: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--row", str(ranks), kind, str(layers), "--seq", str(seq)],
                          capture_output=True, text=True, check=False)
@@ -99,8 +123,12 @@ def main() -> int:
     p.add_argument("--check", action="store_true")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--first-step", action="store_true")
     p.add_argument("--row", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.first_step:
+        first_steps(args.layers)
+        return 0
     if args.row:
         print(json.dumps(row(int(args.row[0]), args.row[1], int(args.row[2]), args.seq)))
         return 0

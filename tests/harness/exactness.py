@@ -17,7 +17,7 @@ FLOAT32_OVER_BATCH = {
     "gemma2": "its norms multiply by (1 + weight.float()): the weight gradients are float32 sums over the batch",
     "mamba": "the scan's A, D and dt bias are used as float32, and the logits are cast to float32 for the loss",
 }
-MODEL_BOUND = 1e-5  # relative, for those models against the whole batch (measured up to 4e-7, docs/status.md)
+MODEL_BOUND = 1e-5  # relative, for those models against the whole batch (measured up to 4e-7, docs/capabilities.md)
 
 MESHES = {
     "dp2": (Mesh(dp=2), {}),
