@@ -91,3 +91,4 @@ class Parallelism:
     recompute: Choice = "none"
     sequence_parallel: bool = False
     cp_attention: str = "ring"
+    compile: bool = False  # each rank's graphs through inductor (planned with the cluster's compiled efficiency)

@@ -330,7 +330,7 @@ def parallelize(
 
         mesh = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
                            optimizer=optimizer, precision=precision, recompute=recompute,
-                           batch=batch).parallelism
+                           batch=batch, compile=compile).parallelism
     if isinstance(mesh, Parallelism):
         chosen, mesh = mesh, mesh.mesh
         zero, schedule, microbatches = chosen.zero, chosen.schedule, chosen.microbatches
@@ -338,6 +338,7 @@ def parallelize(
         recompute = chosen.recompute if recompute is None else recompute
         sequence_parallel = chosen.sequence_parallel if sequence_parallel is None else sequence_parallel
         cp_attention = chosen.cp_attention
+        compile = compile or chosen.compile
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     options = Options(loss_fn=loss_fn, optimizer=optimizer, zero=zero, zero_prefetch=zero_prefetch, schedule=schedule,

@@ -219,3 +219,14 @@ def test_plan_reads_a_cluster_file_and_names_its_missing_figures(capsys, tmp_pat
     assert "on 16 x 8 x B;" in capsys.readouterr().out
     assert main([*argv[:3], "4", *argv[4:]]) == 1  # a node of 8 described for a job of 4 devices
     assert "devices_per_node=8 devices is larger than the job's --devices 4" in capsys.readouterr().err
+
+
+def test_the_demo_bounds_what_a_free_split_could_gain() -> None:
+    """The demo's bound is ZB-H1's against 1F1B's step with B + W = 1F1B's B: 1 - 2 (p - 1) W / ((m + p - 1)(F + B))."""
+    from autopar.cli.demo import free_split_bound
+
+    rows = {"1f1b": (0.18, {"F": 7.8, "B": 10.7, "W": None}), "zb-h1": (0.19, {"F": 8.0, "B": 8.0, "W": 3.4})}
+    w = 10.7 * 3.4 / 11.4
+    expected = 1 - 2 * w / (9 * (7.8 + 10.7))
+    text = free_split_bound(rows, 8)
+    assert f"would be {expected:.3f} here" in text and "W 30% of it" in text

@@ -157,6 +157,8 @@ def plan(argv: list[str]) -> int:
     p.add_argument("--runnable", action="store_true", help="only configurations autopar runs today")
     p.add_argument("--expert-imbalance", type=float, default=1.0, help="models with routed experts: the busiest "
                    "rank's routed rows over the mean under expert parallelism (1: balanced routing)")
+    p.add_argument("--compile", action="store_true", help="plan steps compiled by inductor (parallelize(compile=True)): "
+                   "the cluster's compiled efficiency")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
     args = p.parse_args(argv)
     for option, value, what in (("--devices", args.devices, "devices of the job"),
@@ -174,7 +176,7 @@ def plan(argv: list[str]) -> int:
     result = make_plan(model, args.devices, cluster=cluster, **rows,
                        seq_len=args.seq if sequence_of(inputs, model) else None, precision=args.precision,
                        optimizer=args.optimizer, example_inputs=inputs, runnable_only=args.runnable,
-                       expert_imbalance=args.expert_imbalance, top=max(args.top, 20))
+                       expert_imbalance=args.expert_imbalance, top=max(args.top, 20), compile=args.compile)
     print(result.to_json(top=args.top) if args.json else result.render(top=args.top))
     return 0
 

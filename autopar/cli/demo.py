@@ -200,6 +200,7 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
               f"(F {times['F'] * 1e3:.1f} ms, B {times['B'] * 1e3:.1f} ms"
               + (f", W {times['W'] * 1e3:.1f} ms)" if times["W"] else ")"))
     print("  " + verdict(rows))
+    print("  " + free_split_bound(rows, microbatches))
     panels = {f"{s}, pp=2: pipeline actions of the quickest step": quickest_step([r[s]["steps"] for r in results])
               for s in COMPARED}
     try:
@@ -218,6 +219,20 @@ def verdict(rows: dict[str, tuple[float, dict[str, float | None]]]) -> str:
     return (f"zb-h1 / 1f1b step time {zb / base:.2f}: here the split backward's B + W costs {split:+.0%} against "
             f"1F1B's B, more than the bubble it fills; it pays where deferring W costs little (docs/benchmarks.md: "
             f"the zero-bubble benchmark's chain)")
+
+
+def free_split_bound(rows: dict[str, tuple[float, dict[str, float | None]]], microbatches: int) -> str:
+    """The best zb-h1 / 1f1b this setting allows: both schedules simulated (no transfer time) with 1F1B's
+    measured F and B, and zb-h1's W share of the backward, as if the split cost nothing (B + W = 1F1B's B)."""
+    (_, t1), (_, t2) = rows["1f1b"], rows["zb-h1"]
+    forward, backward = t1["F"], t1["B"]
+    weight = backward * t2["W"] / (t2["B"] + t2["W"])
+    spans = {s: simulate(add_communication(make_schedule(s, 2, microbatches)), forward_time=forward,
+                         backward_time=backward, weight_time=weight if s == "zb-h1" else None).makespan
+             for s in COMPARED}
+    return (f"with a split that cost nothing (B + W = 1F1B's B, W {weight / backward:.0%} of it) zb-h1 / 1f1b "
+            f"would be {spans['zb-h1'] / spans['1f1b']:.3f} here (the simulator, transfers free; in closed form "
+            f"1 - 2 (p - 1) W / ((m + p - 1)(F + B)) for p = 2, m = {microbatches})")
 
 
 def measured_bubble(timelines: dict[int, Timeline]) -> float:

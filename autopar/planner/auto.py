@@ -26,13 +26,14 @@ from autopar.planner.search import Candidate, evaluate, plan
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
                 optimizer: Callable | None, precision: str = "fp32", recompute: object = None,
-                batch: str = "global") -> Candidate:
+                batch: str = "global", compile: bool = False) -> Candidate:
     """The best configuration autopar runs for the job's world size (``parallelize(model, "auto")``).
 
     ``recompute``: the user's choice; a mode is planned as given, a per-layer choice as "none" (it applies as
     given), and ``None`` lets the planner choose among "none", "selective" and "full". ``batch``: as
     ``parallelize``'s; under "local" the example's batch is each data-parallel rank's, and configurations are
-    ranked by the time per local batch (``plan(local_batch=)``).
+    ranked by the time per local batch (``plan(local_batch=)``). ``compile``: planned as compiled steps
+    (``plan(compile=True)``), and the chosen ``parallelism`` asks for them.
 
     Every rank plans the same way; under a running job rank 0's choice is
     broadcast so that all ranks agree even if two plans tie.
@@ -58,13 +59,15 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
                   else precision_of(next(model.parameters()).dtype),
                   optimizer=states,
                   example_inputs=small, example_kwargs=small_kwargs, runnable_only=True,
-                  recompute=MODES if recompute is None else (recompute if recompute in MODES else "none",))
+                  recompute=MODES if recompute is None else (recompute if recompute in MODES else "none",),
+                  compile=compile)
     chosen = result.best
     if dist.is_available() and dist.is_initialized():
         box = [chosen.config]
         dist.broadcast_object_list(box, src=0)
         if box[0] != chosen.config:
-            chosen = evaluate(result.cost, box[0], cluster, result.precision, result.profile) or chosen
+            chosen = evaluate(result.cost, box[0], result.cluster, result.precision, result.profile) or chosen
+            chosen.compiled = compile
     return chosen
 
 

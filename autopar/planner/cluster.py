@@ -114,6 +114,7 @@ class Cluster:
     fused_attention: bool = True
     memory_bandwidth: float = 2e12
     cores: int = 0
+    compiled_efficiency: float = 0.0  # ``efficiency`` of steps compiled by inductor, where fitted (0: not fitted)
 
     def __post_init__(self) -> None:
         for name in ("intra", "inter"):
@@ -142,6 +143,13 @@ class Cluster:
     def axis_cost(self, span: int) -> LinkCost:
         """The collective cost of a mesh axis whose groups spread over ``span`` consecutive ranks (stride x size)."""
         return self.link(span).cost()
+
+    def compiled(self) -> Cluster:
+        """This cluster running inductor-compiled steps (``parallelize(compile=True)``): ``compiled_efficiency``
+        where it was fitted, else ``efficiency`` times ``COMPILE_GAIN`` (torchtitan's compiled over eager on H100),
+        at most 1."""
+        efficiency = self.compiled_efficiency or min(1.0, self.efficiency * COMPILE_GAIN)
+        return dataclasses.replace(self, efficiency=efficiency, compiled_efficiency=efficiency)
 
     def replace(self, **changes: Any) -> Cluster:
         _refuse_overlap(f"cluster {self.name!r}", changes)
@@ -439,17 +447,22 @@ H100_500W_EFFICIENCY = 0.436
 # one: the efficiency fitted to torchtitan's compiled 8B FSDP run on 8 GPUs alone (6,667 tokens/s per GPU against
 # 5,762 eager, Table 1). Runs marked compiled are planned with it (published.py); autopar itself runs eager.
 H100_500W_COMPILED_EFFICIENCY = 0.518
+# What compiling gains where no compiled run was fitted: the two H100 fits' ratio, 1.19 on the matmuls (for
+# torchtitan's 1.16x tokens/s, 6,667 against 5,762 per GPU: the rest of the step is charged as eager). The cpu preset's efficiency is already 1.0 (its per-operator overhead is its
+# own figure), so it plans compiled steps as eager ones; measured there, compiled steps took 0.93-0.99x.
+COMPILE_GAIN = H100_500W_COMPILED_EFFICIENCY / H100_500W_EFFICIENCY
 
 # gloo between 4 ranks on 2 cores, as measured: ~1 ms per collective step, 60 us a message whose receiver
 # has a core free; its reduce-scatter an all-reduce (twice a ring reduce-scatter's steps)
 _CPU_LINK = Link(2.5 * GB, 1e-3, gather=1.3, scatter=2.5, p2p_latency=6e-5)
 
 
-def _h100(name: str, memory: float, efficiency: float, memory_bandwidth: float) -> Cluster:
+def _h100(name: str, memory: float, efficiency: float, memory_bandwidth: float,
+          compiled_efficiency: float = 0.0) -> Cluster:
     """A node of 8 H100s on NVLink 4 (450 GB/s) with 400 Gb/s InfiniBand per GPU."""
     return Cluster(name=name, devices_per_node=8, memory=memory, peak_flops=989e12, peak_flops_fp32=67e12,
                    intra=Link(450 * GB, 4e-6), inter=Link(50 * GB, 8e-6), efficiency=efficiency, narrow=A100_NARROW,
-                   memory_bandwidth=memory_bandwidth)
+                   memory_bandwidth=memory_bandwidth, compiled_efficiency=compiled_efficiency)
 
 
 PRESETS: dict[str, Cluster] = {
@@ -460,7 +473,8 @@ PRESETS: dict[str, Cluster] = {
     "dgx-h100": _h100("DGX-H100 (8 x H100 80GB per node)", memory=80 * GB, efficiency=A100_EFFICIENCY,
                       memory_bandwidth=3350 * GB),
     "grand-teton-h100": _h100("Grand Teton (8 x H100 96GB HBM2e at 500 W per node)", memory=90 * GB,
-                              efficiency=H100_500W_EFFICIENCY, memory_bandwidth=2400 * GB),
+                              efficiency=H100_500W_EFFICIENCY, memory_bandwidth=2400 * GB,
+                              compiled_efficiency=H100_500W_COMPILED_EFFICIENCY),
     # this machine's CPU ranks (2 cores, gloo over loopback), as Cluster.measure_local(4) measured them
     "cpu": Cluster(
         name="local CPU (4 ranks on 2 cores, gloo)", devices_per_node=4, memory=5 * GB,

@@ -58,6 +58,8 @@ CLUSTER_FIGURES = {
     "peak_flops": Figure("dense FLOP/s of a device's mixed-precision (bf16) matmul units"),
     "peak_flops_fp32": Figure("dense FLOP/s of a device in fp32"),
     "efficiency": Figure("the fraction of peak that large matmuls reach", high=1.0),
+    "compiled_efficiency": Figure("efficiency of inductor-compiled steps (0: not fitted, efficiency x the H100 "
+                                  "fits' ratio)", high=1.0, closed=True),
     "narrow": Figure("the weight width at which a matmul reaches half of efficiency * peak", closed=True),
     "contention": Figure("the share of compute throughput a collective takes while it runs beside compute",
                          closed=True, high=1.0),

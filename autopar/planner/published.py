@@ -161,9 +161,7 @@ def predict(run: Run, profile: Any = None, cluster: Any = None) -> tuple[float, 
     if cluster is None:
         cluster = Cluster.preset(run.cluster)
         if run.compiled:
-            from autopar.planner.cluster import H100_500W_COMPILED_EFFICIENCY
-
-            cluster = cluster.replace(efficiency=H100_500W_COMPILED_EFFICIENCY)
+            cluster = cluster.compiled()
     profile = profile or profile_model(build(run.model), tp_sizes=(run.tp,))
     cost = CostModel(profile, cluster, PRECISIONS["mixed"], seq_len=run.seq_len, optimizer_states=OPTIMIZER_STATES[
         "adam"], overlap_grad_sync=run.overlap_grad_sync, scatter_gather=run.megatron,

@@ -38,6 +38,7 @@ class Candidate:
     known: Estimate | None = field(default=None, repr=False)  # memory only (time None) until the time is asked
     cost: CostModel | None = field(default=None, repr=False, compare=False)
     per_sample: bool = field(default=False, compare=False)  # planned for a local batch: ranked by ``pace``
+    compiled: bool = field(default=False, compare=False)  # planned as inductor-compiled steps (``compile=True``)
 
     @property
     def estimate(self) -> Estimate:
@@ -89,7 +90,8 @@ class Candidate:
                            stages_per_rank=c.stages_per_rank if c.schedule == "interleaved-1f1b" else None,
                            precision=self.precision if self.precision in ("bf16", "mixed") else "fp32",
                            recompute=self.recompute, sequence_parallel=c.sequence_parallel,
-                           cp_attention=c.cp_attention)  # (usp's split travels in the mesh)
+                           cp_attention=c.cp_attention,  # (usp's split travels in the mesh)
+                           compile=self.compiled)
 
     def parallelize_options(self) -> dict[str, Any]:
         """The keyword arguments of ``autopar.parallelize`` that run this configuration on its mesh."""
@@ -138,6 +140,7 @@ class PlanResult:
     fitting: int = 0  # configurations that fit, ranked or bounded out
     every: dict[Config, Candidate] = field(default_factory=dict, repr=False)  # each configuration searched
     local_batch: int = 0  # planned for this batch per data-parallel rank (``batch="local"``); 0: a global batch
+    compiled: bool = False  # planned as inductor-compiled steps (``plan(compile=True)``)
 
     def candidate(self, config: Config) -> Candidate | None:
         """The candidate of ``config`` if the search had it (bounded out or not), else None."""
@@ -184,7 +187,7 @@ class PlanResult:
         return json.dumps({
             "model": self.model, "parameters": self.profile.total_params, "devices": self.devices,
             "cluster": self.cluster.name, "precision": self.precision.name, "global_batch": self.global_batch,
-            "local_batch": self.local_batch,
+            "local_batch": self.local_batch, "compiled": self.compiled,
             "seq_len": self.seq_len, "considered": self.considered, "timed": self.timed, "seconds": self.seconds,
             "candidates": [c.as_dict() for c in self.candidates[:top]], "explanation": self.explanation,
         }, indent=2)
@@ -246,7 +249,7 @@ def render_plan(result: PlanResult, top: int = 10) -> str:
     """The header, the ranked table (``top`` rows) and the explanation."""
     lines = [f"autopar plan: {result.model} ({as_count(result.profile.total_params)} parameters) on {result.devices} x "
              f"{result.cluster.name}; {_batch(result)} x {result.seq_len} tokens, "
-             f"{result.precision.name} precision",
+             f"{result.precision.name} precision" + (", compiled (inductor)" if result.compiled else ""),
              f"  {result.considered} configurations planned in {result.seconds:.1f} s ({result.timed} timed, the "
              f"others' lower bounds could not rank), {result.fitting} fit "
              f"{gb(result.cluster.memory)} per device; '!' = does not fit, rc = activation recomputation (s selective, "

@@ -59,6 +59,7 @@ def plan(
     profile: ModelProfile | None = None,
     top: int | None = 20,
     local_batch: int | None = None,
+    compile: bool = False,
 ) -> PlanResult:
     """Ranked configurations for training ``model`` on ``devices`` devices of ``cluster``.
 
@@ -96,9 +97,13 @@ def plan(
     ``local_batch`` (instead of ``global_batch``): plan for each data-parallel rank passing this many samples
     (``parallelize(batch="local")``), so that each configuration's global batch is ``local_batch`` x its dp;
     cp is not searched (the runtime's cp takes a global batch).
+    ``compile``: plan steps compiled by inductor (``parallelize(compile=True)``, which each candidate's
+    ``parallelism`` then asks for): the cluster's ``compiled()`` efficiency.
     """
     start = time.perf_counter()
     cluster = Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    if compile:
+        cluster = cluster.compiled()
     prec = PRECISIONS[precision] if isinstance(precision, str) else precision
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
@@ -133,7 +138,7 @@ def plan(
     evaluated += mixed_recompute(cost, evaluated, cluster, prec, profile)
     evaluated += sequence_parallel(cost, evaluated, cluster, prec, profile)
     for c in evaluated:
-        c.per_sample = local
+        c.per_sample, c.compiled = local, compile
     if not evaluated:
         layers = sum(seg.count for seg in profile.layers)
         whole = f"local batch {batch} must divide by microbatches" if local else \
@@ -152,7 +157,7 @@ def plan(
                         global_batch=0 if local else batch, seq_len=seq_len or 1, candidates=ranked, explanation=[],
                         considered=len(evaluated), seconds=0.0, profile=profile, cost=cost, top=top,
                         fitting=len(fitting), every={c.config: c for c in candidates},
-                        local_batch=batch if local else 0)
+                        local_batch=batch if local else 0, compiled=compile)
     result.explanation = explain(result)
     result.seconds = time.perf_counter() - start
     return result
