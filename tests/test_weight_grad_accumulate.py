@@ -190,3 +190,40 @@ def test_a_gradient_made_before_w_drops_the_kept_one() -> None:
             w.grad = None
         kept.through(free)
         assert len(kept) == (1 if step == 0 else 0)
+
+
+def test_the_deferred_input_is_saved_through_the_active_saved_tensor_hooks() -> None:
+    """A split matmul keeps its input for W as autograd keeps saved tensors: packed by the hooks active in
+    forward (sequence parallelism's regather, ZeRO-3's handles, recomputation), unpacked in backward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(t: torch.Tensor) -> tuple:
+        packed.append(t)
+        return ("box", t)
+
+    def unpack(box: tuple) -> torch.Tensor:
+        unpacked.append(box[1])
+        return box[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = split_linear(x, w)
+    assert any(t is x for t in packed)
+    with collect() as deferred:
+        (y ** 2).sum().backward()
+    assert any(t is x for t in unpacked) and w.grad is None  # (W not yet run)
+    deferred.run()
+    expected = 2 * (x @ w.t()).t() @ x
+    assert torch.allclose(w.grad, expected) and torch.allclose(x.grad, 2 * (x @ w.t()) @ w)
+
+
+def test_a_weight_whose_output_needs_no_other_gradient_still_gets_its_own() -> None:
+    """No input or bias gradient: the output is differentiable only through the weight, still deferred."""
+    x = torch.randn(6, 4, dtype=torch.float64)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    with collect() as deferred:
+        split_linear(x, w).sum().backward()
+    deferred.run()
+    assert torch.allclose(w.grad, torch.ones(6, 5, dtype=torch.float64).t() @ x)

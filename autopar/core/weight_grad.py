@@ -2,12 +2,18 @@
 
 ``passes/split_backward.py`` replaces each ``linear`` / ``addmm`` / ``mm``
 whose weight is a trainable parameter by the matching op here. Forward they
-call the same ATen op (the same numbers). Backward they return the gradient of
-the activation input (and of the bias) at once; the weight's gradient, a
-matmul of the saved input with the incoming gradient, is computed then only if
-no `collect` is active. Under `collect` it is recorded instead and computed
-when the `WeightGradients` record is run: the ``W`` action of a zero-bubble
-schedule, after the ``B`` that recorded it.
+call the same ATen op (the same numbers) on the weight detached, so that
+autograd's own backward of the op gives the gradient of the activation input
+(and of the bias) and no weight gradient: no Python function sits in B's graph.
+A hook on the output takes the output's gradient and the input (kept as
+autograd keeps a saved tensor: packed by the saved-tensor hooks active in
+forward, unpacked in backward); the weight's gradient, a matmul of the two, is
+computed then if no `collect` is active (through autograd, so the weight's
+hooks and a ZeRO-3 gather's backward run), and under `collect` recorded
+instead and computed when the `WeightGradients` record is run: the ``W``
+action of a zero-bubble schedule, after the ``B`` that recorded it. An output
+that needs no gradient but the weight's (an input and bias that need none)
+takes `_Split`, a Python autograd function, as the hook would never fire.
 
 Invariant: `collect` + `WeightGradients.run` accumulate into each parameter's
 ``.grad`` the gradient one backward accumulates (up to the rounding of a fused
@@ -27,6 +33,7 @@ tensor, zeroed, becomes ``.grad`` and the matmul lands in it as above.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -207,9 +214,7 @@ class _Split(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.kind, ctx.weight, ctx.bias_shape = kind, w, None if b is None else b.shape
-        if kind == "linear":
-            return aten.linear.default(x, w, b)
-        return aten.mm.default(x, w) if b is None else aten.addmm.default(b, x, w)
+        return _op(kind, x, w, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
@@ -231,16 +236,58 @@ class _Split(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+def _saved_tensor_hooks() -> tuple | None:
+    """The saved-tensor hooks autograd would pack a saved tensor with now (the innermost pair), or None; ``()``
+    where this torch does not say (then `_Split` saves the input, as autograd does)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else ()
+
+
+def _op(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if kind == "linear":
+        return aten.linear.default(x, w, b)
+    return aten.mm.default(x, w) if b is None else aten.addmm.default(b, x, w)
+
+
+def _split(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """``op(x, w, b)``, its weight gradient left to a hook on the output (autograd never sees the weight here).
+
+    The native op runs on ``w.detach()``, so autograd computes the input's and the bias's gradients in ``B``
+    without a Python function; a hook on the output takes its gradient and the input (packed with the
+    saved-tensor hooks active now, as autograd would have saved it) and records ``(w, a, b)`` for ``W``.
+    Where the output needs no gradient (nor the input nor the bias does), no hook could see it: `_Split`.
+    """
+    if not (w.requires_grad and torch.is_grad_enabled()):
+        return _op(kind, x, w, b)
+    hooks = _saved_tensor_hooks()
+    if hooks == () or not (x.requires_grad or b is not None and b.requires_grad):
+        return _Split.apply(x, w, b, kind)
+    y = _op(kind, x, w.detach(), b)
+    box = [x if hooks is None else hooks[0](x)]  # (emptied by the hook: the input lives as long as autograd's)
+    y.register_hook(functools.partial(_weight_gradient, w, box, None if hooks is None else hooks[1], kind))
+    return y
+
+
+def _weight_gradient(w: torch.Tensor, box: list, unpack: Callable | None, kind: str, grad: torch.Tensor) -> None:
+    x = box.pop() if unpack is None else unpack(box.pop())
+    a, b = (_flat(grad).t(), _flat(x)) if kind == "linear" else (_flat(x).t(), _flat(grad))  # gw = a @ b
+    record = getattr(_ACTIVE, "record", None)
+    if record is not None:
+        record.pending.append((w, a, b))
+    else:  # one backward without collect: the weight's gradient now, through autograd (reentrant)
+        torch.autograd.backward(w, a @ b)
+
+
 def split_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``aten.linear(x, w, b)`` whose weight gradient may wait (see the module docstring)."""
-    return _Split.apply(x, w, b, "linear")
+    return _split(x, w, b, "linear")
 
 
 def split_addmm(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``aten.addmm(b, x, w)`` whose weight gradient may wait."""
-    return _Split.apply(x, w, b, "addmm")
+    return _split(x, w, b, "addmm")
 
 
 def split_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``aten.mm(x, w)`` whose weight gradient may wait."""
-    return _Split.apply(x, w, None, "mm")
+    return _split(x, w, None, "mm")

@@ -14,9 +14,11 @@ one per other module (``autopar.core.zero_layout.layer_of``), each padded to
 a multiple of dp (``zero3_groups``). A group's gradient is reduce-scattered
 whole each time autograd reaches its all-gather: once per microbatch when
 backward runs whole; under a split backward (``zb-h1``, ``zbv``) once when
-``B`` finishes and once more when ``W`` lands the weight gradients of the
-group's matmuls (``autopar.core.weight_grad`` sends them through autograd in
-one call), for a group with any (``reduce_scatters``). With ``zero3_fetch`` ZeRO-3 gathers and reduce-scatters
+``B`` finishes, if anything else than those matmuls reads a parameter of the
+group (a norm, a bias, a lookup: the matmuls' weights are not in B's graph),
+and once more when ``W`` lands the weight gradients of the group's matmuls
+(``autopar.core.weight_grad`` sends them through autograd in one call), for a
+group with any (``reduce_scatters``). With ``zero3_fetch`` ZeRO-3 gathers and reduce-scatters
 per weight instead, as DeepSpeed's 2021 coordinator does (``submodule_fetch.py``).
 
 Invariant: ``reduce_scatters`` counts the calls and bytes ``pm.communication()``
@@ -49,31 +51,35 @@ class FlatGroup:
 
     elements: int  # padded to a multiple of dp
     deferred: int  # weight matmuls of its parameters whose gradient W computes (under a split backward)
+    immediate: bool = True  # a parameter of it is read otherwise than by those matmuls (a norm, a bias, a lookup)
 
 
 def zero3_groups(units: list[SegmentValues], dp: int) -> list[FlatGroup]:
     """The flat groups ZeRO-3 makes of the trainable parameters of a rank holding ``units``: each layer
     instance's own, then one per module of the others (each stored once per rank)."""
-    groups: list[tuple[int, int]] = []
-    common: dict[str, tuple[int, int]] = {}  # parameter -> (elements, deferred matmuls over the rank's units)
+    groups: list[tuple[int, int, bool]] = []
+    common: dict[str, tuple[int, int, bool]] = {}  # parameter -> (elements, deferred matmuls, read otherwise)
     for u in units:
         if u.own_trainable:
-            groups.append((u.own_trainable, sum(n for k, n in u.deferred.items() if k not in u.common)))
+            own = [k for k in u.params if k not in u.common and k in u.trainable]
+            groups.append((u.own_trainable, sum(u.deferred.get(k, 0) for k in own),
+                           any(not u.deferred.get(k, 0) for k in own)))
         for name, e in u.common.items():
             if name in u.trainable:
-                common[name] = (e, common.get(name, (0, 0))[1] + u.deferred.get(name, 0))
-    modules: dict[str, tuple[int, int]] = {}
-    for name, (e, deferred) in common.items():
-        total, n = modules.get(layer_of(name), (0, 0))
-        modules[layer_of(name)] = (total + e, n + deferred)
-    return [FlatGroup(-(-e // dp) * dp, n) for e, n in groups + list(modules.values())]
+                _, n, other = common.get(name, (0, 0, False))
+                common[name] = (e, n + u.deferred.get(name, 0), other or not u.deferred.get(name, 0))
+    modules: dict[str, tuple[int, int, bool]] = {}
+    for name, (e, deferred, other) in common.items():
+        total, n, any_other = modules.get(layer_of(name), (0, 0, False))
+        modules[layer_of(name)] = (total + e, n + deferred, any_other or other)
+    return [FlatGroup(-(-e // dp) * dp, n, other) for e, n, other in groups + list(modules.values())]
 
 
 def reduce_scatters(units: list[SegmentValues], dp: int, split: bool) -> tuple[int, int]:
     """(calls, elements) of one microbatch's ZeRO-3 gradient reduce-scatters on a rank holding ``units``;
     ``split``: the schedule splits backwards into B and W (see the module doc)."""
     groups = zero3_groups(units, dp)
-    times = [1 + (1 if split and g.deferred else 0) for g in groups]
+    times = [(1 if g.immediate or not g.deferred else 0) + (1 if g.deferred else 0) if split else 1 for g in groups]
     return sum(times), sum(t * g.elements for t, g in zip(times, groups))
 
 
@@ -192,26 +198,29 @@ class DataParallel:
         """The rank's units with their ZeRO-3 groups or gradient bytes, and what its dp axis runs."""
         flat = [u for st in stages for u in st]
         p, n, (link, whole), stream = self.precision, c.zero_ranks, links, streams[0]
-        groups: dict[Any, list[int]] = {}  # key -> [elements, deferred matmuls]
+        groups: dict[Any, list] = {}  # key -> [elements, deferred matmuls, read otherwise (FlatGroup.immediate)]
         uses: list[list[Any]] = []
         grads: list[float] = [0.0] * len(flat)
         first: dict[str, int] = {}
         for i, u in enumerate(flat):
             mine = []
             if u.own_trainable:
-                groups[("own", i)] = [u.own_trainable, sum(x for k, x in u.deferred.items() if k not in u.common)]
+                own = [k for k in u.params if k not in u.common and k in u.trainable]
+                groups[("own", i)] = [u.own_trainable, sum(u.deferred.get(k, 0) for k in own),
+                                      any(not u.deferred.get(k, 0) for k in own)]
                 mine.append(("own", i))
             grads[i] += u.own_trainable * p.grad
             for name, e in u.common.items():
                 if name not in u.trainable:
                     continue
                 module = ("module", layer_of(name))
-                g = groups.setdefault(module, [0, 0])
+                g = groups.setdefault(module, [0, 0, False])
                 if name not in first:
                     first[name] = i
                     g[0] += e
                     grads[i] += e * p.grad
                 g[1] += u.deferred.get(name, 0)
+                g[2] = g[2] or not u.deferred.get(name, 0)
                 if module not in mine:
                     mine.append(module)
             uses.append(mine)
@@ -219,7 +228,7 @@ class DataParallel:
         names = tuple(f"unit {key[1]}" if key[0] == "own" else key[1] for key in groups)
         units = [Unit(*t[:4], groups=tuple(index[g] for g in mine), gradients=grad)
                  for t, mine, grad in zip(times, uses, grads)]
-        padded = [-(-e // n) * n for e, _ in groups.values()]
+        padded = [-(-e // n) * n for e, *_ in groups.values()]
         across: dict = {}
         if c.replicas > 1:  # hybrid sharding: each flat group's shard gradient all-reduced over the replicas
             across = dict(replicate_link=streams[2])
@@ -235,7 +244,7 @@ class DataParallel:
                                  "that runs backward whole or drop zero3_fetch")
             return self._submodules(c, flat, times, link, stream, across)
         if c.zero == 3:
-            again = [1 + (1 if split and d else 0) for _, d in groups.values()]
+            again = [(1 if o or not d else 0) + (1 if d else 0) if split else 1 for _, d, o in groups.values()]
             plan = DataParallelPlan(
                 zero=3, link=stream, prefetch=c.zero_prefetch, names=names,
                 gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
