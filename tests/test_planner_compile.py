@@ -25,8 +25,8 @@ def test_a_compiled_cluster_takes_its_fit_or_the_h100_ratio() -> None:
 
 
 def test_compiled_plans_are_faster_by_the_compute_they_price_and_ask_for_compile() -> None:
-    kw = dict(devices=64, cluster="grand-teton-h100", global_batch=128, seq_len=2048, top=5)
-    eager, compiled = plan(gpt(8, 2048, 16), **kw), plan(gpt(8, 2048, 16), **kw, compile=True)
+    kw = dict(devices=16, cluster="grand-teton-h100", global_batch=32, seq_len=1024, top=3)
+    eager, compiled = plan(gpt(4, 1024, 8), **kw), plan(gpt(4, 1024, 8), **kw, compile=True)
     assert compiled.compiled and not eager.compiled
     config = compiled.best.config
     e, c = eager.candidate(config).estimate, compiled.candidate(config).estimate
