@@ -53,6 +53,19 @@ class FlatGroup:
     deferred: int  # weight matmuls of its parameters whose gradient W computes (under a split backward)
     immediate: bool = True  # a parameter of it is read otherwise than by those matmuls (a norm, a bias, a lookup)
 
+    def reduce_scatters(self, split: bool) -> int:
+        """Its reduce-scatters per microbatch: once, or under a split backward once as ``B`` ends (if anything
+        but the deferred matmuls reads it) and once as ``W`` lands (if it has any)."""
+        if not split:
+            return 1
+        return (1 if self.immediate or not self.deferred else 0) + (1 if self.deferred else 0)
+
+
+def _own_group(u: SegmentValues) -> tuple[int, int, bool]:
+    """(elements, deferred matmuls, read otherwise) of the flat group of ``u``'s own trainable parameters."""
+    own = [k for k in u.params if k not in u.common and k in u.trainable]
+    return u.own_trainable, sum(u.deferred.get(k, 0) for k in own), any(not u.deferred.get(k, 0) for k in own)
+
 
 def zero3_groups(units: list[SegmentValues], dp: int) -> list[FlatGroup]:
     """The flat groups ZeRO-3 makes of the trainable parameters of a rank holding ``units``: each layer
@@ -61,9 +74,7 @@ def zero3_groups(units: list[SegmentValues], dp: int) -> list[FlatGroup]:
     common: dict[str, tuple[int, int, bool]] = {}  # parameter -> (elements, deferred matmuls, read otherwise)
     for u in units:
         if u.own_trainable:
-            own = [k for k in u.params if k not in u.common and k in u.trainable]
-            groups.append((u.own_trainable, sum(u.deferred.get(k, 0) for k in own),
-                           any(not u.deferred.get(k, 0) for k in own)))
+            groups.append(_own_group(u))
         for name, e in u.common.items():
             if name in u.trainable:
                 _, n, other = common.get(name, (0, 0, False))
@@ -79,7 +90,7 @@ def reduce_scatters(units: list[SegmentValues], dp: int, split: bool) -> tuple[i
     """(calls, elements) of one microbatch's ZeRO-3 gradient reduce-scatters on a rank holding ``units``;
     ``split``: the schedule splits backwards into B and W (see the module doc)."""
     groups = zero3_groups(units, dp)
-    times = [(1 if g.immediate or not g.deferred else 0) + (1 if g.deferred else 0) if split else 1 for g in groups]
+    times = [g.reduce_scatters(split) for g in groups]
     return sum(times), sum(t * g.elements for t, g in zip(times, groups))
 
 
@@ -205,9 +216,7 @@ class DataParallel:
         for i, u in enumerate(flat):
             mine = []
             if u.own_trainable:
-                own = [k for k in u.params if k not in u.common and k in u.trainable]
-                groups[("own", i)] = [u.own_trainable, sum(u.deferred.get(k, 0) for k in own),
-                                      any(not u.deferred.get(k, 0) for k in own)]
+                groups[("own", i)] = list(_own_group(u))
                 mine.append(("own", i))
             grads[i] += u.own_trainable * p.grad
             for name, e in u.common.items():
@@ -244,7 +253,7 @@ class DataParallel:
                                  "that runs backward whole or drop zero3_fetch")
             return self._submodules(c, flat, times, link, stream, across)
         if c.zero == 3:
-            again = [(1 if o or not d else 0) + (1 if d else 0) if split else 1 for _, d, o in groups.values()]
+            again = [FlatGroup(e, d, o).reduce_scatters(split) for e, d, o in groups.values()]
             plan = DataParallelPlan(
                 zero=3, link=stream, prefetch=c.zero_prefetch, names=names,
                 gather=tuple(ring_gather(e * (p.gather or p.param), n, link) for e in padded),
