@@ -46,6 +46,7 @@ per rank (the loss terms, averaged over dp x cp by the runtime with the global t
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -431,3 +432,28 @@ def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
             new.meta.setdefault(key, old.meta[key])
     old.replace_all_uses_with(new)
     graph.erase_node(old)
+
+
+def ring_per_pp_rank(plan: Plan, stages: list, stage_to_rank: list[int]) -> None:
+    """Under a pipeline the plan's ring exchanges are those of the pp rank whose stages pass the most K/V
+    bytes around the cp ring, not those of every attention."""
+    total = sum(ring_kv_bytes(st.gm) for st in stages)
+    if not total:
+        return
+    calls, kv = {}, {}
+    for st in stages:
+        rank = stage_to_rank[st.index]
+        calls[rank] = calls.get(rank, 0) + sum(1 for nd in st.gm.graph.nodes if nd.target in REWRITTEN)
+        kv[rank] = kv.get(rank, 0) + ring_kv_bytes(st.gm)
+    worst = max(kv, key=kv.__getitem__)
+    attentions = sum(calls.values())
+    plan.collectives = [dataclasses.replace(x, count=x.count * calls[worst] // attentions,
+                                            bytes=x.bytes * kv[worst] // total) if x.axis in CP_AXES else x
+                        for x in plan.collectives]
+
+
+def ring_kv_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring, or its all-to-all attentions
+    receive (0 without context parallelism)."""
+    return sum(x.meta["val"].numel() * x.meta["val"].element_size()
+               for nd in gm.graph.nodes if nd.target in REWRITTEN for x in nd.args[1:3])

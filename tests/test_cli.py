@@ -68,7 +68,8 @@ def test_debug_flag_shows_the_traceback(monkeypatch) -> None:
 def test_demo_runs_from_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-m", "autopar.cli", "demo", "--mesh", "pp=2", "--steps", "2",
-                           "--layers", "2", "--width", "32", "--vocab", "96", "--seq", "16", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                           "--layers", "2", "--width", "32", "--compare-width", "32", "--vocab", "96", "--seq", "16",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2/2  loss" in done.stdout and "single-device" in done.stdout

@@ -102,6 +102,8 @@ def run(argv: list[str]) -> int:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp (default 0)")
     p.add_argument("--no-zero-bubble", action="store_true",
                    help="do not compare 1F1B with the zero-bubble schedule zb-h1 on 2 pipeline ranks afterwards")
+    p.add_argument("--compare-width", type=int, default=256,
+                   help="width of the model the schedule comparison trains (default 256: see docs/decisions.md)")
     p.add_argument("--out", default=".", help="folder for the timeline pictures")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
@@ -162,11 +164,12 @@ def _compare_rank(args: argparse.Namespace, microbatches: int, steps: int) -> di
 
     torch.set_num_threads(1)
     ids = batches(1, microbatches * ROWS, SEQ, args.vocab)[0]
-    models = {s: parallelize(demo_model(args.layers, args.width, args.vocab), Mesh(pp=2), loss_fn=next_token_loss,
+    models = {s: parallelize(demo_model(args.layers, args.compare_width, args.vocab), Mesh(pp=2), loss_fn=next_token_loss,
                              optimizer=adamw, microbatches=microbatches, schedule=s) for s in COMPARED}
     out: dict = {s: {"times": [], "steps": []} for s in COMPARED}
     for i in range(steps + 1):
         for s in COMPARED if i % 2 else reversed(COMPARED):
+            torch.distributed.barrier()  # (both ranks start each step together, so the span is the pipeline's)
             start = time.perf_counter()
             models[s].step(ids, target=ids)
             if i:
@@ -175,8 +178,10 @@ def _compare_rank(args: argparse.Namespace, microbatches: int, steps: int) -> di
     return out
 
 
-def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8, steps: int = 6) -> None:
-    """1F1B beside zb-h1 where the comparison means something: 2 pipeline ranks on 2 or more cores, 8 microbatches.
+def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 4, steps: int = 10) -> None:
+    """1F1B beside zb-h1 where the comparison means something: 2 pipeline ranks on 2 or more cores, a GPT-2 wide
+    enough that the weight gradients are their usual share of a backward (``--compare-width``, 256), and 4
+    microbatches, where 1F1B's bubble is the textbook 1/5 (docs/decisions.md, "The demo's schedule comparison").
     Per schedule: the median step time, and the bubble measured (1 - the compute time of each rank's pipeline
     actions over their span, the median step) beside the one simulated with the measured F, B and W times."""
     from autopar.runtime.launch import launch
@@ -184,7 +189,8 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
 
     print(f"\n1F1B beside the zero-bubble schedule zb-h1 (each backward split into B, the input gradients the previous "
           f"stage waits for, and W, the weight gradients, which fill the waits): pp=2 on 2 ranks "
-          f"({os.cpu_count()} cores), {microbatches} microbatches of {ROWS} x {SEQ}, {steps} steps each, interleaved")
+          f"({os.cpu_count()} cores), GPT-2 of width {args.compare_width}, {microbatches} microbatches of {ROWS} x {SEQ}, "
+          f"{steps} steps each, interleaved")
     results = launch(_compare_rank, 2, args, microbatches, steps, device="cpu")
     rows = {}
     for s in COMPARED:
@@ -199,7 +205,8 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
         print(f"  {s:<6} step {step * 1e3:7.1f} ms   bubble measured {measured:6.1%}   simulated {sim:6.1%} "
               f"(F {times['F'] * 1e3:.1f} ms, B {times['B'] * 1e3:.1f} ms"
               + (f", W {times['W'] * 1e3:.1f} ms)" if times["W"] else ")"))
-    print("  " + verdict(rows))
+    pairs = [z / b for r in results for z, b in zip(r["zb-h1"]["times"], r["1f1b"]["times"])]
+    print("  " + verdict(rows, statistics.median(pairs)))
     print("  " + free_split_bound(rows, microbatches))
     panels = {f"{s}, pp=2: pipeline actions of the quickest step": quickest_step([r[s]["steps"] for r in results])
               for s in COMPARED}
@@ -209,14 +216,17 @@ def compare_schedules(args: argparse.Namespace, out: Path, microbatches: int = 8
         print(f"  no PNG: {e}")
 
 
-def verdict(rows: dict[str, tuple[float, dict[str, float | None]]]) -> str:
-    """What the two measured steps say: the step-time ratio, and whether the split backward paid for itself."""
-    (base, t1), (zb, t2) = rows["1f1b"], rows["zb-h1"]
+def verdict(rows: dict[str, tuple[float, dict[str, float | None]]], ratio: float) -> str:
+    """What the measured steps say: ``ratio``, zb-h1's step time over 1F1B's (the median over the pairs of steps
+    run one after the other, which slow changes of the machine's speed touch alike), and whether the split
+    backward paid for itself."""
+    (_, t1), (_, t2) = rows["1f1b"], rows["zb-h1"]
     split = (t2["B"] + t2["W"]) / t1["B"] - 1
-    if zb < base:
-        return (f"zb-h1 / 1f1b step time {zb / base:.2f}: the weight gradients fill the waits (the split backward "
-                f"B + W costs {split:+.0%} against 1F1B's B)")
-    return (f"zb-h1 / 1f1b step time {zb / base:.2f}: here the split backward's B + W costs {split:+.0%} against "
+    if ratio < 1:
+        return (f"zb-h1 / 1f1b step time {ratio:.2f}, the median over pairs of steps: the weight gradients fill the "
+                f"waits (the split backward B + W costs {split:+.0%} against 1F1B's B)")
+    return (f"zb-h1 / 1f1b step time {ratio:.2f}, the median over pairs of steps: here the split backward's B + W "
+            f"costs {split:+.0%} against "
             f"1F1B's B, more than the bubble it fills; it pays where deferring W costs little (docs/benchmarks.md: "
             f"the zero-bubble benchmark's chain)")
 
@@ -236,15 +246,14 @@ def free_split_bound(rows: dict[str, tuple[float, dict[str, float | None]]], mic
 
 
 def measured_bubble(timelines: dict[int, Timeline]) -> float:
-    """The mean over ranks of 1 - (F, B and W time) / (the span of the rank's pipeline actions)."""
+    """The mean over ranks of 1 - (F, B and W time) / span, the span running from the step's first pipeline
+    action on any rank to its last on any rank (perf_counter is one clock for the machine's processes): a rank
+    that starts late or finishes early counts its wait as bubble, as the simulator's ``bubble_fraction`` does."""
     from autopar.runtime.trace import kind, pipeline_part
 
-    fractions = []
-    for tl in timelines.values():
-        part = pipeline_part(tl)
-        busy = sum(e - b for a, b, e in part if kind(a) in (F, B, W))
-        fractions.append(1 - busy / (max(e for *_, e in part) - min(b for _, b, _ in part)))
-    return sum(fractions) / len(fractions)
+    parts = [pipeline_part(tl) for tl in timelines.values()]
+    span = max(e for part in parts for *_, e in part) - min(b for part in parts for _, b, _ in part)
+    return sum(1 - sum(e - b for a, b, e in part if kind(a) in (F, B, W)) / span for part in parts) / len(parts)
 
 
 def _durations(steps_of: list[list[Timeline]], k: str) -> list[float]:

@@ -33,7 +33,8 @@ from autopar.passes.batch_checks import check_no_share_statistics, check_samples
 from autopar.passes.context_checks import check_same_numbers
 from autopar.passes.context_dropout import whole_sequence_dropout
 from autopar.passes.context_eager import sdpa_from_eager
-from autopar.passes.context_parallel import ATTENTIONS, CP_AXES, REWRITTEN, context_parallel, same_attention
+from autopar.passes.context_parallel import (ATTENTIONS, context_parallel, ring_kv_bytes, ring_per_pp_rank,
+                                             same_attention)
 from autopar.passes.expert_parallel import expert_parallel, no_experts_found, per_pp_rank
 from autopar.passes.global_count import normalize_by_global_count
 from autopar.passes.inductor_regions import Regions, inductor_regions
@@ -214,31 +215,6 @@ def _tensor_parallel(c: Compilation) -> None:
         c.plan.collectives = [dataclasses.replace(x, bytes=x.bytes * local_kv // whole_kv) if x.axis == "cp" else x
                               for x in c.plan.collectives]
     c.detail = f"{sum(isinstance(p, Shard) for p in tp.placements.values())} parameters sharded"
-
-
-def ring_per_pp_rank(plan: Plan, stages: list[StageGraph], stage_to_rank: list[int]) -> None:
-    """Under a pipeline the plan's ring exchanges are those of the pp rank whose stages pass the most K/V
-    bytes around the cp ring, not those of every attention."""
-    total = sum(ring_kv_bytes(st.gm) for st in stages)
-    if not total:
-        return
-    calls, kv = {}, {}
-    for st in stages:
-        rank = stage_to_rank[st.index]
-        calls[rank] = calls.get(rank, 0) + sum(1 for nd in st.gm.graph.nodes if nd.target in REWRITTEN)
-        kv[rank] = kv.get(rank, 0) + ring_kv_bytes(st.gm)
-    worst = max(kv, key=kv.__getitem__)
-    attentions = sum(calls.values())
-    plan.collectives = [dataclasses.replace(x, count=x.count * calls[worst] // attentions,
-                                            bytes=x.bytes * kv[worst] // total) if x.axis in CP_AXES else x
-                        for x in plan.collectives]
-
-
-def ring_kv_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of K and V the ring attentions of ``gm`` pass around the cp ring, or its all-to-all attentions
-    receive (0 without context parallelism)."""
-    return sum(x.meta["val"].numel() * x.meta["val"].element_size()
-               for nd in gm.graph.nodes if nd.target in REWRITTEN for x in nd.args[1:3])
 
 
 def _pipeline_cuts(c: Compilation) -> None:
