@@ -35,7 +35,7 @@ class Options:
     batch: str = "global"  # "global": every rank passes the global batch; "local": each its dp shard
     cp_attention: str = "ring"  # cp > 1: "ring" (K/V blocks around the ranks), "all_to_all" (heads for sequence)
     # or "usp" (both, on the sub-axes of Mesh(cp=(ring, a2a)))
-    compile: bool = False  # each rank's graphs run through inductor (passes/inductor_regions.py)
+    compile: bool = False  # each rank's graphs through inductor (passes/inductor_regions.py), the optimizer fused
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):

@@ -7,9 +7,16 @@ Megatron plan of ``tp_vs_dtensor.py``, then compiled; zero3: FSDP2's ``fully_sha
 each layer compiled, as torchtitan applies it). Every variant builds the model from one seed and takes the same
 global batch; after warm-up steps (compilation) their steps alternate order and each one's median step time is
 kept. Ratios: compiled / eager (target <= 0.85) and compiled / torch compiled (target <= 1.0). The first step
-of each variant (export, passes, inductor's compilation, the step) is reported too.
+of each variant (export, passes, inductor's compilation, the step) is reported too. Optimizers: autopar eager
+steps AdamW's per-tensor loop; ``compile=True`` steps it in torch's fused kernel (docs/decisions.md), and so
+does torch's compiled model (``AdamW(fused=True)``, its DTensor parameters under ``implicit_replication``,
+which the fused kernel needs for its step counts), so that both compiled variants run the same update; a fourth
+variant, ``compiled, loop``, is ``compile=True`` with AdamW's per-tensor loop (``foreach=False``), to tell the
+fused step's share of the gain from the compiled graphs'.
 
-Run: PYTHONPATH=. python benchmarks/compiled_vs_eager.py [--configs dp2,tp2,zero3] [--steps 10]
+``--breakdown`` profiles eager and compiled steps and splits each into matmuls, attention and the rest.
+
+Run: PYTHONPATH=.:benchmarks python benchmarks/compiled_vs_eager.py [--configs dp2,tp2,zero3] [--steps 10]
 """
 from __future__ import annotations
 
@@ -24,6 +31,21 @@ import torch.distributed as dist
 import autopar
 from tp_vs_dtensor import llama_plan, make_llama, optimizer
 
+
+def fused_optimizer(params: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def loop_optimizer(params: list) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+
+def fused_step(opt: torch.optim.Optimizer) -> None:
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        opt.step()
+
 CONFIGS = {"dp2": (autopar.Mesh(dp=2), {}), "tp2": (autopar.Mesh(tp=2), {}), "zero3": (autopar.Mesh(dp=2), {"zero": 3})}
 
 
@@ -31,9 +53,10 @@ def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
-def _autopar(config: str, args: argparse.Namespace, ids: torch.Tensor, compiled: bool) -> Callable[[], float]:
+def _autopar(config: str, args: argparse.Namespace, ids: torch.Tensor, compiled: bool,
+             factory: Callable[[list], Any] = optimizer) -> Callable[[], float]:
     mesh, options = CONFIGS[config]
-    pm = autopar.parallelize(make_llama(args), mesh, loss_fn=lm_loss, optimizer=optimizer, compile=compiled,
+    pm = autopar.parallelize(make_llama(args), mesh, loss_fn=lm_loss, optimizer=factory, compile=compiled,
                              **options)
     return lambda: pm.step(ids, target=ids)
 
@@ -55,13 +78,13 @@ def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor) -> Callable
 
         parallelize_module(model, init_device_mesh("cpu", (n,), mesh_dim_names=("tp",)), llama_plan(model))
         compiled_model = torch.compile(model)
-        opt = optimizer(list(model.parameters()))
+        opt = fused_optimizer(list(model.parameters()))
 
         def tp_step() -> float:
             with loss_parallel():
                 loss = lm_loss(compiled_model(local), local)
                 loss.backward()
-            opt.step()
+            fused_step(opt)
             opt.zero_grad(set_to_none=True)
             return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach())
 
@@ -74,12 +97,12 @@ def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor) -> Callable
             model.model.layers[i] = torch.compile(layer)
             fully_shard(model.model.layers[i], mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = optimizer(list(model.parameters()))
+    opt = fused_optimizer(list(model.parameters()))
 
     def step() -> float:
         loss = lm_loss(model(local), local)
         loss.backward()
-        opt.step()
+        fused_step(opt)
         opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)  # (autopar's step returns the global loss too)
@@ -92,6 +115,7 @@ def _rank(config: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     steps = {"eager": _autopar(config, args, ids, False), "compiled": _autopar(config, args, ids, True),
+             "compiled, loop": _autopar(config, args, ids, True, loop_optimizer),
              "torch compiled": _torch(config, args, ids)}
     first, times, losses = {}, {name: [] for name in steps}, {name: [] for name in steps}
     for name, fn in steps.items():
@@ -107,7 +131,32 @@ def _rank(config: str, args: argparse.Namespace) -> dict:
             losses[name].append(fn())
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t)
-    return {"median": {k: statistics.median(v) for k, v in times.items()}, "first": first, "losses": losses}
+    split = _breakdown({k: steps[k] for k in ("eager", "compiled")}) if args.breakdown else {}
+    return {"median": {k: statistics.median(v) for k, v in times.items()}, "first": first, "losses": losses,
+            "split": split}
+
+
+def _breakdown(steps: dict[str, Callable[[], float]], rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Each variant's step split by ``torch.profiler`` (rounds interleaved): CPU seconds in ``aten::mm``, in the
+    attention kernels, in every other op, and the wall time the profiled step took (the rest is Python and
+    waiting), medians over the rounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    split: dict[str, dict[str, list[float]]] = {k: {} for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            dist.barrier()
+            t = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            wall = time.perf_counter() - t
+            ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+            mm = ops.get("aten::mm", 0.0) + ops.get("aten::addmm", 0.0)
+            attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k)
+            for part, v in {"wall": wall, "mm": mm, "attention": attention,
+                            "other ops": sum(ops.values()) - mm - attention}.items():
+                split[name].setdefault(part, []).append(v)
+    return {name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in split.items()}
 
 
 def main() -> None:
@@ -122,6 +171,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--breakdown", action="store_true", help="also split eager and compiled steps by the profiler")
     args = p.parse_args()
     print(f"LLaMA {args.layers}x{args.width} (heads {args.heads}/{args.kv_heads}), vocab {args.vocab}, batch "
           f"{args.batch}x{args.seq}, float32, AdamW, 2 gloo ranks of one thread; {args.steps} interleaved steps")
@@ -133,9 +183,14 @@ def main() -> None:
         print(f"{config:>6}: median step eager {med['eager'] * 1e3:.1f} ms, compiled {med['compiled'] * 1e3:.1f} ms, "
               f"torch compiled {med['torch compiled'] * 1e3:.1f} ms; compiled/eager {med['compiled'] / med['eager']:.3f} "
               f"(target <= 0.85), compiled/torch compiled {med['compiled'] / med['torch compiled']:.3f} (target <= 1.0)")
+        print(f"        with AdamW's per-tensor loop: compiled {med['compiled, loop'] * 1e3:.1f} ms, compiled/eager "
+              f"{med['compiled, loop'] / med['eager']:.3f}")
         print(f"        first step (export, passes, compilation, the step): eager {first['eager']:.1f} s, compiled "
               f"{first['compiled']:.1f} s, torch compiled {first['torch compiled']:.1f} s; largest loss difference "
               f"compiled - eager over the steps {drift:.2e}")
+        for name in results[0]["split"]:
+            parts = {k: statistics.median(r["split"][name][k] for r in results) for k in results[0]["split"][name]}
+            print(f"        profiled {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items()))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,32 @@ class MasterOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
 
 
+FUSED_KERNELS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def fused_steps(factory: Callable[[list], Any]) -> Callable[[list], Any]:
+    """``factory`` whose optimizer, when it is one of torch's with a fused kernel (``FUSED_KERNELS``, the class
+    itself and not a subclass) and a group leaves both ``fused`` and ``foreach`` unset, steps that group's
+    tensors in the fused kernel: one pass over every tensor instead of a loop of ops per tensor, the same update
+    up to rounding. It is ``compile=True``'s optimizer step (docs/decisions.md); a group that names either
+    setting keeps it."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+
+    def build(params: list) -> Any:
+        opt = factory(params)
+        if type(opt) not in FUSED_KERNELS or opt.defaults.get("differentiable"):
+            return opt
+        for group in opt.param_groups:
+            if group.get("fused") is None and group.get("foreach") is None and all(
+                    t.is_floating_point() and t.device.type in devices for t in group["params"]):
+                group["fused"] = True
+        return opt
+
+    return build
+
+
 def build_optimizer(factory: Callable[[list], Any] | None, params: list[torch.Tensor],
                     masters: Masters | None) -> Any:
     """The optimizer of this rank: the user's ``factory`` on ``params``, or on their ``masters`` when given."""

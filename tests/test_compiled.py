@@ -126,3 +126,30 @@ def test_a_region_inductor_cannot_compile_names_its_source_and_the_fix(monkeypat
 def test_compile_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="compile='yes' must be True"):
         parallelize(models.llama(), Mesh(dp=2), compile="yes")
+
+
+def test_the_compiled_step_runs_torchs_fused_optimizer_kernel_where_the_user_left_it_unset() -> None:
+    from autopar.runtime.master import fused_steps
+
+    class Mine(torch.optim.AdamW):
+        pass
+
+    def made(factory) -> list:
+        return [g.get("fused") for g in fused_steps(factory)([torch.nn.Parameter(torch.ones(3))]).param_groups]
+
+    assert made(models.adamw) == [True] and made(models.sgd) == [True]
+    assert made(lambda ps: torch.optim.AdamW(ps, foreach=False)) == [None]  # the user's choice stays
+    assert made(lambda ps: torch.optim.AdamW(ps, fused=False)) == [False]
+    assert made(lambda ps: Mine(ps)) == [None] and made(lambda ps: torch.optim.RMSprop(ps)) == [None]
+    torch.manual_seed(0)
+    start = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    stepped = []
+    for factory in (models.adamw, fused_steps(models.adamw)):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = factory(params)
+        for i in range(3):
+            for j, p in enumerate(params):
+                p.grad = torch.sin(p.detach() * (i + j + 1))
+            opt.step()
+        stepped.append(params)
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(*stepped)) < 1e-15

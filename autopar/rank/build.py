@@ -20,7 +20,7 @@ from autopar.compiler.program import Program
 from autopar.runtime.grad_sync import BucketedAllReduce, GradSyncs
 from autopar.runtime.groups import Groups, job_store, join
 from autopar.runtime.host_memory import keep_freed_memory
-from autopar.runtime.master import Masters, build_optimizer, check_groups_unsharded
+from autopar.runtime.master import Masters, build_optimizer, check_groups_unsharded, fused_steps
 from autopar.runtime.memory import MemoryAccount
 from autopar.runtime.progress import Progress
 from autopar.runtime.step_executor import Executor
@@ -48,8 +48,11 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
         mine = {n for st in program.own_stages(groups.rank) for n in st.params} - elsewhere
     params = [p for n, p in model.named_parameters() if p.requires_grad and n in mine]
     zero = None
+    factory = options.optimizer  # compile=True: the optimizer steps in torch's fused kernel where it has one
+    if options.compile and factory is not None:
+        factory = fused_steps(factory)
     if options.zero:
-        settings = ZeroSettings(options.zero, options.bucket_bytes, options.optimizer, pol.reduce if pol else None)
+        settings = ZeroSettings(options.zero, options.bucket_bytes, factory, pol.reduce if pol else None)
         zero = ZeroRuntime(model, groups, settings, params, alone=shared_across_pp(program), values=values,
                            binding=binding, routed=frozenset(experts))
         if zero.layout != program.zero_layouts[groups.rank]:
@@ -64,7 +67,7 @@ def start_runtime(model: torch.nn.Module, mesh: Mesh, options: Options, program:
     if zero is None and options.optimizer is not None:  # a pp rank whose stages hold no parameters
         names = {id(p): n for n, p in model.named_parameters()}
         check_groups_unsharded(options.optimizer, params, [full_shapes.get(names[id(p)], p.shape) for p in params])
-        opt = build_optimizer(options.optimizer, params, masters) if params else NoParameters()
+        opt = build_optimizer(factory, params, masters) if params else NoParameters()
     sync: GradSync | None = zero
     if groups["dp"] is not None and zero is None and experts:
         sync = expert_grad_sync(model, params, experts, groups, options.bucket_bytes, binding)
