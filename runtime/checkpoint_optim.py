@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopar.runtime.reshard import Entry
 
 SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})  # torch optimizers' 0-d per-parameter state
+KERNEL_KEYS = ("fused", "foreach")  # how a group steps, not what it computes: a loaded group keeps its own
 
 
 def optimizer_items(opt: Any, entries: list[Entry]) -> dict[str, Any]:
@@ -84,7 +85,8 @@ def restore_optimizer(opt: Any, entries: list[Entry], items: dict[str, Any],
             if owner_state:
                 state[index] = owner_state
             index += 1
-        groups.append({**settings, "params": list(range(index - len(group["params"]), index))})
+        own = {k: group[k] for k in KERNEL_KEYS if k in group}  # (compile=True's fused step, docs/decisions.md)
+        groups.append({**settings, **own, "params": list(range(index - len(group["params"]), index))})
     if state or any(f"optim/{e.name}" in items for e in entries):
         opt.load_state_dict({"state": state, "param_groups": groups})
     return None

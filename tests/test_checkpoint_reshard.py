@@ -201,6 +201,27 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(launcher, tmp_pa
     assert re.search(message, errors[0]), errors[0]
 
 
+def _kernel_job(path: str, compiled: bool, *, save: bool) -> list:
+    pm = parallelize(models.mlp((6, 7, 5, 3)), Mesh(dp=2), loss_fn=models.mse, optimizer=models.adamw,
+                     zero=1 if compiled else 2, compile=compiled, example_inputs=(X,), example_target=Y)
+    pm.step(X, target=Y)
+    if save:
+        pm.save(path)
+    else:
+        pm.load(path)
+    return [g.get("fused") for g in pm.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("saved_compiled", [False, True])
+def test_a_loaded_optimizer_keeps_its_own_kernel(launcher, tmp_path, saved_compiled: bool) -> None:
+    """compile=True steps AdamW fused, compile=False in its loop: a checkpoint of either loads into the other,
+    and each keeps the way its optimizer steps (the settings that change the update are the saved ones)."""
+    path = str(tmp_path / "ckpt")
+    assert launcher(functools.partial(_kernel_job, path, saved_compiled, save=True), 2)[0] == [saved_compiled or None]
+    loaded = launcher(functools.partial(_kernel_job, path, not saved_compiled, save=False), 2)
+    assert loaded == [[(not saved_compiled) or None]] * 2, loaded
+
+
 def test_an_optimizer_built_another_way_is_refused_on_every_rank(launcher, tmp_path) -> None:
     path = str(tmp_path / "ckpt")
     launcher(functools.partial(_mlp_job, (6, 7, 5, 3), dict(dp=2), 2, path, save=True), 2)
