@@ -4,18 +4,23 @@
 write, no random op, no data-dependent output shape, nothing a write reaches through views) into regions,
 one or more per layer (a child of a module list, ``model.layers.7``) and outside the layers, and replaces each
 region of two or more ops by a call of an ``autopar.core.inductor.Inductor`` module holding the region's graph.
-A recomputed layer's region (``Recompute``) is outlined inside, so that backward's recomputation runs the
-compiled code too.
+Tensor parallelism's all-reduces (``FUNCTIONAL``: ``all_reduce``, ``grad_all_reduce``) join the region of the
+op they reduce, so a layer and its collectives are one region, compiled with them as torch's functional
+collectives (``autopar/core/functional_collectives.py``). A recomputed layer's region (``Recompute``) is
+outlined inside, without its collectives (its recomputation keeps what communicated in forward), so that
+backward's recomputation runs the compiled code too.
 
-A region lies between two consecutive side effects of the graph (a collective, a ZeRO gather or free, a
-random draw, a write): it is called where its last node was, so what it reads is still there and what it
-computes is not moved across what communicates. Regions never form a cycle with what stays outside: every node carries a depth, the number of times a path
-from the inputs to it leaves a region-able stretch of one layer (through a node that stays outside, or into
-another layer); a region is the nodes of one layer at one depth between two side effects. A path that leaves a region and comes back
-to the same layer arrives one depth deeper, so no region depends on itself.
+A region lies between two consecutive side effects of the graph that stay outside (a ZeRO gather or free, an
+exchange, a random draw, a write): it is called where its last node was, so what it reads is still there and
+what it computes is not moved across what communicates outside it. Regions never form a cycle with what stays
+outside: every node carries a depth, the number of times a path from the inputs to it leaves a region-able
+stretch of one layer (through a node that stays outside, or into another layer); a region is the nodes of one
+layer at one depth between two side effects. A path that leaves a region and comes back to the same layer
+arrives one depth deeper, so no region depends on itself.
 
 Invariant: the graph computes what it computed; every node that stays outside keeps its order relative to
-the others that stay outside (collectives, exchanges, the weight-gradient matmuls of a split backward).
+the others that stay outside (collectives, exchanges, the weight-gradient matmuls of a split backward), and
+the collectives inside regions keep theirs relative to those outside.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
+from autopar.core.functional_collectives import FUNCTIONAL
 from autopar.core.inductor import Inductor
 from autopar.core.recompute_modes import Recompute
 from autopar.passes.blocks import block_of
@@ -54,12 +60,14 @@ class Regions:
     distinct: set[str] = field(default_factory=set)  # the regions' structures
     compiled_ops: int = 0
     outside: Counter = field(default_factory=Counter)  # ops left outside the regions, by kind
+    collectives: Counter = field(default_factory=Counter)  # tp's collectives inside them, by kind
 
     def add(self, other: Regions) -> None:
         self.regions += other.regions
         self.distinct |= other.distinct
         self.compiled_ops += other.compiled_ops
         self.outside.update(other.outside)
+        self.collectives.update(other.collectives)
 
 
 def compilable(node: fx.Node) -> bool:
@@ -141,12 +149,14 @@ def _kind(node: fx.Node, gm: fx.GraphModule) -> str:
     return getattr(node.target, "__name__", str(node.target)).replace("autopar_passes_rules_", "")
 
 
-def inductor_regions(gm: fx.GraphModule) -> Regions:
-    """Outlines ``gm``'s regions into ``Inductor`` submodules, in place (see the module doc)."""
+def inductor_regions(gm: fx.GraphModule, *, collectives: bool = True) -> Regions:
+    """Outlines ``gm``'s regions into ``Inductor`` submodules, in place (see the module doc); ``collectives``:
+    whether a region may hold tp's all-reduces (not in a recomputed layer, whose recomputation keeps what
+    communicated in forward)."""
     found = Regions()
     for node in gm.graph.nodes:  # recomputed layers first: their regions are outlined inside them
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Recompute):
-            found.add(inductor_regions(gm.get_submodule(node.target).region))
+            found.add(inductor_regions(gm.get_submodule(node.target).region, collectives=False))
     written = _written_through(gm.graph)
     layer: dict[fx.Node, str | None] = {}  # the layer of each node a region may take
     epoch: dict[fx.Node, int] = {}  # side effects before it: a region lies between two (called at its last node)
@@ -157,6 +167,8 @@ def inductor_regions(gm: fx.GraphModule) -> Regions:
         elif compilable(node) and node not in written and node.target is not operator.getitem:
             block = block_of(node)
             layer[node] = block[1] if block else None
+        elif collectives and node.target in FUNCTIONAL and node.args[0] in layer:  # (in its input's layer)
+            layer[node] = layer[node.args[0]]
         elif node.op in ("call_function", "call_module") and node.target not in _UNLISTED:
             found.outside[_kind(node, gm)] += 1
             count += not _pure(node)
@@ -183,5 +195,6 @@ def inductor_regions(gm: fx.GraphModule) -> Regions:
         found.distinct.add(region.key)
         found.compiled_ops += sum(1 for n in region.region.graph.nodes
                                   if n.op == "call_function" and n.target is not operator.getitem)
+        found.collectives.update(_kind(n, gm) for n in region.region.graph.nodes if n.target in FUNCTIONAL)
     gm.recompile()
     return found

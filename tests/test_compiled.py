@@ -8,6 +8,7 @@ than eager's: it is compared at the bound derived in docs/decisions.md ("Compile
 from __future__ import annotations
 
 import operator
+from collections import Counter
 
 import pytest
 import torch
@@ -43,18 +44,58 @@ def _compiled(make, mesh: Mesh, **options: object):
                        optimizer=models.adamw, compile=True, **options)
 
 
-def test_regions_hold_the_computation_and_leave_the_collectives_in_order() -> None:
+def test_regions_hold_each_layer_with_its_collectives_and_leave_the_rest_in_order() -> None:
     eager = parallelize(models.llama(), Mesh(tp=2), example_inputs=(IDS,), example_target=TARGET,
                         loss_fn=models.lm_loss, optimizer=models.adamw)
     pm = _compiled(models.llama, Mesh(tp=2))
     gm = pm.graph(0)
     regions = [m for m in gm.modules() if isinstance(m, Inductor)]
     assert len(regions) >= 4
-    assert _outside(gm) == _outside(eager.graph(0))  # every collective outside, in the eager graph's order
-    layers = [r for r in regions if any("layers.1" in s for s in r.sources)]
-    assert layers and all(any(r.key == other.key for other in regions if other is not r) for r in layers)
-    assert "inductor regions" in str(pm.plan) and "all_reduce.default x5" in str(pm.plan)
+    inside = Counter(op for r in regions for op in _outside(r.region))
+    assert inside == {"autopar.all_reduce.default": 4, "autopar.grad_all_reduce.default": 5}  # tp's, the layers'
+    left = _outside(eager.graph(0))
+    for op in inside.elements():
+        left.remove(op)
+    assert _outside(gm) == left  # every other collective outside, in the eager graph's order
+    layers = [r for r in regions if any("layers." in s for s in r.sources)]
+    assert len(layers) == 2 and layers[0].key == layers[1].key  # one region a layer, the layers' alike
+    assert layers[0].axes == ("tp",) and len(layers[0].tally.forward) == len(layers[0].tally.backward) == 2
+    inside = next(line for line in str(pm.plan).splitlines() if "functional collectives" in line)
+    assert "grad_all_reduce.default x5" in inside and " all_reduce.default x4" in inside
     assert pm.plan.compiled.distinct < pm.plan.compiled.regions  # identical layers: one structure
+
+
+def _tp_traffic(compile: bool) -> tuple[dict, dict, int]:
+    """One LLaMA step at tp=2: collectives counted (calls, bytes) and how many all-reduces ran eagerly."""
+    from autopar.core import collectives
+
+    ran = [0]
+    eager_all_reduce = collectives._all_reduce
+
+    def counted(x: torch.Tensor, axis: str) -> torch.Tensor:
+        ran[0] += 1
+        return eager_all_reduce(x, axis)
+
+    collectives._all_reduce = counted
+    try:
+        pm = parallelize(models.llama_exact(), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
+                         compile=compile)
+        pm.step(IDS, target=TARGET)
+        pm.step(IDS, target=TARGET)
+    finally:
+        collectives._all_reduce = eager_all_reduce
+    return pm.communication(calls=True), pm.communication(), ran[0]
+
+
+def test_compiled_regions_run_tps_all_reduces_as_functional_collectives_and_count_them(launcher) -> None:
+    """Two steps, each with 2 layers x (2 forward + 2 backward) all-reduces inside the regions and one more in
+    the final norm's backward: run by the compiled code (not autopar's eager op), and counted in
+    ``pm.communication()`` as the eager run counts them."""
+    eager = launcher(_tp_traffic, 2, False)
+    compiled = launcher(_tp_traffic, 2, True)
+    for (calls, sent, ran), (calls_c, sent_c, ran_c) in zip(eager, compiled):
+        assert (calls_c, sent_c) == (calls, sent)
+        assert ran - ran_c == 2 * (2 * 4 + 1)
 
 
 def test_recomputed_layers_are_outlined_inside() -> None:
@@ -115,7 +156,7 @@ def test_a_region_inductor_cannot_compile_names_its_source_and_the_fix(monkeypat
         raise NotImplementedError("no lowering for aten.rsqrt.default")
 
     monkeypatch.setattr(compile_fx_module, "compile_fx", refuse)
-    pm = _compiled(models.llama_exact, Mesh(tp=2))
+    pm = _compiled(models.llama_exact, Mesh(dp=2))  # (a layer's region without collectives: it runs unbound)
     region = next(m for m in pm.graph(0).modules() if isinstance(m, Inductor) and any("layers.0" in s for s in m.sources))
     args = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
             for n in region.region.graph.nodes if n.op == "placeholder"]

@@ -311,7 +311,7 @@ def _inductor(c: Compilation) -> None:
     for st in c.program.own_stages(0):
         found.add(st.gm.meta["autopar.inductor"])
     c.program.plan.compiled = CompiledPlan(found.regions, len(found.distinct), found.compiled_ops,
-                                           tuple(found.outside.most_common()))
+                                           tuple(found.outside.most_common()), tuple(found.collectives.items()))
     c.detail = f"{found.regions} regions ({len(found.distinct)} distinct), {found.compiled_ops} ops on rank 0"
 
 

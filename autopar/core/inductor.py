@@ -1,16 +1,18 @@
 """Regions of a rank's graph run by inductor (``parallelize(..., compile=True)``).
 
 ``passes/inductor_regions.py`` outlines the ATen ops of each rank's graph that inductor may fuse into
-``Inductor`` submodules; what stays outside (autopar's collectives, ZeRO's gathers, ring and expert exchanges,
-split-backward matmuls, random ops, writes) runs as before, in the order the graph gives it, so the runtime's
-schedule, prefetches, buckets and sends keep their order.
+``Inductor`` submodules, with tensor parallelism's all-reduces, which compile as torch's functional collectives
+(``core/functional_collectives.py``: issued when their input is ready, waited for where their result is first
+used, in their order, ``OVERLAP``); what stays outside (ZeRO's gathers, sequence parallelism's gathers, ring
+and expert exchanges, split-backward matmuls, random ops, writes) runs as before, in the order the graph gives
+it, so the runtime's schedule, prefetches, buckets and sends keep their order.
 
 An ``Inductor`` region compiles at its first call, with the tensors it is called with, through
 ``torch._inductor.compile_fx`` (AOTAutograd: a compiled forward and, where an input needs a gradient, a
 compiled backward). Compiled functions are kept in one process-wide ``CompiledRegions`` by the region's
-structure (ops and their arguments, node names left out) and its inputs' shapes, strides, dtypes, devices and
-``requires_grad``: identical layers, and every rank of a process, compile once. Inductor's own caches (its FX
-graph cache on disk) serve other processes of the machine.
+structure (ops and their arguments, node names left out), its inputs' shapes, strides, dtypes, devices and
+``requires_grad``, and the names of the process groups its collectives run on: identical layers, and every
+rank of a process, compile once. Inductor's own caches (its FX graph cache on disk) serve other processes.
 
 Invariant: a region computes what its graph computes, up to the floating-point reassociation of inductor's
 fused kernels (docs/decisions.md, "Compiled rank graphs"); saved-tensor hooks (sequence parallelism's
@@ -27,7 +29,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from autopar.core.collectives import bound, current
 from autopar.core.errors import UnsupportedError
+from autopar.core.functional_collectives import Tally, axes, decompositions, group_names
 from autopar.core.graph import copy_module, origin
 
 
@@ -58,7 +62,8 @@ class CompiledRegions:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def function(self, region: Inductor, args: tuple) -> Callable:
-        key = (region.key, _signature(args), torch.is_grad_enabled())
+        names = group_names(current(), region.axes) if region.axes else ()
+        key = (region.key, _signature(args), torch.is_grad_enabled(), names)
         fn = self.functions.get(key)
         if fn is not None:
             self.calls_compiled += 1
@@ -66,12 +71,16 @@ class CompiledRegions:
         with self.lock:
             if key not in self.functions:
                 start = time.perf_counter()
-                self.functions[key] = _compile(region, args)
+                self.functions[key] = _compile(region, args, dict(zip(region.axes, names)))
                 self.seconds += time.perf_counter() - start
                 self.compiles += 1
         return self.functions[key]
 
 
+# a region with collectives: each is issued as soon as its input is ready and waited for at the first use of
+# its result, the collectives in their order (inductor's comms passes order by the graph's position otherwise)
+OVERLAP = {"reorder_for_compute_comm_overlap": True,
+           "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 COMPILED = CompiledRegions()  # this process's compiled regions (one cache, as ``capture_cache.EXPORTS``)
 
 
@@ -83,6 +92,8 @@ class Inductor(torch.nn.Module):
         super().__init__()
         self.region = region
         self._key: str | None = None
+        self.axes = axes(region)  # the mesh axes its collectives run on (core/functional_collectives.py)
+        self.tally = Tally.of(region)
 
     @property
     def sources(self) -> list[str]:
@@ -96,20 +107,29 @@ class Inductor(torch.nn.Module):
         return self._key
 
     def forward(self, *args: Any) -> Any:
-        return COMPILED.function(self, args)(*args)
+        out = COMPILED.function(self, args)(*args)
+        if self.axes:
+            binding = bound()
+            self.tally.record(binding, "forward")
+            if torch.is_grad_enabled():
+                self.tally.record_backward_with(out, binding)
+        return out
 
     def extra_repr(self) -> str:
         ops = sum(1 for n in self.region.graph.nodes if n.op == "call_function")
         return f"{ops} ops"
 
 
-def _compile(region: Inductor, args: tuple) -> Callable:
+def _compile(region: Inductor, args: tuple, groups: dict[str, str]) -> Callable:
+    """``groups``: the process group name of each axis its collectives run on."""
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
 
     gm = copy_module(region.region)  # (compile_fx may rewrite the graph it is given)
+    table = {**select_decomp_table(), **decompositions(groups)} if groups else None
     try:
         with _outside_hooks_and_modes():
-            return compile_fx(gm, list(args))
+            return compile_fx(gm, list(args), decompositions=table, config_patches=OVERLAP if groups else None)
     except Exception as e:  # name the region and where its ops come from; compile=False is the fix
         raise UnsupportedError(_failure(region, e)) from e
 

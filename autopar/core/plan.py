@@ -230,6 +230,7 @@ class CompiledPlan:
     distinct: int  # regions of different structure: each compiles once per process and input signature
     compiled_ops: int
     outside: tuple[tuple[str, int], ...]  # ops left outside the regions, by kind, with their counts
+    collectives: tuple[tuple[str, int], ...] = ()  # tp's collectives inside the regions (functional collectives)
     seconds: float | None = None  # inductor's compile time in this process, once a step or forward ran
     compiles: int = 0
 
@@ -239,7 +240,13 @@ class CompiledPlan:
                 f"region and input signature once)" if self.seconds is not None
                 else "each distinct region compiles at its first call (the first step or forward)")
         return [f"{self.regions} inductor regions ({self.distinct} distinct) hold {self.compiled_ops} ops of rank 0's "
-                f"graphs; {cost}", f"outside the regions, run as before: {outside}"]
+                f"graphs; {cost}", *self._inside(), f"outside the regions, run as before: {outside}"]
+
+    def _inside(self) -> list[str]:
+        if not self.collectives:
+            return []
+        listed = ", ".join(f"{kind} x{n}" for kind, n in self.collectives)
+        return [f"inside the regions, as torch's functional collectives (inductor schedules around them): {listed}"]
 
 
 @dataclass(frozen=True)
