@@ -4,9 +4,11 @@
 write, no random op, no data-dependent output shape, nothing a write reaches through views) into regions,
 one or more per layer (a child of a module list, ``model.layers.7``) and outside the layers, and replaces each
 region of two or more ops by a call of an ``autopar.core.inductor.Inductor`` module holding the region's graph.
-Tensor parallelism's all-reduces (``FUNCTIONAL``: ``all_reduce``, ``grad_all_reduce``) join the region of the
-op they reduce, so a layer and its collectives are one region, compiled with them as torch's functional
-collectives (``autopar/core/functional_collectives.py``). A recomputed layer's region (``Recompute``) is
+Tensor parallelism's collectives (``FUNCTIONAL``: ``all_reduce``, ``grad_all_reduce``, sequence parallelism's
+``reduce_scatter`` and a plain ``all_gather``) join the region of the op they reduce (of their users, for a
+parameter; one of a value computed outside the regions stays outside), so a layer and its collectives are one region, compiled
+with them as torch's functional collectives (``autopar/core/functional_collectives.py``). Sequence
+parallelism's ``all_gather_rs`` stays outside: its saved-tensor hooks re-gather in backward what it gathered. A recomputed layer's region (``Recompute``) is
 outlined inside, without its collectives (its recomputation keeps what communicated in forward), so that
 backward's recomputation runs the compiled code too.
 
@@ -161,18 +163,24 @@ def inductor_regions(gm: fx.GraphModule, *, collectives: bool = True) -> Regions
     layer: dict[fx.Node, str | None] = {}  # the layer of each node a region may take
     epoch: dict[fx.Node, int] = {}  # side effects before it: a region lies between two (called at its last node)
     count = 0
+    entering: list[fx.Node] = []  # collectives of the graph's inputs (a parameter's grad_all_reduce)
     for node in gm.graph.nodes:
         if node.target is operator.getitem and node.args[0] in layer:  # (with the op it picks from)
             layer[node] = layer[node.args[0]]
         elif compilable(node) and node not in written and node.target is not operator.getitem:
             block = block_of(node)
             layer[node] = block[1] if block else None
-        elif collectives and node.target in FUNCTIONAL and node.args[0] in layer:  # (in its input's layer)
-            layer[node] = layer[node.args[0]]
+        elif collectives and node.target in FUNCTIONAL and (node.args[0] in layer or node.args[0].op == "placeholder"):
+            layer[node] = layer.get(node.args[0])  # in its input's layer; a parameter's in its users' (below)
+            if node.args[0] not in layer:
+                entering.append(node)
         elif node.op in ("call_function", "call_module") and node.target not in _UNLISTED:
             found.outside[_kind(node, gm)] += 1
             count += not _pure(node)
         epoch[node] = count
+    for node in entering:
+        users = {layer[u] for u in node.users if u in layer}
+        layer[node] = users.pop() if len(users) == 1 else None
     depth = _depths(gm.graph, layer)
     groups: dict[tuple[str | None, int, int], dict[fx.Node, None]] = {}
     for node in layer:

@@ -52,7 +52,8 @@ def test_regions_hold_each_layer_with_its_collectives_and_leave_the_rest_in_orde
     regions = [m for m in gm.modules() if isinstance(m, Inductor)]
     assert len(regions) >= 4
     inside = Counter(op for r in regions for op in _outside(r.region))
-    assert inside == {"autopar.all_reduce.default": 4, "autopar.grad_all_reduce.default": 5}  # tp's, the layers'
+    # the layers' 4 and 4 + the final norm's (the vocab-parallel embedding's sum of a value computed outside stays)
+    assert inside == {"autopar.all_reduce.default": 4, "autopar.grad_all_reduce.default": 5}
     left = _outside(eager.graph(0))
     for op in inside.elements():
         left.remove(op)
@@ -65,37 +66,47 @@ def test_regions_hold_each_layer_with_its_collectives_and_leave_the_rest_in_orde
     assert pm.plan.compiled.distinct < pm.plan.compiled.regions  # identical layers: one structure
 
 
-def _tp_traffic(compile: bool) -> tuple[dict, dict, int]:
-    """One LLaMA step at tp=2: collectives counted (calls, bytes) and how many all-reduces ran eagerly."""
+def _tp_traffic(compile: bool, options: dict) -> tuple[dict, dict, int]:
+    """Two LLaMA steps at tp=2: collectives counted (calls, bytes) and how many ran as autopar's eager ops."""
     from autopar.core import collectives
 
     ran = [0]
-    eager_all_reduce = collectives._all_reduce
+    eager = {name: getattr(collectives, name) for name in ("_all_reduce", "_all_gather", "_reduce_scatter")}
 
-    def counted(x: torch.Tensor, axis: str) -> torch.Tensor:
-        ran[0] += 1
-        return eager_all_reduce(x, axis)
+    def counted(fn):
+        def run(*args: object) -> torch.Tensor:
+            ran[0] += 1
+            return fn(*args)
+        return run
 
-    collectives._all_reduce = counted
+    for name, fn in eager.items():
+        setattr(collectives, name, counted(fn))
     try:
         pm = parallelize(models.llama_exact(), Mesh(tp=2), loss_fn=models.lm_loss, optimizer=models.adamw,
-                         compile=compile)
+                         compile=compile, **options)
         pm.step(IDS, target=TARGET)
         pm.step(IDS, target=TARGET)
     finally:
-        collectives._all_reduce = eager_all_reduce
+        for name, fn in eager.items():
+            setattr(collectives, name, fn)
     return pm.communication(calls=True), pm.communication(), ran[0]
 
 
-def test_compiled_regions_run_tps_all_reduces_as_functional_collectives_and_count_them(launcher) -> None:
-    """Two steps, each with 2 layers x (2 forward + 2 backward) all-reduces inside the regions and one more in
-    the final norm's backward: run by the compiled code (not autopar's eager op), and counted in
-    ``pm.communication()`` as the eager run counts them."""
-    eager = launcher(_tp_traffic, 2, False)
-    compiled = launcher(_tp_traffic, 2, True)
+@pytest.mark.parametrize("options, inside", [
+    # 2 layers x (2 forward + 2 backward all-reduces), the final norm's backward one, the embedding's all-gather
+    ({}, 2 * 4 + 1 + 1),
+    # each layer's 2 reduce-scatters (their backward all-gathers too) and the norms' 5 backward all-reduces
+    pytest.param({"sequence_parallel": True}, 2 * 2 * 2 + 5, marks=pytest.mark.slow),
+], ids=["tp2", "tp2-sp"])
+def test_compiled_regions_run_tps_collectives_as_functional_collectives_and_count_them(launcher, options: dict,
+                                                                                       inside: int) -> None:
+    """Two steps with ``inside`` collectives a step inside the regions: run by the compiled code (not autopar's
+    eager ops), and counted in ``pm.communication()`` as the eager run counts them."""
+    eager = launcher(_tp_traffic, 2, False, options)
+    compiled = launcher(_tp_traffic, 2, True, options)
     for (calls, sent, ran), (calls_c, sent_c, ran_c) in zip(eager, compiled):
         assert (calls_c, sent_c) == (calls, sent)
-        assert ran - ran_c == 2 * (2 * 4 + 1)
+        assert ran - ran_c == 2 * inside
 
 
 def test_recomputed_layers_are_outlined_inside() -> None:

@@ -1,20 +1,23 @@
 """Tensor parallelism's collectives inside compiled regions, as torch's functional collectives.
 
 A compiled region (``autopar/core/inductor.py``) may hold the collectives of ``FUNCTIONAL``: tp's all-reduce of
-partial sums (``all_reduce``) and the identity whose backward all-reduces (``grad_all_reduce``). AOTAutograd
-traces them with their autograd formulas; ``decompositions(groups)`` then writes each all-reduce, forward's and
-backward's, as ``_c10d_functional.all_reduce`` followed by ``wait_tensor`` on the axis's process group, so that
-inductor sees an asynchronous collective it may schedule compute around, and ``grad_all_reduce``'s forward as the
-copy it is. The process groups are named at compile time: a compiled function holds them, and the cache keys it
-by their names (``group_names``).
+partial sums (``all_reduce``), the identity whose backward all-reduces (``grad_all_reduce``), and sequence
+parallelism's reduce-scatter and plain all-gather. AOTAutograd traces them with their autograd formulas;
+``decompositions(groups)`` then writes each one, forward's and backward's, as ``_c10d_functional`` ops followed
+by ``wait_tensor`` on the axis's process group, so that inductor sees asynchronous collectives it may schedule
+compute around: an all-reduce as ``all_reduce``, an all-gather as ``all_gather_into_tensor`` (along dim 0, then
+the pieces laid along the gathered dim), a reduce-scatter as ``reduce_scatter_tensor`` or, on gloo, as the
+all-reduce and local chunk the eager op runs there, and the local ``chunk`` and ``grad_all_reduce``'s forward
+as the copies they are. A compiled function holds its groups' names, sizes and this rank's index in each: the
+cache keys it by them (``Group``).
 
 ``Tally`` is what a region communicates, read from its graph: the runtime's counts and bytes
 (``pm.communication()``) record it at each forward call, and at the backward call for what backward sends, as the
 eager ops record their own.
 
-Invariant: the functional all-reduce runs the backend's all-reduce on the same tensor as ``autopar::all_reduce``
-(the same sum, bit for bit); every rank of a group compiles the same region, so its collectives are issued in the
-same order on each.
+Invariant: each functional collective runs the backend's collective on the tensor the ``autopar::*`` op runs it
+on (the same sums, bit for bit); every rank of a group compiles the same region, so its collectives are issued in
+the same order on each.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.core import collectives as _ops  # noqa: F401  (declares the autopar::* collectives)
@@ -29,11 +33,23 @@ from autopar.core.collectives import Binding
 
 autopar = torch.ops.autopar
 c10d = torch.ops._c10d_functional
-# op -> (what it records, in forward or backward)
-FUNCTIONAL = {
-    autopar.all_reduce.default: ("all_reduce", "forward"),
-    autopar.grad_all_reduce.default: ("all_reduce", "backward"),
+# op -> what it records: (the collective, forward or backward, the bytes of its input or of its output)
+FUNCTIONAL: dict[torch._ops.OpOverload, tuple[tuple[str, str, str], ...]] = {
+    autopar.all_reduce.default: (("all_reduce", "forward", "out"),),
+    autopar.grad_all_reduce.default: (("all_reduce", "backward", "out"),),
+    autopar.reduce_scatter.default: (("reduce_scatter", "forward", "out"), ("all_gather", "backward", "out")),
+    autopar.all_gather.default: (("all_gather", "forward", "in"),),
 }
+
+
+@dataclass(frozen=True)
+class Group:
+    """What a compiled collective holds of an axis's process group."""
+
+    name: str  # as registered: the functional collectives resolve it when they run
+    size: int
+    index: int  # this rank's
+    gloo: bool
 
 
 def axes(gm: fx.GraphModule) -> tuple[str, ...]:
@@ -41,19 +57,39 @@ def axes(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.args[1] for n in gm.graph.nodes if n.target in FUNCTIONAL))
 
 
-def group_names(binding: Binding, on: tuple[str, ...]) -> tuple[str, ...]:
-    """The registered names of the process groups of axes ``on`` (what a compiled function holds)."""
-    return tuple(binding.group(axis).group_name for axis in on)
+def groups(binding: Binding, on: tuple[str, ...]) -> tuple[Group, ...]:
+    """The process groups of axes ``on``, as a compiled function holds them."""
+    found = []
+    for axis in on:
+        g = binding.group(axis)
+        found.append(Group(g.group_name, dist.get_world_size(g), dist.get_rank(g), dist.get_backend(g) == "gloo"))
+    return tuple(found)
 
 
-def decompositions(names: dict[str, str]) -> dict[torch._ops.OpOverload, Callable]:
-    """The decompositions that write ``FUNCTIONAL``'s ops as functional collectives on the groups ``names``
-    (axis -> process group name)."""
+def decompositions(of: dict[str, Group]) -> dict[torch._ops.OpOverload, Callable]:
+    """The decompositions that write the ops of ``FUNCTIONAL`` (and the local ``chunk`` of an all-gather's
+    backward) as functional collectives on the groups ``of`` each axis."""
     def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-        return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", names[axis]))
+        return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", of[axis].name))
 
-    return {autopar.all_reduce.default: all_reduce,
-            autopar.grad_all_reduce.default: lambda x, axis: x.clone()}
+    def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        g = of[axis]
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), g.size, g.name))
+        return out if dim == 0 else torch.cat(out.chunk(g.size, 0), dim)
+
+    def chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        return x.chunk(of[axis].size, dim)[of[axis].index].contiguous()
+
+    def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        g = of[axis]
+        if g.gloo:  # (as the eager op: gloo has no reduce-scatter)
+            return chunk(all_reduce(x, axis), axis, dim)
+        stacked = x if dim == 0 else torch.cat(x.chunk(g.size, dim), 0)  # piece i along dim -> along dim 0
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(stacked.contiguous(), "sum", g.size, g.name))
+
+    return {autopar.all_reduce.default: all_reduce, autopar.grad_all_reduce.default: lambda x, axis: x.clone(),
+            autopar.all_gather.default: all_gather, autopar.chunk.default: chunk,
+            autopar.reduce_scatter.default: reduce_scatter}
 
 
 @dataclass(frozen=True)
@@ -67,9 +103,8 @@ class Tally:
     def of(gm: fx.GraphModule) -> Tally:
         rows: dict[str, list[tuple[str, str, int]]] = {"forward": [], "backward": []}
         for node in gm.graph.nodes:
-            if node.target in FUNCTIONAL:
-                op, when = FUNCTIONAL[node.target]
-                val = node.meta["val"]
+            for op, when, which in FUNCTIONAL.get(node.target, ()):
+                val = node.meta["val"] if which == "out" else node.args[0].meta["val"]
                 rows[when].append((op, node.args[1], val.numel() * val.element_size()))
         return Tally(tuple(rows["forward"]), tuple(rows["backward"]))
 

@@ -1,7 +1,7 @@
 """Regions of a rank's graph run by inductor (``parallelize(..., compile=True)``).
 
 ``passes/inductor_regions.py`` outlines the ATen ops of each rank's graph that inductor may fuse into
-``Inductor`` submodules, with tensor parallelism's all-reduces, which compile as torch's functional collectives
+``Inductor`` submodules, with tensor parallelism's collectives, which compile as torch's functional collectives
 (``core/functional_collectives.py``: issued when their input is ready, waited for where their result is first
 used, in their order, ``OVERLAP``); what stays outside (ZeRO's gathers, sequence parallelism's gathers, ring
 and expert exchanges, split-backward matmuls, random ops, writes) runs as before, in the order the graph gives
@@ -11,8 +11,8 @@ An ``Inductor`` region compiles at its first call, with the tensors it is called
 ``torch._inductor.compile_fx`` (AOTAutograd: a compiled forward and, where an input needs a gradient, a
 compiled backward). Compiled functions are kept in one process-wide ``CompiledRegions`` by the region's
 structure (ops and their arguments, node names left out), its inputs' shapes, strides, dtypes, devices and
-``requires_grad``, and the names of the process groups its collectives run on: identical layers, and every
-rank of a process, compile once. Inductor's own caches (its FX graph cache on disk) serve other processes.
+``requires_grad``, and the process groups its collectives run on (their names, sizes and the rank's index):
+identical layers, and every rank of a process, compile once. Inductor's own caches (its FX graph cache on disk) serve other processes.
 
 Invariant: a region computes what its graph computes, up to the floating-point reassociation of inductor's
 fused kernels (docs/decisions.md, "Compiled rank graphs"); saved-tensor hooks (sequence parallelism's
@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from autopar.core.collectives import bound, current
 from autopar.core.errors import UnsupportedError
-from autopar.core.functional_collectives import Tally, axes, decompositions, group_names
+from autopar.core.functional_collectives import Group, Tally, axes, decompositions, groups
 from autopar.core.graph import copy_module, origin
 
 
@@ -62,8 +62,8 @@ class CompiledRegions:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def function(self, region: Inductor, args: tuple) -> Callable:
-        names = group_names(current(), region.axes) if region.axes else ()
-        key = (region.key, _signature(args), torch.is_grad_enabled(), names)
+        held = groups(current(), region.axes) if region.axes else ()
+        key = (region.key, _signature(args), torch.is_grad_enabled(), held)
         fn = self.functions.get(key)
         if fn is not None:
             self.calls_compiled += 1
@@ -71,7 +71,7 @@ class CompiledRegions:
         with self.lock:
             if key not in self.functions:
                 start = time.perf_counter()
-                self.functions[key] = _compile(region, args, dict(zip(region.axes, names)))
+                self.functions[key] = _compile(region, args, dict(zip(region.axes, held)))
                 self.seconds += time.perf_counter() - start
                 self.compiles += 1
         return self.functions[key]
@@ -120,16 +120,16 @@ class Inductor(torch.nn.Module):
         return f"{ops} ops"
 
 
-def _compile(region: Inductor, args: tuple, groups: dict[str, str]) -> Callable:
-    """``groups``: the process group name of each axis its collectives run on."""
+def _compile(region: Inductor, args: tuple, on: dict[str, Group]) -> Callable:
+    """``on``: the process group of each axis its collectives run on."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
     gm = copy_module(region.region)  # (compile_fx may rewrite the graph it is given)
-    table = {**select_decomp_table(), **decompositions(groups)} if groups else None
+    table = {**select_decomp_table(), **decompositions(on)} if on else None
     try:
         with _outside_hooks_and_modes():
-            return compile_fx(gm, list(args), decompositions=table, config_patches=OVERLAP if groups else None)
+            return compile_fx(gm, list(args), decompositions=table, config_patches=OVERLAP if on else None)
     except Exception as e:  # name the region and where its ops come from; compile=False is the fix
         raise UnsupportedError(_failure(region, e)) from e
 
