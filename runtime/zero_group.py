@@ -78,6 +78,35 @@ def reduce_scatter_async(out: torch.Tensor | None, flat: torch.Tensor, index: in
     return _SliceAfter(dist.all_reduce(flat, group=group, async_op=True), out, flat[index * n: (index + 1) * n])
 
 
+class _AllOf:
+    """Several works in flight, waited for as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def all_gather_async(full: torch.Tensor, group: dist.ProcessGroup | None = None) -> object:
+    """Starts filling ``full`` (1-D) with every rank's slice of it, where each rank of ``group`` has already
+    written its own (slice ``i`` of ``world_size`` equal ones on group rank ``i``); returns the work.
+
+    On gloo, one broadcast per rank from its slice, in place: gloo's all-gather
+    gathers into a temporary buffer of the whole size and copies each slice out
+    of it, and measures 1.6-1.8x these broadcasts (2 ranks, 2.8-23 MB), which
+    move the same bytes. Other backends: their all-gather into ``full``.
+    """
+    n = dist.get_world_size(group)
+    k = full.numel() // n
+    if dist.get_backend(group) != "gloo":
+        return all_gather_flat(full, full[dist.get_rank(group) * k : (dist.get_rank(group) + 1) * k],
+                               group=group, async_op=True)
+    return _AllOf([dist.broadcast(full[i * k : (i + 1) * k], src=dist.get_global_rank(group, i) if group else i,
+                                  group=group, async_op=True) for i in range(n)])
+
+
 class GatheredBytes:
     """Live bytes of gathered (stage-3) parameter buffers, measured from their storages, and the peak."""
 
@@ -186,7 +215,7 @@ class FlatShard:
         if self.group is None:
             return None
         self.record("zero_all_gather", self.axis, self.shard)
-        return all_gather_flat(self.full, self.shard.detach(), group=self.group, async_op=True)
+        return all_gather_async(self.full, self.group)
 
     # stage 3 ------------------------------------------------------------------
     def _start_gather(self, dtype: torch.dtype, kind: ZeroEvent) -> _Prefetch:
@@ -201,7 +230,7 @@ class FlatShard:
         if self.group is None:
             return _Prefetch(None, full, self.shard._version, span)
         self.record("zero_all_gather", self.axis, mine)
-        work = all_gather_flat(full, mine, group=self.group, async_op=True)
+        work = all_gather_async(full, self.group)
         return _Prefetch(work, full, self.shard._version, span)
 
     def prefetch(self, dtype: torch.dtype | None = None, kind: ZeroEvent = ZeroEvent.GATHER) -> None:

@@ -343,10 +343,10 @@ def _measure_link(dist: Any) -> dict[str, float]:
     t_big = loaded(lambda: dist.all_reduce(big), 4) - t_compute
     extra_bytes = (steps / n_ranks) * (big.numel() - small.numel()) * 4
     latency, bandwidth = max(t_small / steps, 1e-6), extra_bytes / max(t_big - t_small, 1e-9)
-    from autopar.runtime.zero_group import all_gather_flat, reduce_scatter_async
+    from autopar.runtime.zero_group import all_gather_async, reduce_scatter_async
 
     shard = torch.zeros(big.numel() // n_ranks)
-    t_gather = loaded(lambda: all_gather_flat(big, shard), 4) - t_compute
+    t_gather = loaded(lambda: all_gather_async(big).wait(), 4) - t_compute
     t_scatter = loaded(lambda: reduce_scatter_async(shard, big, dist.get_rank()).wait(), 4) - t_compute
     ring = (n_ranks - 1) * (latency + big.numel() * 4 / n_ranks / bandwidth)
     hop = _ping_pong(dist, small) - small.numel() * 4 / bandwidth
