@@ -151,6 +151,21 @@ def _kind(node: fx.Node, gm: fx.GraphModule) -> str:
     return getattr(node.target, "__name__", str(node.target)).replace("autopar_passes_rules_", "")
 
 
+def _sink_frees(graph: fx.Graph) -> None:
+    """Moves each ZeRO ``zero_free`` down to just before the next node with a side effect (or the output), so
+    that a layer's last ops after its parameters' last use (the residual add) join the layer's region instead of
+    being cut off by the free. It releases the buffer no later than before: no gather, exchange or write comes
+    between the free's old place and its new one."""
+    free = torch.ops.autopar.zero_free.default
+    for node in [n for n in graph.nodes if n.target is free]:
+        after = node.next
+        while after.op != "output" and (after.op not in ("call_function", "call_module") or _pure(after)
+                                        or after.target in _UNLISTED or after.target is free):
+            after = after.next
+        if after is not node.next:
+            after.prepend(node)
+
+
 def inductor_regions(gm: fx.GraphModule, *, collectives: bool = True) -> Regions:
     """Outlines ``gm``'s regions into ``Inductor`` submodules, in place (see the module doc); ``collectives``:
     whether a region may hold tp's all-reduces (not in a recomputed layer, whose recomputation keeps what
@@ -159,6 +174,7 @@ def inductor_regions(gm: fx.GraphModule, *, collectives: bool = True) -> Regions
     for node in gm.graph.nodes:  # recomputed layers first: their regions are outlined inside them
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Recompute):
             found.add(inductor_regions(gm.get_submodule(node.target).region, collectives=False))
+    _sink_frees(gm.graph)
     written = _written_through(gm.graph)
     layer: dict[fx.Node, str | None] = {}  # the layer of each node a region may take
     epoch: dict[fx.Node, int] = {}  # side effects before it: a region lies between two (called at its last node)

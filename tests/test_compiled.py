@@ -66,6 +66,22 @@ def test_regions_hold_each_layer_with_its_collectives_and_leave_the_rest_in_orde
     assert pm.plan.compiled.distinct < pm.plan.compiled.regions  # identical layers: one structure
 
 
+def test_zero3_frees_a_layer_after_its_region_so_its_last_ops_join_it() -> None:
+    """Under ZeRO-3 a layer's free waits for the next side effect: no ATen op runs eagerly between a layer's free
+    and the next gather, and the graph still frees every gathered layer once, before the next layer's gather."""
+    pm = _compiled(models.llama, Mesh(dp=2), zero=3)
+    gm = pm.graph(0)
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")
+             and n.target is not operator.getitem and "_assert_tensor_metadata" not in str(n.target)]
+    names = [str(n.target) for n in calls]
+    frees = [i for i, name in enumerate(names) if name == "autopar.zero_free.default"]
+    assert len(frees) == names.count("autopar.zero_all_gather.default") >= 3
+    for i in frees:
+        assert names[i + 1].startswith("autopar.zero_"), names[i: i + 3]  # (a gather, a free, the run's end)
+    gathers = [i for i, name in enumerate(names) if name == "autopar.zero_all_gather.default"]
+    assert all(g < f < (gathers + [len(names)])[k + 1] for k, (g, f) in enumerate(zip(gathers, frees)))
+
+
 def _tp_traffic(compile: bool, options: dict) -> tuple[dict, dict, int]:
     """Two LLaMA steps at tp=2: collectives counted (calls, bytes) and how many ran as autopar's eager ops."""
     from autopar.core import collectives
