@@ -154,8 +154,8 @@ def _kind(node: fx.Node, gm: fx.GraphModule) -> str:
 def _sink_frees(graph: fx.Graph) -> None:
     """Moves each ZeRO ``zero_free`` down to just before the next node with a side effect (or the output), so
     that a layer's last ops after its parameters' last use (the residual add) join the layer's region instead of
-    being cut off by the free. It releases the buffer no later than before: no gather, exchange or write comes
-    between the free's old place and its new one."""
+    being cut off by the free. The buffer is released a little later, but no gather, exchange or write comes
+    between the free's old place and its new one, so the gathered bytes peak where they did."""
     free = torch.ops.autopar.zero_free.default
     for node in [n for n in graph.nodes if n.target is free]:
         after = node.next

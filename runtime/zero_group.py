@@ -95,14 +95,15 @@ def all_gather_async(full: torch.Tensor, group: dist.ProcessGroup | None = None)
 
     On gloo, one broadcast per rank from its slice, in place: gloo's all-gather
     gathers into a temporary buffer of the whole size and copies each slice out
-    of it, and measures 1.6-1.8x these broadcasts (2 ranks, 2.8-23 MB), which
-    move the same bytes. Other backends: their all-gather into ``full``.
+    of it, and measures 1.5-1.9x these broadcasts, which move the same bytes
+    (2 ranks, 1-23 MB: ``benchmarks/zero_gloo_gather.py``). Other backends:
+    their all-gather into ``full``.
     """
     n = dist.get_world_size(group)
     k = full.numel() // n
     if dist.get_backend(group) != "gloo":
-        return all_gather_flat(full, full[dist.get_rank(group) * k : (dist.get_rank(group) + 1) * k],
-                               group=group, async_op=True)
+        me = dist.get_rank(group)
+        return all_gather_flat(full, full[me * k : (me + 1) * k], group=group, async_op=True)
     return _AllOf([dist.broadcast(full[i * k : (i + 1) * k], src=dist.get_global_rank(group, i) if group else i,
                                   group=group, async_op=True) for i in range(n)])
 
