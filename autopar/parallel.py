@@ -277,7 +277,8 @@ def parallelize(
     ``loss_fn(out, target)`` is traced with the model; without it, ``step`` uses the
     model's own loss (a scalar output or the ``loss`` entry of its output).
     ``mesh="auto"``: the planner (``autopar.planner``) chooses the mesh, ZeRO stage,
-    schedule and microbatches for the job's world size from ``example_inputs``; a
+    schedule and microbatches for the job's world size from ``example_inputs`` (rank 0
+    plans and broadcasts its choice; ``autopar/planner/auto.py``); a
     ``Parallelism`` (the planner's choice: ``autopar.plan(...).best.parallelism``) runs
     that configuration.
     ``max_grad_norm``: clip the gradient to this global 2-norm before each optimizer
@@ -326,11 +327,11 @@ def parallelize(
     regions, what stays outside them and, once a step ran, the seconds compiling took).
     """
     if isinstance(mesh, str):
-        from autopar.planner import auto_choice
+        from autopar.planner.auto import auto_parallelism
 
-        mesh = auto_choice(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                           optimizer=optimizer, precision=precision, recompute=recompute,
-                           batch=batch, compile=compile).parallelism
+        mesh = auto_parallelism(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                optimizer=optimizer, precision=precision, recompute=recompute,
+                                batch=batch, compile=compile)
     if isinstance(mesh, Parallelism):
         chosen, mesh = mesh, mesh.mesh
         zero, schedule, microbatches = chosen.zero, chosen.schedule, chosen.microbatches

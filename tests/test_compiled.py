@@ -221,3 +221,44 @@ def test_the_compiled_step_runs_torchs_fused_optimizer_kernel_where_the_user_lef
             opt.step()
         stepped.append(params)
     assert max(float((a - b).detach().abs().max()) for a, b in zip(*stepped)) < 1e-15
+
+
+def _compiled_in(cache: str, mesh: Mesh, options: dict) -> dict[str, int]:
+    """One step compiled into inductor's cache folder ``cache``, this process's own compiled regions set aside
+    (a worker may have compiled them for another test): how often inductor's FX graph cache missed and hit."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    from autopar.core.inductor import COMPILED
+
+    kept, COMPILED.functions = COMPILED.functions, {}
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    counters.clear()
+    try:
+        pm = _compiled(models.llama, mesh, **options)
+        pm.step(IDS, target=TARGET)
+        return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass")}
+    finally:
+        COMPILED.functions = kept
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+@pytest.mark.parametrize("mesh, options", [(Mesh(dp=2), {}), pytest.param(Mesh(tp=2), {}, marks=pytest.mark.slow)],
+                         ids=["dp2", "tp2"])
+def test_the_ranks_of_a_machine_compile_an_equal_region_once_and_load_it_from_inductors_cache(
+        launcher, tmp_path, mesh: Mesh, options: dict) -> None:
+    """Inductor's FX graph cache serves compiled regions (no bypass: they compile under a tracing context with a
+    shape environment), and the ranks compiling an equal region take turns: on an empty cache one rank compiles
+    each region (a miss) and the other loads it (a hit). A later job loads every region."""
+    first = launcher(_compiled_in, 2, str(tmp_path), mesh, options)
+    assert all(r["bypass"] == 0 for r in first), first
+    compiled = first[0]["miss"] + first[0]["hit"]
+    assert compiled > 0 and all(r["miss"] + r["hit"] == compiled for r in first)
+    assert sum(r["miss"] for r in first) == sum(r["hit"] for r in first) == compiled, first
+    again = launcher(_compiled_in, 2, str(tmp_path), mesh, options)
+    assert again == [{"miss": 0, "hit": compiled, "bypass": 0}] * 2

@@ -443,6 +443,38 @@ def test_parallelize_auto_runs_the_best_runnable_plan(launcher) -> None:
     assert results[0][1] == pytest.approx(want, rel=1e-4)
 
 
+def _auto_counting_plans(fail: bool) -> tuple[int, str]:
+    """How many times this rank planned (``plan``) in ``parallelize(model, "auto")``, and the error it raised."""
+    from autopar.planner import auto
+
+    calls = []
+    original = auto.plan
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if fail:
+            raise ValueError("no configuration fits 1 byte")
+        return original(*args, **kwargs)
+    auto.plan = counted
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    try:
+        parallelize(models.gpt2(dtype=torch.float32), "auto", example_inputs=(ids,), example_target=ids,
+                    loss_fn=models.lm_loss, optimizer=models.adamw)
+        return len(calls), ""
+    except Exception as e:  # noqa: BLE001 - the test reads each rank's error
+        return len(calls), f"{type(e).__name__}: {e}"
+    finally:
+        auto.plan = original
+
+
+def test_parallelize_auto_plans_on_rank_0_alone_and_its_failure_stops_every_rank(launcher) -> None:
+    assert launcher(_auto_counting_plans, 2, False) == [(1, ""), (0, "")]
+    (planned0, error0), (planned1, error1) = launcher(_auto_counting_plans, 2, True)
+    assert (planned0, planned1) == (1, 0)
+    assert error0 == "ValueError: no configuration fits 1 byte"
+    assert error1.startswith("RuntimeError: parallelize(model, 'auto'): rank 0's planning failed")
+    assert error1.endswith("ValueError: no configuration fits 1 byte")
+
+
 def test_parallelize_takes_the_planners_choice() -> None:
     """A ``Parallelism`` (what ``Candidate.parallelism`` holds) in place of the mesh runs that configuration;
     a ``recompute=`` given alongside it wins."""

@@ -41,6 +41,9 @@ FUNCTIONAL: dict[torch._ops.OpOverload, tuple[tuple[str, str, str], ...]] = {
     autopar.all_gather.default: (("all_gather", "forward", "in"),),
 }
 
+# the ops whose decompositions read this rank's index in its group (the rest compile alike on every rank)
+BY_INDEX = (autopar.chunk.default, autopar.reduce_scatter.default)
+
 
 @dataclass(frozen=True)
 class Group:

@@ -12,7 +12,10 @@ An ``Inductor`` region compiles at its first call, with the tensors it is called
 compiled backward). Compiled functions are kept in one process-wide ``CompiledRegions`` by the region's
 structure (ops and their arguments, node names left out), its inputs' shapes, strides, dtypes, devices and
 ``requires_grad``, and the process groups its collectives run on (their names, sizes and the rank's index):
-identical layers, and every rank of a process, compile once. Inductor's own caches (its FX graph cache on disk) serve other processes.
+identical layers, and every rank of a process, compile once. Inductor's own caches (its FX graph cache and
+AOTAutograd's, on disk) serve other processes: a region compiles under a tracing context with a shape
+environment, which those caches need, and the machine's processes compiling an equal region take a lock in
+turn, so that one compiles and the others load its code.
 
 Invariant: a region computes what its graph computes, up to the floating-point reassociation of inductor's
 fused kernels (docs/decisions.md, "Compiled rank graphs"); saved-tensor hooks (sequence parallelism's
@@ -21,9 +24,11 @@ re-gathers, ZeRO-3's saved parameters) see the tensors the compiled forward save
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,8 +36,9 @@ import torch.fx as fx
 
 from autopar.core.collectives import bound, current
 from autopar.core.errors import UnsupportedError
-from autopar.core.functional_collectives import Group, Tally, axes, decompositions, groups
+from autopar.core.functional_collectives import BY_INDEX, Group, Tally, axes, decompositions, groups
 from autopar.core.graph import copy_module, origin
+from autopar.core.shared_dir import locked
 
 
 def structure(gm: fx.GraphModule) -> str:
@@ -71,10 +77,29 @@ class CompiledRegions:
         with self.lock:
             if key not in self.functions:
                 start = time.perf_counter()
-                self.functions[key] = _compile(region, args, dict(zip(region.axes, held)))
+                with locked(_lock_file(region, key)):  # (the machine's other ranks: one compiles, the rest load)
+                    self.functions[key] = _compile(region, args, dict(zip(region.axes, held)))
                 self.seconds += time.perf_counter() - start
                 self.compiles += 1
         return self.functions[key]
+
+
+def _lock_file(region: Inductor, key: tuple) -> str:
+    """The lock that processes of this machine compiling an equal region take in turn, so that the first
+    compiles and the others find its code in inductor's caches instead of compiling it beside it. Equal: the
+    same structure, signature (but the inputs' storage offsets: each rank's batch is a slice at its own), grad
+    mode and groups, the rank's index in them left out where the region's code does not depend on it (ranks of
+    an axis compile the same code)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    structure_, signature, grad, held = key
+    signature = tuple(s[:5] if s[0] != "value" else s for s in signature)  # (the storage offsets left out)
+    if not any(n.target in BY_INDEX for n in region.region.graph.nodes):
+        held = tuple(replace(g, index=-1) for g in held)
+    digest = hashlib.sha256(repr((structure_, signature, grad, held)).encode()).hexdigest()[:32]
+    folder = os.path.join(cache_dir(), "autopar-locks")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, digest)
 
 
 # a region with collectives: each is issued as soon as its input is ready and waited for at the first use of
@@ -126,12 +151,49 @@ def _compile(region: Inductor, args: tuple, on: dict[str, Group]) -> Callable:
     from torch._inductor.decomposition import select_decomp_table
 
     gm = copy_module(region.region)  # (compile_fx may rewrite the graph it is given)
-    table = {**select_decomp_table(), **decompositions(on)} if on else None
+    # the backward compiles with the forward, under the caller's lock (``_lock_file``), not at the first backward
+    aot = {"force_non_lazy_backward_lowering": True} if hasattr(torch._functorch.config,
+                                                                "force_non_lazy_backward_lowering") else {}
+    if on:  # the collectives' decompositions hold the groups: AOTAutograd's cache, which keys the graph before
+        # they apply, could serve another binding's, so it is off here; inductor's own cache keys the graph
+        # after them (group names, sizes, this rank's chunk written in it) and stays on
+        aot["enable_autograd_cache"] = False
     try:
-        with _outside_hooks_and_modes():
-            return compile_fx(gm, list(args), decompositions=table, config_patches=OVERLAP if on else None)
+        with _outside_hooks_and_modes(), _cacheable(args) as inputs, torch._functorch.config.patch(aot):
+            if not on:
+                return compile_fx(gm, inputs)
+            return compile_fx(gm, inputs, inner_compile=_inner_compile, config_patches=OVERLAP,
+                              decompositions={**select_decomp_table(), **decompositions(on)})
     except Exception as e:  # name the region and where its ops come from; compile=False is the fix
         raise UnsupportedError(_failure(region, e)) from e
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, *, get_decomp_fn: Callable | None = None,
+                   **kwargs: Any) -> Any:
+    """Inductor's compilation of a graph AOTAutograd traced, without the decompositions of the collectives,
+    which have applied by then: inductor's cache cannot key a table of functions, and would compile uncached."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _cacheable(args: tuple) -> Iterator[list]:
+    """The inputs to compile with, under the tracing context inductor's caches need: its FX graph cache and
+    AOTAutograd's cache key a compiled graph by its inputs' shapes through the tracing context's shape
+    environment, and compile without caching where there is none. The inputs are fake tensors of that context
+    with static shapes (each region compiles for the shapes it is called with, as ``_signature`` keys it)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if not all(isinstance(a, torch.Tensor) for a in args):  # (a number would become a symbol of that environment)
+        yield list(args)
+        return
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
+    with tracing(TracingContext(fake_mode)):
+        yield inputs
 
 
 def _failure(region: Inductor, error: Exception) -> str:

@@ -9,9 +9,10 @@ system drops it with the process). Without the directory every call computes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 SOLVED_DIR = "AUTOPAR_SOLVED_DIR"  # a directory shared by this machine's processes (optional)
 
@@ -23,19 +24,30 @@ def shared(key: str, compute: Callable[[], Any]) -> Any:
     folder = os.environ.get(SOLVED_DIR)
     if not folder:
         return compute()
-    import fcntl  # (a POSIX module: imported only where the directory is asked for)
-
     path = os.path.join(folder, key)
-    with open(path + ".lock", "a") as lock:
+    with locked(path + ".lock"):
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        result = compute()
+        with open(path + ".part", "wb") as f:
+            pickle.dump(result, f)
+        os.replace(path + ".part", path)
+        return result
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Holds the lock file ``path`` (made where missing) against the machine's other processes; a holder that
+    died leaves it free. Where the platform has no file locks (no ``fcntl``), it holds nothing."""
+    try:
+        import fcntl  # (a POSIX module)
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    return pickle.load(f)
-            result = compute()
-            with open(path + ".part", "wb") as f:
-                pickle.dump(result, f)
-            os.replace(path + ".part", path)
-            return result
+            yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -6,7 +6,8 @@ for the model's own dtype (or ``precision="bf16"``) and optimizer, and keeps onl
 autopar's runtime runs today.
 
 Invariant: every rank gets the same choice (rank 0's is broadcast when a
-process group is up).
+process group is up). ``auto_parallelism`` (what ``parallelize`` calls) plans on rank 0 alone: the other
+ranks wait for its choice instead of planning the same job again beside it, on the cores it profiles on.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from autopar.core.recompute_modes import MODES
 from autopar.planner.cluster import Cluster
 from autopar.planner.cost_model import PRECISIONS, precision_of
 from autopar.planner.example_inputs import sequence_of
-from autopar.planner.search import Candidate, evaluate, plan
+from autopar.options import Parallelism
+from autopar.planner.search import Candidate, PlanResult, evaluate, plan
 
 
 def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
@@ -38,6 +40,22 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
     Every rank plans the same way; under a running job rank 0's choice is
     broadcast so that all ranks agree even if two plans tie.
     """
+    result = _plan(model, spec, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer,
+                   precision=precision, recompute=recompute, batch=batch, compile=compile)
+    chosen = result.best
+    if dist.is_available() and dist.is_initialized():
+        box = [chosen.config]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] != chosen.config:
+            chosen = evaluate(result.cost, box[0], result.cluster, result.precision, result.profile) or chosen
+            chosen.compiled = compile
+    return chosen
+
+
+def _plan(model: torch.nn.Module, spec: str, *, example_inputs: tuple | None, example_kwargs: dict | None,
+          optimizer: Callable | None, precision: str = "fp32", recompute: object = None, batch: str = "global",
+          compile: bool = False) -> PlanResult:
+    """This process's plan for the job (no broadcast)."""
     if spec != "auto":
         raise ValueError(f"mesh {spec!r} is not a Mesh; pass autopar.Mesh(...) or the string 'auto'")
     if example_inputs is None:
@@ -61,14 +79,36 @@ def auto_choice(model: torch.nn.Module, spec: str, *, example_inputs: tuple | No
                   example_inputs=small, example_kwargs=small_kwargs, runnable_only=True,
                   recompute=MODES if recompute is None else (recompute if recompute in MODES else "none",),
                   compile=compile)
-    chosen = result.best
-    if dist.is_available() and dist.is_initialized():
-        box = [chosen.config]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] != chosen.config:
-            chosen = evaluate(result.cost, box[0], result.cluster, result.precision, result.profile) or chosen
-            chosen.compiled = compile
-    return chosen
+    return result
+
+
+def auto_parallelism(model: torch.nn.Module, spec: str, **kw: object) -> Parallelism:
+    """``auto_choice(model, spec, **kw).parallelism``, planned by rank 0 alone under a running job of more than
+    one rank and broadcast to the others. Where rank 0's planning fails, every rank raises its error (the
+    others a ``RuntimeError`` that carries rank 0's message): no rank is left waiting."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return auto_choice(model, spec, **kw).parallelism
+    box: list[object] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = _plan(model, spec, **kw).best.parallelism
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised below on rank 0 itself
+            failure, box[0] = e, _Failed(f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], _Failed):
+        raise RuntimeError(f"parallelize(model, 'auto'): rank 0's planning failed, so this rank has no "
+                           f"configuration to run:\n{box[0].message}")
+    return box[0]
+
+
+class _Failed:
+    """What rank 0 broadcasts in place of a choice when its planning raised."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 def _two_rows(x: object, batch: int) -> object:
