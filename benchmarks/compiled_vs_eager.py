@@ -16,6 +16,9 @@ fused step's share of the gain from the compiled graphs'.
 
 ``--breakdown`` profiles eager and compiled steps and splits each into matmuls, attention and the rest.
 
+``--bucket-mb X`` (dp2) adds the three variants again with gradient buckets of X MiB (autopar's ``bucket_mb``,
+DDP's ``bucket_cap_mb``; both default to 25), interleaved with the others.
+
 Run: PYTHONPATH=.:benchmarks python benchmarks/compiled_vs_eager.py [--configs dp2,tp2,zero3] [--steps 10]
 """
 from __future__ import annotations
@@ -54,15 +57,17 @@ def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def _autopar(config: str, args: argparse.Namespace, ids: torch.Tensor, compiled: bool,
-             factory: Callable[[list], Any] = optimizer) -> Callable[[], float]:
+             factory: Callable[[list], Any] = optimizer, **extra: Any) -> Callable[[], float]:
     mesh, options = CONFIGS[config]
     pm = autopar.parallelize(make_llama(args), mesh, loss_fn=lm_loss, optimizer=factory, compile=compiled,
-                             **options)
+                             **options, **extra)
     return lambda: pm.step(ids, target=ids)
 
 
-def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor) -> Callable[[], float]:
-    """torch's own parallel model of ``config``, compiled (see the module doc)."""
+def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor, bucket_mb: float | None = None
+           ) -> Callable[[], float]:
+    """torch's own parallel model of ``config``, compiled (see the module doc); ``bucket_mb``: DDP's bucket cap
+    (its default when None)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     model = make_llama(args)
@@ -71,7 +76,8 @@ def _torch(config: str, args: argparse.Namespace, ids: torch.Tensor) -> Callable
     if config == "dp2":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(torch.compile(model))
+        model = DistributedDataParallel(torch.compile(model), **({} if bucket_mb is None else
+                                                                  {"bucket_cap_mb": bucket_mb}))
     elif config == "tp2":
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
@@ -117,6 +123,11 @@ def _rank(config: str, args: argparse.Namespace) -> dict:
     steps = {"eager": _autopar(config, args, ids, False), "compiled": _autopar(config, args, ids, True),
              "compiled, loop": _autopar(config, args, ids, True, loop_optimizer),
              "torch compiled": _torch(config, args, ids)}
+    if args.bucket_mb is not None and config == "dp2":  # the same three with other gradient buckets
+        mb = args.bucket_mb
+        steps |= {"eager, buckets": _autopar(config, args, ids, False, bucket_mb=mb),
+                  "compiled, buckets": _autopar(config, args, ids, True, bucket_mb=mb),
+                  "torch compiled, buckets": _torch(config, args, ids, mb)}
     first, times, losses = {}, {name: [] for name in steps}, {name: [] for name in steps}
     for name, fn in steps.items():
         dist.barrier()
@@ -171,6 +182,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="dp2: also run autopar and DDP with gradient buckets of this many MiB, interleaved")
     p.add_argument("--breakdown", action="store_true", help="also split eager and compiled steps by the profiler")
     args = p.parse_args()
     print(f"LLaMA {args.layers}x{args.width} (heads {args.heads}/{args.kv_heads}), vocab {args.vocab}, batch "
@@ -188,6 +201,12 @@ def main() -> None:
         print(f"        first step (export, passes, compilation, the step): eager {first['eager']:.1f} s, compiled "
               f"{first['compiled']:.1f} s, torch compiled {first['torch compiled']:.1f} s; largest loss difference "
               f"compiled - eager over the steps {drift:.2e}")
+        if "compiled, buckets" in med:
+            print(f"        with {args.bucket_mb:g} MiB buckets (autopar's bucket_mb, DDP's bucket_cap_mb): eager "
+                  f"{med['eager, buckets'] * 1e3:.1f} ms, compiled {med['compiled, buckets'] * 1e3:.1f} ms, torch "
+                  f"compiled {med['torch compiled, buckets'] * 1e3:.1f} ms; compiled/eager "
+                  f"{med['compiled, buckets'] / med['eager, buckets']:.3f}, compiled/torch compiled "
+                  f"{med['compiled, buckets'] / med['torch compiled, buckets']:.3f}")
         for name in results[0]["split"]:
             parts = {k: statistics.median(r["split"][name][k] for r in results) for k in results[0]["split"][name]}
             print(f"        profiled {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items()))
